@@ -1,0 +1,57 @@
+"""Reward functions and the reward manager.
+
+``default_compute_score`` dispatches on ``data_source`` to the built-in
+rule-based scorers; ``load_custom_reward_fn`` loads a user function from a
+file (``custom_reward_function.path`` / ``.name``); ``RewardManager`` turns
+a batch of rollouts into a token-level reward tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from . import arithmetic, gsm8k
+
+
+def _score_arithmetic(solution_str, ground_truth, extra_info):
+    return arithmetic.compute_score(solution_str, ground_truth)
+
+
+def _score_gsm8k(solution_str, ground_truth, extra_info):
+    return gsm8k.compute_score(solution_str, ground_truth)
+
+
+# data_source -> scorer(solution_str, ground_truth, extra_info)
+_BUILTIN_SCORERS: dict[str, Callable[[str, Any, Any], float]] = {
+    "arithmetic": _score_arithmetic,
+    "openai/gsm8k": _score_gsm8k,
+    "gsm8k": _score_gsm8k,
+}
+
+KNOWN_DATA_SOURCES: tuple[str, ...] = tuple(_BUILTIN_SCORERS)
+
+
+def default_compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict:
+    """Score one response with the built-in scorer registered for ``data_source``."""
+    scorer = _BUILTIN_SCORERS.get(str(data_source))
+    if scorer is None:
+        raise ValueError(
+            f"No built-in reward function for data_source={str(data_source)!r}. "
+            f"Known data sources: {', '.join(KNOWN_DATA_SOURCES)}. "
+            "To score other data, write a function "
+            "compute_score(data_source, solution_str, ground_truth, extra_info) in a file and set "
+            "custom_reward_function.path=/file.py custom_reward_function.name=fn"
+        )
+    return scorer(solution_str, ground_truth, extra_info)
+
+
+from .custom import load_custom_reward_fn  # noqa: E402
+from .manager import RewardFunctionError, RewardManager  # noqa: E402
+
+__all__ = [
+    "KNOWN_DATA_SOURCES",
+    "RewardFunctionError",
+    "RewardManager",
+    "default_compute_score",
+    "load_custom_reward_fn",
+]

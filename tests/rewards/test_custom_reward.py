@@ -1,0 +1,100 @@
+import textwrap
+
+import pytest
+
+from hybrid_rl.rewards import load_custom_reward_fn
+
+
+def _write(tmp_path, body, name="reward.py"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def test_empty_path_returns_none():
+    assert load_custom_reward_fn(None) is None
+    assert load_custom_reward_fn("") is None
+
+
+def test_loads_and_binds_kwargs(tmp_path):
+    path = _write(
+        tmp_path,
+        """
+        def compute_score(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):
+            return float(solution_str == ground_truth) + bonus
+
+        def other(data_source, solution_str, ground_truth, extra_info):
+            return {"score": 1.0, "acc": True}
+        """,
+    )
+    fn = load_custom_reward_fn(path)
+    assert fn(data_source="d", solution_str="1", ground_truth="1", extra_info=None) == 1.0
+    fn = load_custom_reward_fn(path, reward_kwargs={"bonus": 0.5})
+    assert fn(data_source="d", solution_str="1", ground_truth="2", extra_info=None) == 0.5
+    assert load_custom_reward_fn(path, name="other")("d", "x", "y", None)["acc"] is True
+
+
+def test_kwargs_only_function_is_accepted(tmp_path):
+    path = _write(tmp_path, "def compute_score(**kwargs):\n    return 1.0\n")
+    assert load_custom_reward_fn(path)(data_source="a", solution_str="b", ground_truth="c", extra_info=None) == 1.0
+
+
+def test_missing_file(tmp_path):
+    missing = str(tmp_path / "nope.py")
+    with pytest.raises(FileNotFoundError) as err:
+        load_custom_reward_fn(missing)
+    assert "nope.py" in str(err.value) and "custom_reward_function.path" in str(err.value)
+
+
+def test_import_failure_includes_original_exception(tmp_path):
+    path = _write(tmp_path, "import definitely_not_a_module_xyz\n")
+    with pytest.raises(ValueError) as err:
+        load_custom_reward_fn(path)
+    msg = str(err.value)
+    assert "ModuleNotFoundError" in msg and "definitely_not_a_module_xyz" in msg and path in msg
+    assert isinstance(err.value.__cause__, ModuleNotFoundError)
+
+    path = _write(tmp_path, "def broken(:\n", name="syntax.py")
+    with pytest.raises(ValueError, match="SyntaxError"):
+        load_custom_reward_fn(path)
+
+
+def test_missing_attribute_lists_callables(tmp_path):
+    path = _write(
+        tmp_path,
+        """
+        import os
+        THRESHOLD = 3
+        def my_score(data_source, solution_str, ground_truth, extra_info=None):
+            return 0.0
+        def _private():
+            pass
+        """,
+    )
+    with pytest.raises(ValueError) as err:
+        load_custom_reward_fn(path, name="compute_score")
+    msg = str(err.value)
+    assert "'compute_score'" in msg and "my_score" in msg and "custom_reward_function.name" in msg
+    assert "_private" not in msg and "'os'" not in msg
+
+
+def test_not_callable(tmp_path):
+    path = _write(tmp_path, "compute_score = 3\n")
+    with pytest.raises(ValueError) as err:
+        load_custom_reward_fn(path)
+    assert "not a function" in str(err.value) and "custom_reward_function.name" in str(err.value)
+
+
+def test_bad_signature(tmp_path):
+    path = _write(tmp_path, "def compute_score(text, answer):\n    return 0.0\n")
+    with pytest.raises(ValueError) as err:
+        load_custom_reward_fn(path)
+    msg = str(err.value)
+    assert "signature" in msg and "(text, answer)" in msg
+    assert "data_source, solution_str, ground_truth, extra_info" in msg
+
+
+def test_bad_reward_kwargs(tmp_path):
+    path = _write(tmp_path, "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    with pytest.raises(ValueError, match="reward_kwargs"):
+        load_custom_reward_fn(path, reward_kwargs={"unknown_kw": 1})

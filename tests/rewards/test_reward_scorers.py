@@ -1,0 +1,86 @@
+import pytest
+
+from hybrid_rl.rewards import KNOWN_DATA_SOURCES, default_compute_score
+from hybrid_rl.rewards import arithmetic, gsm8k
+
+
+@pytest.mark.parametrize(
+    "response, truth, expected",
+    [
+        ("42", "42", 1.0),
+        ("The answer is 42.", "42", 1.0),
+        ("-17", "-17", 1.0),
+        ("it is -17", "17", 0.0),
+        ("The result: -1,024", "-1024", 1.0),
+        ("1,234,567", "1234567", 1.0),
+        ("12 + 30 = 42", "42", 1.0),
+        ("42, no wait, 41", "42", 0.0),  # the LAST number counts
+        ("73 - 75 = -2", "-2", 1.0),
+        ("5-3", "3", 1.0),  # binary minus is not a sign
+        ("I do not know", "42", 0.0),
+        ("", "42", 0.0),
+        ("42", " 42 ", 1.0),
+        ("x = 0", "0", 1.0),
+    ],
+)
+def test_arithmetic(response, truth, expected):
+    assert arithmetic.compute_score(response, truth) == expected
+
+
+def test_arithmetic_bad_ground_truth():
+    with pytest.raises(ValueError, match="ground_truth"):
+        arithmetic.compute_score("1", "abc")
+
+
+@pytest.mark.parametrize(
+    "response, method, expected",
+    [
+        ("so 3 + 4 = 7\n#### 72", "strict", 1.0),
+        ("#### 1 then #### 72", "strict", 1.0),  # last marker wins
+        ("#### $1,072", "strict", 0.0),  # extracted 1072 != 72 -> format_score 0
+        ("The answer is 72", "strict", 0.0),  # no marker in strict mode
+        ("The answer is 72", "flexible", 1.0),
+        ("72 apples, then 9 more", "flexible", 0.0),  # last number is 9
+        ("no numbers at all", "flexible", 0.0),
+        ("#### 72.", "strict", 1.0),  # trailing sentence period dropped
+        ("#### -72", "strict", 0.0),
+    ],
+)
+def test_gsm8k(response, method, expected):
+    assert gsm8k.compute_score(response, "72", method=method) == expected
+
+
+def test_gsm8k_commas_dollars_and_scores():
+    assert gsm8k.compute_score("#### $1,072", "1072") == 1.0
+    # found but wrong -> format_score; nothing found -> 0
+    assert gsm8k.compute_score("#### 5", "1072", format_score=0.1) == 0.1
+    assert gsm8k.compute_score("nothing", "1072", format_score=0.1) == 0.0
+    assert gsm8k.compute_score("#### 1072", "1072", score=2.0) == 2.0
+    assert gsm8k.compute_score("answer: 1,072", "1072", method="flexible") == 1.0
+
+
+def test_gsm8k_only_last_300_chars():
+    text = "#### 72" + " filler" * 100
+    assert gsm8k.compute_score(text, "72") == 0.0
+    assert gsm8k.compute_score(text + " #### 72", "72") == 1.0
+
+
+def test_gsm8k_bad_method():
+    with pytest.raises(ValueError, match="method"):
+        gsm8k.compute_score("#### 1", "1", method="fuzzy")
+
+
+def test_default_compute_score_dispatch():
+    assert default_compute_score("arithmetic", "= 5", "5") == 1.0
+    assert default_compute_score("openai/gsm8k", "#### 5", "5") == 1.0
+    assert default_compute_score("gsm8k", "#### 5", "5", extra_info={"x": 1}) == 1.0
+
+
+def test_default_compute_score_unknown_source():
+    with pytest.raises(ValueError) as err:
+        default_compute_score("my/dataset", "1", "1")
+    msg = str(err.value)
+    assert "my/dataset" in msg
+    for known in KNOWN_DATA_SOURCES:
+        assert known in msg
+    assert "custom_reward_function.path=" in msg and "custom_reward_function.name=" in msg
