@@ -1,0 +1,44 @@
+"""Starting or joining Ray."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Dict, Optional
+
+__all__ = ["init_ray"]
+
+logger = logging.getLogger(__name__)
+
+
+def init_ray(
+    address: Optional[str] = None,
+    num_cpus: Optional[float] = None,
+    runtime_env: Optional[Dict[str, Any]] = None,
+) -> str:
+    """Make sure Ray is running in this process and return the mode used.
+
+    * Ray already initialized -> nothing is done (``"existing"``).
+    * ``address`` given, or ``RAY_ADDRESS`` set -> join that cluster
+      (``"cluster"``); ``num_cpus`` is ignored there (the cluster's resources
+      are fixed when its nodes start).
+    * otherwise start a local single-node Ray with ``num_cpus`` (default
+      ``os.cpu_count()``) and no dashboard (``"local"``).
+    """
+    import ray
+
+    if ray.is_initialized():
+        logger.info("init_ray: Ray already initialized; reusing it")
+        return "existing"
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address:
+        kwargs: Dict[str, Any] = {"address": address}
+        if runtime_env is not None:
+            kwargs["runtime_env"] = runtime_env
+        logger.info("init_ray: joining existing Ray cluster at %s", address)
+        ray.init(**kwargs)
+        return "cluster"
+    n = num_cpus if num_cpus is not None else (os.cpu_count() or 1)
+    logger.info("init_ray: starting a local Ray instance with num_cpus=%s (no dashboard)", n)
+    ray.init(num_cpus=n, include_dashboard=False, runtime_env=runtime_env)
+    return "local"

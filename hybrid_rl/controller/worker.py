@@ -1,0 +1,115 @@
+"""Base class for every Ray actor driven by a worker group."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from typing import Any, Dict, Optional, Tuple
+
+from hybrid_rl.controller.decorator import Dispatch, register
+
+__all__ = ["Worker", "get_node_ip", "get_free_port"]
+
+logger = logging.getLogger(__name__)
+
+
+def get_free_port(host: str = "") -> int:
+    """A TCP port that was free a moment ago on this machine."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def get_node_ip() -> str:
+    """IP address of this node as Ray sees it (falls back to a socket probe)."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # pragma: no cover - ray missing / odd network setups
+        pass
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))
+            return s.getsockname()[0]
+    except OSError:  # pragma: no cover
+        return "127.0.0.1"
+
+
+class Worker:
+    """Base class for the workers of a :class:`RayWorkerGroup`.
+
+    The group passes the torchrun-style variables ``RANK, WORLD_SIZE,
+    LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT`` through the Ray
+    runtime env; ``__init__`` only reads them (it never touches
+    ``os.environ``), with single-process defaults 0/1/0/1/127.0.0.1/free port.
+    """
+
+    def __init__(self) -> None:
+        env = os.environ
+        self.rank: int = int(env.get("RANK", "0"))
+        self.world_size: int = int(env.get("WORLD_SIZE", "1"))
+        self.local_rank: int = int(env.get("LOCAL_RANK", "0"))
+        self.local_world_size: int = int(env.get("LOCAL_WORLD_SIZE", "1"))
+        self.master_addr: str = env.get("MASTER_ADDR", "127.0.0.1")
+        port = env.get("MASTER_PORT")
+        self.master_port: int = int(port) if port else get_free_port()
+        if not (0 <= self.rank < self.world_size):
+            raise ValueError(f"invalid RANK={self.rank} for WORLD_SIZE={self.world_size}")
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def get_master_addr_port() -> Tuple[str, int]:
+        """(ip of this node, a free port on it): used for rank 0's rendezvous."""
+        return get_node_ip(), get_free_port()
+
+    def init_process_group(self, backend: Optional[str] = None, timeout_s: float = 600) -> None:
+        """Join the default ``torch.distributed`` process group (idempotent).
+
+        ``backend`` defaults to ``"nccl"`` when CUDA is available, else
+        ``"gloo"``.  A second call in the same process (e.g. another colocated
+        role) is a no-op.
+        """
+        import torch
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            if dist.get_world_size() != self.world_size or dist.get_rank() != self.rank:
+                raise RuntimeError(
+                    f"a process group already exists with rank {dist.get_rank()}/{dist.get_world_size()}, "
+                    f"but this worker is rank {self.rank}/{self.world_size}"
+                )
+            return
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl" and torch.cuda.is_available():
+            # Ray restricts CUDA_VISIBLE_DEVICES per actor, so the local device is usually 0.
+            n = torch.cuda.device_count()
+            torch.cuda.set_device(self.local_rank % n if n > 1 else 0)
+        init_method = f"tcp://{self.master_addr}:{self.master_port}"
+        logger.debug("rank %d/%d joining %s (%s)", self.rank, self.world_size, init_method, backend)
+        dist.init_process_group(
+            backend=backend,
+            init_method=init_method,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def get_node_info(self) -> Dict[str, Any]:
+        return {
+            "hostname": socket.gethostname(),
+            "ip": get_node_ip(),
+            "pid": os.getpid(),
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "local_rank": self.local_rank,
+            "local_world_size": self.local_world_size,
+        }
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size})"
