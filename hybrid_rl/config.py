@@ -1,0 +1,161 @@
+"""Validate and normalise the resolved Hydra config before any worker starts.
+
+Every error names the offending keys, their values and what to change.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from hybrid_rl.algorithms import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
+
+logger = logging.getLogger(__name__)
+
+ROLLOUT_ENGINES = ("vllm", "hf")
+TRAIN_STRATEGIES = ("fsdp", "fsdp2")
+LOGGERS = ("console", "jsonl", "tensorboard")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _choice(value, valid, key: str) -> None:
+    if value not in valid:
+        raise ConfigError(f"{key}={value!r} is not valid. Valid choices: {', '.join(sorted(valid))}.")
+
+
+def resolve_device(cfg: DictConfig) -> str:
+    if cfg.trainer.device != "auto":
+        return cfg.trainer.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def validate_config(cfg: DictConfig) -> DictConfig:
+    """Check choices, batch-size arithmetic and numeric ranges; fill derived fields in place."""
+    actor = cfg.actor_rollout_ref.actor
+    rollout = cfg.actor_rollout_ref.rollout
+    data = cfg.data
+    trainer = cfg.trainer
+
+    _choice(cfg.algorithm.adv_estimator, ADV_ESTIMATORS.names(), "algorithm.adv_estimator")
+    _choice(actor.policy_loss.loss_mode, POLICY_LOSSES.names(), "actor_rollout_ref.actor.policy_loss.loss_mode")
+    _choice(actor.kl_loss_type, KL_ESTIMATORS.names(), "actor_rollout_ref.actor.kl_loss_type")
+    _choice(cfg.algorithm.kl_penalty, KL_ESTIMATORS.names(), "algorithm.kl_penalty")
+    _choice(actor.loss_agg_mode, LOSS_AGG_MODES.names(), "actor_rollout_ref.actor.loss_agg_mode")
+    _choice(rollout.name, ROLLOUT_ENGINES, "actor_rollout_ref.rollout.name")
+    _choice(actor.strategy, TRAIN_STRATEGIES, "actor_rollout_ref.actor.strategy")
+    _choice(trainer.device, DEVICES, "trainer.device")
+    _choice(data.truncation, ("error", "left", "right", "middle"), "data.truncation")
+    loggers = [trainer.logger] if isinstance(trainer.logger, str) else list(trainer.logger)
+    for name in loggers:
+        _choice(name, LOGGERS, "trainer.logger")
+    if cfg.algorithm.adv_estimator == "gae" or cfg.critic.enable:
+        raise ConfigError("PPO with a critic (algorithm.adv_estimator=gae / critic.enable=true) is not "
+                          "available yet; use a critic-free estimator such as grpo or rloo.")
+    if cfg.algorithm.use_kl_in_reward:
+        raise ConfigError("algorithm.use_kl_in_reward=true is not available yet; use "
+                          "actor_rollout_ref.actor.use_kl_loss=true for a KL penalty.")
+
+    world = trainer.nnodes * trainer.n_gpus_per_node
+    if trainer.nnodes < 1 or trainer.n_gpus_per_node < 1:
+        raise ConfigError(f"trainer.nnodes={trainer.nnodes} and trainer.n_gpus_per_node="
+                          f"{trainer.n_gpus_per_node} must both be at least 1.")
+    _positive(data.train_batch_size, "data.train_batch_size")
+    _positive(rollout.n, "actor_rollout_ref.rollout.n")
+    _positive(actor.ppo_mini_batch_size, "actor_rollout_ref.actor.ppo_mini_batch_size")
+    _positive(actor.ppo_micro_batch_size_per_gpu, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
+    _positive(actor.ppo_epochs, "actor_rollout_ref.actor.ppo_epochs")
+    _positive(rollout.log_prob_micro_batch_size_per_gpu,
+              "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu")
+    _positive(data.max_prompt_length, "data.max_prompt_length")
+    _positive(data.max_response_length, "data.max_response_length")
+
+    sequences = data.train_batch_size * rollout.n
+    if sequences % world:
+        raise ConfigError(
+            f"data.train_batch_size ({data.train_batch_size}) x actor_rollout_ref.rollout.n "
+            f"({rollout.n}) = {sequences} sequences cannot be split evenly over {world} ranks "
+            f"(trainer.nnodes x trainer.n_gpus_per_node). Choose a train_batch_size whose product "
+            f"with n is a multiple of {world}.")
+    if actor.ppo_mini_batch_size > data.train_batch_size:
+        raise ConfigError(
+            f"actor_rollout_ref.actor.ppo_mini_batch_size ({actor.ppo_mini_batch_size}) is larger "
+            f"than data.train_batch_size ({data.train_batch_size}); both count prompts. Lower the "
+            f"mini-batch size to at most {data.train_batch_size}.")
+    if data.train_batch_size % actor.ppo_mini_batch_size:
+        raise ConfigError(
+            f"data.train_batch_size ({data.train_batch_size}) must be a multiple of "
+            f"actor_rollout_ref.actor.ppo_mini_batch_size ({actor.ppo_mini_batch_size}); e.g. set "
+            f"ppo_mini_batch_size to a divisor of {data.train_batch_size}.")
+    mini_sequences = actor.ppo_mini_batch_size * rollout.n
+    if mini_sequences % world:
+        raise ConfigError(
+            f"actor_rollout_ref.actor.ppo_mini_batch_size ({actor.ppo_mini_batch_size}) x rollout.n "
+            f"({rollout.n}) = {mini_sequences} sequences cannot be split over {world} ranks; make it "
+            f"a multiple of {world}.")
+    per_rank = mini_sequences // world
+    if per_rank % actor.ppo_micro_batch_size_per_gpu:
+        raise ConfigError(
+            f"Each rank's mini-batch has {per_rank} sequences (ppo_mini_batch_size "
+            f"{actor.ppo_mini_batch_size} x n {rollout.n} / {world} ranks), which is not a multiple "
+            f"of actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu "
+            f"({actor.ppo_micro_batch_size_per_gpu}). Pick a micro-batch size that divides {per_rank}.")
+
+    if not actor.optim.lr > 0:
+        raise ConfigError(f"actor_rollout_ref.actor.optim.lr={actor.optim.lr} must be positive "
+                          "(typical GRPO values are 1e-6 to 1e-5).")
+    _choice(actor.optim.lr_scheduler_type, ("constant", "cosine"),
+            "actor_rollout_ref.actor.optim.lr_scheduler_type")
+    if actor.clip_ratio_c <= 1:
+        raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c={actor.clip_ratio_c} must be > 1 "
+                          "(the dual-clip bound; verl's default is 3.0).")
+    if rollout.do_sample and not rollout.temperature > 0:
+        raise ConfigError("actor_rollout_ref.rollout.temperature must be > 0 when do_sample=true; "
+                          "set do_sample=false for greedy decoding.")
+    if not 0 < rollout.top_p <= 1:
+        raise ConfigError(f"actor_rollout_ref.rollout.top_p={rollout.top_p} must be in (0, 1].")
+    if cfg.algorithm.adv_estimator in ("grpo", "rloo") and rollout.n == 1:
+        logger.warning("algorithm.adv_estimator=%s with actor_rollout_ref.rollout.n=1: every group has "
+                       "one response, so every advantage is zero and nothing is learned. Set n >= 2.",
+                       cfg.algorithm.adv_estimator)
+    if trainer.total_training_steps is not None and trainer.total_training_steps <= 0:
+        raise ConfigError("trainer.total_training_steps must be positive or null (null: "
+                          "trainer.total_epochs passes over the data).")
+
+    with open_dict(cfg):
+        trainer.device = resolve_device(cfg)
+        trainer.logger = loggers
+        if actor.strategy == "fsdp":
+            actor.strategy = "fsdp2"
+    return cfg
+
+
+def _positive(value, key: str) -> None:
+    if value is None or value <= 0:
+        raise ConfigError(f"{key}={value} must be a positive integer.")
+
+
+def check_model_limits(cfg: DictConfig, model_path: str) -> None:
+    """Prompt + response must fit the model's context window."""
+    from transformers import AutoConfig
+
+    model_config = AutoConfig.from_pretrained(model_path)
+    limit = getattr(model_config, "max_position_embeddings", None)
+    total = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if limit is not None and total > limit:
+        raise ConfigError(
+            f"data.max_prompt_length ({cfg.data.max_prompt_length}) + data.max_response_length "
+            f"({cfg.data.max_response_length}) = {total} exceeds the model's context window "
+            f"({limit} tokens, max_position_embeddings in {os.path.join(model_path, 'config.json')}). "
+            "Shorten one of them.")
+
+
+def to_container(cfg: DictConfig) -> dict:
+    return OmegaConf.to_container(cfg, resolve=True)

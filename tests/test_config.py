@@ -1,0 +1,101 @@
+"""The Hydra tree composes with verl's key names, and bad values fail before any worker starts
+with a message naming the keys and the fix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from hybrid_rl.config import ConfigError, validate_config
+from hybrid_rl.main import REPO_ROOT, compose_config
+
+# A typical verl GRPO command line (examples/grpo_trainer), module name aside.
+VERL_GRPO_LINE = [
+    "algorithm.adv_estimator=grpo",
+    "data.train_batch_size=32", "data.max_prompt_length=512", "data.max_response_length=1024",
+    "data.filter_overlong_prompts=True", "data.truncation=error",
+    "actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct",
+    "actor_rollout_ref.actor.optim.lr=1e-6", "actor_rollout_ref.model.use_remove_padding=True",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+    "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.001",
+    "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "actor_rollout_ref.rollout.name=vllm",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.6", "actor_rollout_ref.rollout.n=5",
+    "algorithm.use_kl_in_reward=False", "trainer.val_before_train=True",
+    "trainer.logger=[console,tensorboard]", "trainer.project_name=verl_grpo_example_gsm8k",
+    "trainer.experiment_name=qwen2_5_0_5b", "trainer.n_gpus_per_node=2", "trainer.nnodes=1",
+    "trainer.save_freq=20", "trainer.test_freq=5", "trainer.total_epochs=15",
+]
+
+
+def test_verl_grpo_command_line_composes_and_validates():
+    cfg = validate_config(compose_config(VERL_GRPO_LINE))
+    assert cfg.actor_rollout_ref.rollout.n == 5
+    assert cfg.actor_rollout_ref.rollout.response_length == 1024  # interpolated from data.*
+    assert cfg.trainer.device in ("cpu", "cuda")
+
+
+def test_unknown_key_is_rejected_by_hydra():
+    with pytest.raises(ConfigCompositionException):
+        compose_config(["actor_rollout_ref.actor.no_such_key=1"])
+
+
+@pytest.mark.parametrize("override, fragments", [
+    ("algorithm.adv_estimator=grpoo", ["algorithm.adv_estimator='grpoo'", "grpo", "rloo"]),
+    ("actor_rollout_ref.actor.kl_loss_type=k5", ["kl_loss_type", "low_var_kl", "k3"]),
+    ("actor_rollout_ref.actor.loss_agg_mode=mean", ["loss_agg_mode", "token-mean", "seq-mean-token-sum-norm"]),
+    ("actor_rollout_ref.actor.policy_loss.loss_mode=ppo2", ["loss_mode", "vanilla"]),
+    ("actor_rollout_ref.rollout.name=sglang", ["rollout.name", "vllm", "hf"]),
+    ("trainer.logger=[console,wandbx]", ["trainer.logger", "tensorboard"]),
+    ("actor_rollout_ref.actor.optim.lr=0", ["optim.lr=0", "positive"]),
+    ("actor_rollout_ref.actor.optim.lr=-1e-5", ["optim.lr", "positive"]),
+    ("actor_rollout_ref.actor.clip_ratio_c=0.5", ["clip_ratio_c", "> 1"]),
+    ("actor_rollout_ref.rollout.top_p=0", ["top_p"]),
+    ("data.train_batch_size=0", ["data.train_batch_size=0", "positive"]),
+])
+def test_bad_choice_or_value(override, fragments):
+    with pytest.raises(ConfigError) as err:
+        validate_config(compose_config([override]))
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("overrides, fragments", [
+    (["data.train_batch_size=3", "actor_rollout_ref.rollout.n=3", "trainer.n_gpus_per_node=2",
+      "actor_rollout_ref.actor.ppo_mini_batch_size=3"], ["9 sequences", "2 ranks", "multiple of 2"]),
+    (["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=16"],
+     ["ppo_mini_batch_size (16)", "data.train_batch_size (8)", "at most 8"]),
+    (["data.train_batch_size=12", "actor_rollout_ref.actor.ppo_mini_batch_size=8"],
+     ["multiple of", "ppo_mini_batch_size (8)", "divisor of 12"]),
+    (["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+      "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5"],
+     ["32 sequences", "ppo_micro_batch_size_per_gpu (5)", "divides 32"]),
+])
+def test_batch_size_arithmetic(overrides, fragments):
+    with pytest.raises(ConfigError) as err:
+        validate_config(compose_config(overrides))
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
+def test_grpo_with_one_sample_warns(caplog):
+    validate_config(compose_config(["actor_rollout_ref.rollout.n=1"]))
+    assert "every advantage is zero" in caplog.text
+
+
+def test_cli_prints_config_and_reports_errors_without_traceback():
+    printed = subprocess.run([sys.executable, "-m", "hybrid_rl.main", "--cfg", "job",
+                              "actor_rollout_ref.rollout.n=7"], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert printed.returncode == 0, printed.stderr
+    assert "'n': 7" in printed.stdout and "adv_estimator: grpo" in printed.stdout
+
+    bad = subprocess.run([sys.executable, "-m", "hybrid_rl.main", "algorithm.adv_estimator=nope"],
+                         cwd=REPO_ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().startswith("error: algorithm.adv_estimator='nope' is not valid")
+    assert "Traceback" not in bad.stderr
