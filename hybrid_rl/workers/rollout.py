@@ -1,0 +1,166 @@
+"""Rollout engines: sample responses for a batch of prompts on this rank.
+
+`VLLMRollout` runs one in-process vLLM engine per rank (`external_launcher`), created after the
+trainer's process group. `HFRollout` uses `transformers` generate on the actor's own (sharded)
+weights. Both return the same tensors: prompts, responses, response_mask, input_ids,
+attention_mask, position_ids and the sampled tokens' log-probs (`rollout_log_probs`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable
+
+import torch
+
+from hybrid_rl.protocol import Batch
+
+
+def sampling_settings(cfg: Any, validate: bool) -> dict:
+    """The sampling knobs of `rollout` (or `rollout.val_kwargs` for validation), greedy resolved."""
+    src = cfg.val_kwargs if validate else cfg
+    do_sample = src.get("do_sample", True)
+    temperature = float(src.get("temperature", 1.0)) if do_sample else 0.0
+    return {
+        "temperature": temperature,
+        "top_p": float(src.get("top_p", 1.0)) if do_sample else 1.0,
+        "top_k": int(src.get("top_k", -1)) if do_sample else -1,
+        "n": int(src.get("n", 1)) if validate else 1,
+    }
+
+
+def prompt_token_lists(batch: Batch) -> list[list[int]]:
+    if "prompt_ids" in batch.non_tensors:
+        return [list(map(int, ids)) for ids in batch["prompt_ids"]]
+    ids, mask = batch["input_ids"], batch["attention_mask"].bool()
+    return [row[m].tolist() for row, m in zip(ids, mask)]
+
+
+def assemble_rollout(batch: Batch, responses: list[list[int]], log_probs: list[list[float]],
+                     response_length: int, pad_token_id: int, eos_token_ids: Iterable[int]) -> Batch:
+    """Pad responses to `response_length`, mask everything after the first EOS, and build the
+    full [prompt | response] sequence tensors the trainer consumes."""
+    eos = set(eos_token_ids)
+    n = len(responses)
+    resp = torch.full((n, response_length), pad_token_id, dtype=torch.long)
+    resp_mask = torch.zeros((n, response_length), dtype=torch.long)
+    resp_logp = torch.zeros((n, response_length), dtype=torch.float32)
+    for i, (tokens, lps) in enumerate(zip(responses, log_probs)):
+        tokens = tokens[:response_length]
+        length = next((j + 1 for j, t in enumerate(tokens) if t in eos), len(tokens))
+        resp[i, :length] = torch.tensor(tokens[:length], dtype=torch.long)
+        resp_mask[i, :length] = 1
+        resp_logp[i, :length] = torch.tensor(lps[:length], dtype=torch.float32)
+    prompts = batch["input_ids"]
+    prompt_mask = batch["attention_mask"]
+    attention_mask = torch.cat([prompt_mask, resp_mask], dim=1)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp_min(0)
+    out = Batch(
+        tensors={
+            "prompts": prompts,
+            "responses": resp,
+            "response_mask": resp_mask,
+            "input_ids": torch.cat([prompts, resp], dim=1),
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "rollout_log_probs": resp_logp,
+        },
+        non_tensors=dict(batch.non_tensors),
+        meta=dict(batch.meta),
+    )
+    return out
+
+
+class VLLMRollout:
+    """An in-process vLLM engine that shares the process (and the trainer's process group)."""
+
+    def __init__(self, model_path: str, cfg: Any, device: torch.device, max_model_len: int,
+                 eos_token_ids: list[int]):
+        # Set before vLLM is imported: engine in this process, deterministic external launcher.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if device.type == "cpu":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.get("kv_cache_gib", 1)))
+        from vllm import LLM
+
+        dtype = cfg.get("dtype", "auto")
+        if dtype == "auto":
+            dtype = "bfloat16" if device.type == "cuda" else "float32"
+        rank = int(os.environ.get("RANK", 0))
+        self.llm = LLM(
+            model=model_path,
+            dtype=dtype,
+            tensor_parallel_size=cfg.get("tensor_model_parallel_size", 1),
+            distributed_executor_backend="external_launcher",
+            enforce_eager=cfg.get("enforce_eager", True),
+            gpu_memory_utilization=cfg.get("gpu_memory_utilization", 0.5),
+            max_model_len=max_model_len,
+            max_num_seqs=cfg.get("max_num_seqs", 256),
+            max_num_batched_tokens=max(cfg.get("max_num_batched_tokens", 8192), max_model_len),
+            enable_prefix_caching=cfg.get("enable_prefix_caching", True),
+            # Log-probs of the distribution actually sampled from (after temperature/top-k/top-p).
+            logprobs_mode="processed_logprobs",
+            seed=int(cfg.get("seed", 0)) + rank,
+            **(cfg.get("engine_kwargs") or {}),
+        )
+        self.dtype = self.llm.llm_engine.model_config.dtype
+        # Chat models often end a turn with a token other than the tokenizer's EOS.
+        self.stop_token_ids = list(eos_token_ids)
+
+    def generate(self, batch: Batch, settings: dict, response_length: int) -> tuple[list, list]:
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            n=1, max_tokens=response_length, temperature=settings["temperature"],
+            top_p=settings["top_p"], top_k=settings["top_k"], logprobs=0, detokenize=False,
+            stop_token_ids=self.stop_token_ids,
+        )
+        prompts = [{"prompt_token_ids": ids} for ids in prompt_token_lists(batch)]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        tokens, log_probs = [], []
+        for out in outputs:
+            completion = out.outputs[0]
+            tokens.append(list(completion.token_ids))
+            log_probs.append([step[tok].logprob for step, tok in zip(completion.logprobs, completion.token_ids)])
+        return tokens, log_probs
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Stream HF-named full tensors into the engine, then drop KV blocks computed with the
+        old weights (vLLM-CPU must reload via `reload_weights`; a direct load_weights fails)."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
+                                                          "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+
+
+class HFRollout:
+    """`transformers` generate on the actor's sharded module; ranks stay in lock-step through
+    `synced_gpus` so FSDP's per-layer all-gathers line up even when ranks finish early."""
+
+    def __init__(self, module: torch.nn.Module, pad_token_id: int, eos_token_ids: list[int]):
+        self.module = module
+        self.pad_token_id = pad_token_id
+        self.eos_token_ids = eos_token_ids
+
+    @torch.no_grad()
+    def generate(self, batch: Batch, settings: dict, response_length: int) -> tuple[list, list]:
+        import torch.distributed as dist
+
+        input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+        device = next(self.module.parameters()).device
+        greedy = settings["temperature"] == 0.0
+        kwargs = dict(do_sample=not greedy, max_new_tokens=response_length,
+                      pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_ids,
+                      output_scores=True, return_dict_in_generate=True, use_cache=True,
+                      synced_gpus=dist.is_initialized() and dist.get_world_size() > 1)
+        if not greedy:
+            kwargs.update(temperature=settings["temperature"], top_p=settings["top_p"],
+                          top_k=settings["top_k"] if settings["top_k"] > 0 else None)
+        was_training = self.module.training
+        self.module.eval()
+        out = self.module.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                   **kwargs)
+        self.module.train(was_training)
+        generated = out.sequences[:, input_ids.shape[1]:].cpu()
+        # Scores are the processed logits the sampler used: their log-softmax is the log-prob.
+        step_logp = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1).cpu()
+        token_logp = step_logp.gather(-1, generated.unsqueeze(-1)).squeeze(-1)
+        return generated.tolist(), token_logp.tolist()
