@@ -6,6 +6,8 @@ write parquet files, and by tests / smoke jobs to build data on the fly.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import random
 from typing import Iterable
 
@@ -13,13 +15,23 @@ DATA_SOURCE = "arithmetic"
 
 # The instruction given to the model; ``{a}``, ``{op}`` and ``{b}`` are filled in.
 # Kept in one place so it can be tuned without touching the generator.
-PROMPT_TEMPLATE = "What is {a} {op} {b}? Answer with just the number."
+PROMPT_TEMPLATE = "Calculate {a} {op} {b}. Reply with only the final number."
+
+# Operand range of the built-in data set: SmolLM2-135M-Instruct solves about a third of these
+# greedily, and sampled groups often mix right and wrong answers, which GRPO needs to learn.
+DEFAULT_LO, DEFAULT_HI = 1, 20
 
 _OPS = {
     "+": lambda a, b: a + b,
     "-": lambda a, b: a - b,
     "*": lambda a, b: a * b,
 }
+
+
+def dataset_tag(lo: int = DEFAULT_LO, hi: int = DEFAULT_HI, ops: str = "+-") -> str:
+    """A name that changes whenever the generated problems would, for cache folders."""
+    digest = hashlib.sha1(f"{PROMPT_TEMPLATE}|{lo}|{hi}|{ops}".encode()).hexdigest()[:8]
+    return f"arithmetic-{lo}-{hi}-{digest}"
 
 
 def problem_key(row: dict) -> tuple[int, str, int]:
@@ -89,3 +101,26 @@ def make_arithmetic_rows(
             }
         )
     return rows
+
+
+def write_arithmetic_dataset(out_dir: str, train_size: int = 600, test_size: int = 200, seed: int = 0,
+                             lo: int = DEFAULT_LO, hi: int = DEFAULT_HI, ops: str = "+-") -> tuple[str, str]:
+    """Write disjoint ``train.parquet`` / ``test.parquet`` splits; returns their paths.
+
+    Files are written under a temporary name and renamed, so an interrupted write never leaves a
+    truncated file that a later run would read."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    os.makedirs(out_dir, exist_ok=True)
+    test = make_arithmetic_rows(test_size, seed=seed + 1, lo=lo, hi=hi, ops=ops, split="test")
+    train = make_arithmetic_rows(train_size, seed=seed, lo=lo, hi=hi, ops=ops,
+                                 exclude={problem_key(r) for r in test}, split="train")
+    paths = []
+    for name, rows in (("train", train), ("test", test)):
+        path = os.path.join(out_dir, f"{name}.parquet")
+        tmp = f"{path}.tmp{os.getpid()}"
+        pq.write_table(pa.Table.from_pylist(rows), tmp)
+        os.replace(tmp, path)
+        paths.append(path)
+    return paths[0], paths[1]

@@ -1,0 +1,63 @@
+"""Per-step metrics computed on the driver, named as verl names them."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+
+from hybrid_rl.protocol import Batch
+
+
+def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    values = values.float()
+    return {f"{prefix}/mean": float(values.mean()), f"{prefix}/max": float(values.max()),
+            f"{prefix}/min": float(values.min())}
+
+
+def compute_data_metrics(batch: Batch) -> dict[str, float]:
+    mask = batch["response_mask"].bool()
+    response_length = mask.sum(-1).float()
+    prompt_length = batch["attention_mask"][:, : batch["prompts"].shape[1]].sum(-1).float()
+    valid_adv = batch["advantages"][mask]
+    metrics = {
+        **_stats("critic/score", batch["token_level_scores"].sum(-1)),
+        **_stats("critic/rewards", batch["token_level_rewards"].sum(-1)),
+        **_stats("critic/advantages", valid_adv if valid_adv.numel() else torch.zeros(1)),
+        **_stats("response_length", response_length),
+        **_stats("prompt_length", prompt_length),
+        "response_length/clip_ratio": float((response_length == mask.shape[1]).float().mean()),
+    }
+    return metrics
+
+
+def reduce_worker_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Mean over ranks (per-rank losses are already scaled so that this mean is exact)."""
+    merged: dict[str, list[float]] = defaultdict(list)
+    for metrics in per_rank:
+        for key, value in metrics.items():
+            merged[key].append(value)
+    return {key: sum(values) / len(values) for key, values in merged.items()}
+
+
+class Timer:
+    """Collects `timing_s/<phase>` durations for one step."""
+
+    def __init__(self):
+        self.timings: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[f"timing_s/{name}"] = self.timings.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
+
+
+def throughput_metrics(batch: Batch, step_seconds: float, n_ranks: int) -> dict[str, float]:
+    tokens = float(batch["attention_mask"].sum())
+    return {"perf/total_num_tokens": tokens, "perf/time_per_step": step_seconds,
+            "perf/throughput": tokens / (step_seconds * n_ranks)}

@@ -1,0 +1,191 @@
+"""The driver-side training loop. One GRPO step, top to bottom, is `Trainer.fit`'s loop body:
+
+    prompts -> generate -> reward -> [old log-probs] -> [reference log-probs] -> advantages
+            -> actor update -> weight sync into the rollout engine -> [validation] -> log
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+import uuid
+from collections import defaultdict
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+
+from hybrid_rl.algorithms import get_advantage_estimator
+from hybrid_rl.config import to_container
+from hybrid_rl.controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool
+from hybrid_rl.data import EpochSampler, RLDataset, collate_prompts
+from hybrid_rl.metrics import Timer, compute_data_metrics, reduce_worker_metrics, throughput_metrics
+from hybrid_rl.protocol import Batch
+from hybrid_rl.rewards import RewardManager
+from hybrid_rl.tracking import Tracker
+from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker, needs_reference
+
+logger = logging.getLogger(__name__)
+
+
+def worker_env(cfg: DictConfig, cpus_per_worker: float) -> dict[str, str]:
+    """Environment of each worker process. Ray would otherwise pin torch to one thread."""
+    env = {
+        "OMP_NUM_THREADS": str(max(1, int(cpus_per_worker))),
+        "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        "VLLM_CONFIGURE_LOGGING": os.environ.get("VLLM_CONFIGURE_LOGGING", "1"),
+    }
+    if cfg.trainer.device == "cpu":
+        # vLLM-CPU otherwise reserves a fraction of all RAM per engine and refuses to start when
+        # several engines and trainers share the machine.
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.actor_rollout_ref.rollout.kv_cache_gib)
+    return env
+
+
+class Trainer:
+    def __init__(self, cfg: DictConfig, model_path: str, tokenizer, train_dataset: RLDataset,
+                 val_dataset: RLDataset | None, reward_fn: RewardManager, val_reward_fn: RewardManager):
+        self.cfg = cfg
+        self.model_path = model_path
+        self.tokenizer = tokenizer
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.train_dataset = train_dataset
+        self.val_dataset = val_dataset
+        self.reward_fn = reward_fn
+        self.val_reward_fn = val_reward_fn
+        self.advantage_fn = get_advantage_estimator(cfg.algorithm.adv_estimator)
+        self.use_reference = needs_reference(cfg)
+
+        steps_per_epoch = len(train_dataset) // cfg.data.train_batch_size
+        self.total_steps = cfg.trainer.total_training_steps or steps_per_epoch * cfg.trainer.total_epochs
+        self.sampler = EpochSampler(
+            len(train_dataset), cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
+            drop_last=True,
+            total_epochs=max(cfg.trainer.total_epochs, math.ceil(self.total_steps / max(1, steps_per_epoch))))
+        actor = cfg.actor_rollout_ref.actor
+        # Ratio is exactly 1 with a single on-policy update, so old log-probs need no extra pass.
+        self.recompute_old_log_probs = (
+            actor.ppo_epochs > 1 or actor.ppo_mini_batch_size < cfg.data.train_batch_size)
+        self.n_ranks = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+        self.global_step = 0
+
+    # ------------------------------------------------------------------ workers
+    def init_workers(self) -> None:
+        cfg = self.cfg
+        cpus = cfg.trainer.cpus_per_worker or max(0.5, (os.cpu_count() or 1) / cfg.trainer.n_gpus_per_node)
+        pool = ResourcePool([cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes,
+                            use_gpu=cfg.trainer.device == "cuda", cpus_per_process=cpus)
+        worker_cls = ClassWithInitArgs(ActorRolloutRefWorker, to_container(cfg), self.model_path, self.total_steps)
+        self.workers = RayWorkerGroup(pool, worker_cls, name_prefix="actor_rollout_ref_",
+                                      env_vars=worker_env(cfg, cpus))
+        self.workers.init_model()
+
+    # ------------------------------------------------------------------ loop
+    def fit(self) -> dict[str, float]:
+        cfg = self.cfg
+        tracker = Tracker(cfg.trainer.logger, cfg.trainer.default_local_dir, self.total_steps,
+                          cfg.trainer.progress_bar)
+        last_val: dict[str, float] = {}
+        try:
+            if cfg.trainer.val_before_train and self.val_dataset is not None:
+                last_val = self.validate()
+                tracker.log(last_val, step=0)
+                if cfg.trainer.val_only:
+                    return last_val
+            batches = iter(self.sampler)
+            for step in range(1, self.total_steps + 1):
+                self.global_step = step
+                metrics = self.train_step(next(batches))
+                is_last = step == self.total_steps
+                test_freq = cfg.trainer.test_freq
+                if self.val_dataset is not None and (is_last or (test_freq > 0 and step % test_freq == 0)):
+                    last_val = self.validate()
+                    metrics.update(last_val)
+                tracker.log(metrics, step=step)
+                tracker.advance(metrics["critic/score/mean"])
+        finally:
+            tracker.close()
+        return last_val
+
+    def train_step(self, indices: list[int]) -> dict[str, float]:
+        cfg = self.cfg
+        timer = Timer()
+        with timer.phase("step"):
+            batch = self.prompt_batch(indices)
+            batch["uid"] = [str(uuid.uuid4()) for _ in range(len(batch))]
+            batch.meta.update(temperature=cfg.actor_rollout_ref.rollout.temperature, step=self.global_step)
+            batch = batch.repeat(cfg.actor_rollout_ref.rollout.n, interleave=True)
+
+            with timer.phase("gen"):
+                batch = self.workers.generate_sequences(batch)
+
+            with timer.phase("reward"):
+                scores, reward_extra = self.reward_fn(batch)
+                batch["token_level_scores"] = scores
+                batch["token_level_rewards"] = scores
+
+            if self.recompute_old_log_probs:
+                with timer.phase("old_log_prob"):
+                    batch.union(self.workers.compute_log_prob(batch))
+
+            if self.use_reference:
+                with timer.phase("ref"):
+                    batch.union(self.workers.compute_ref_log_prob(batch))
+
+            with timer.phase("adv"):
+                advantages, returns = self.advantage_fn(
+                    batch["token_level_rewards"], batch["response_mask"], index=batch["uid"],
+                    config=cfg.algorithm)
+                batch["advantages"], batch["returns"] = advantages, returns
+
+            with timer.phase("update_actor"):
+                actor_metrics = reduce_worker_metrics(self.workers.update_actor(batch))
+
+            with timer.phase("update_weights"):
+                self.workers.sync_rollout_weights()
+
+        metrics = {"training/global_step": float(self.global_step), **actor_metrics,
+                   **compute_data_metrics(batch), **timer.timings,
+                   **throughput_metrics(batch, timer.timings["timing_s/step"], self.n_ranks)}
+        if "acc" in reward_extra:
+            metrics["critic/acc/mean"] = float(np.mean([float(a) for a in reward_extra["acc"]]))
+        return metrics
+
+    def prompt_batch(self, indices) -> Batch:
+        rows = [self.train_dataset[i] for i in indices]
+        return collate_prompts(rows, self.pad_token_id, self.cfg.data.max_prompt_length)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> dict[str, float]:
+        """Generate for the whole validation set with `rollout.val_kwargs` (greedy by default)
+        and report the mean score per data source."""
+        cfg = self.cfg
+        start = time.perf_counter()
+        n = cfg.actor_rollout_ref.rollout.val_kwargs.n
+        rows = [self.val_dataset[i] for i in range(len(self.val_dataset))]
+        batch = collate_prompts(rows, self.pad_token_id, cfg.data.max_prompt_length)
+        batch.meta.update(validate=True, temperature=cfg.actor_rollout_ref.rollout.temperature)
+        batch = batch.repeat(n, interleave=True)
+        batch = self.workers.generate_sequences(batch)
+        scores, _ = self.val_reward_fn(batch)
+        sample_scores = scores.sum(-1)
+        by_source: dict[str, list[float]] = defaultdict(list)
+        for source, score in zip(batch["data_source"], sample_scores.tolist()):
+            by_source[str(source)].append(score)
+        metrics = {f"val-core/{src}/reward/mean@{n}": float(np.mean(v)) for src, v in by_source.items()}
+        metrics["val/score/mean"] = float(sample_scores.mean())
+        metrics["timing_s/validate"] = time.perf_counter() - start
+        self.print_generations(batch, sample_scores)
+        return metrics
+
+    def print_generations(self, batch: Batch, scores: torch.Tensor) -> None:
+        for i in range(min(self.cfg.trainer.log_val_generations, len(batch))):
+            length = int(batch["response_mask"][i].sum())
+            prompt = batch["raw_prompt"][i][-1]["content"]
+            response = self.tokenizer.decode(batch["responses"][i, :length], skip_special_tokens=True)
+            logger.info("[val sample %d] %r -> %r (truth %s, score %.2f)", i, prompt, response,
+                        batch["reward_model"][i]["ground_truth"], float(scores[i]))
