@@ -1,0 +1,50 @@
+"""GRPO learns: a tiny random model's reward on a trivially learnable task (write many '7's)
+rises clearly within a few dozen steps. Uses the real CLI config path, custom reward loading,
+one FSDP2 rank and the in-process vLLM engine."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import ray
+
+from hybrid_rl.main import REPO_ROOT, build_trainer, compose_config
+from tests.test_end_to_end import arithmetic_files, base_overrides  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.slow
+
+REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """Fraction of the response's characters that are the digit 7."""
+    return solution_str.count("7") / max(1, len(solution_str))
+'''
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": REPO_ROOT}})
+    yield
+    ray.shutdown()
+
+
+def test_reward_rises(ray_session, tiny_model_dir, arithmetic_files, tmp_path):  # noqa: F811
+    reward_file = tmp_path / "sevens.py"
+    reward_file.write_text(REWARD)
+    steps = 30
+    cfg = compose_config(base_overrides(tiny_model_dir, arithmetic_files, tmp_path / "run") + [
+        f"custom_reward_function.path={reward_file}", f"trainer.total_training_steps={steps}",
+        "trainer.val_before_train=false", "trainer.test_freq=-1", "data.val_files=null",
+        "data.train_batch_size=8", "actor_rollout_ref.rollout.n=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+        "actor_rollout_ref.actor.optim.lr=3e-3", "actor_rollout_ref.actor.use_kl_loss=false",
+    ])
+    trainer = build_trainer(cfg)
+    trainer.fit()
+    trainer.workers.kill()
+    scores = [json.loads(line)["critic/score/mean"]
+              for line in open(os.path.join(tmp_path, "run", "metrics.jsonl"))]
+    assert len(scores) == steps
+    first, last = sum(scores[:5]) / 5, sum(scores[-5:]) / 5
+    assert last > 3 * first and last > first + 0.15, scores
