@@ -77,12 +77,17 @@ class Trainer:
     def init_workers(self) -> None:
         cfg = self.cfg
         cpus = cfg.trainer.cpus_per_worker or max(0.5, (os.cpu_count() or 1) / cfg.trainer.n_gpus_per_node)
-        pool = ResourcePool([cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes,
+        self.resource_pool = pool = ResourcePool([cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes,
                             use_gpu=cfg.trainer.device == "cuda", cpus_per_process=cpus)
         worker_cls = ClassWithInitArgs(ActorRolloutRefWorker, to_container(cfg), self.model_path, self.total_steps)
         self.workers = RayWorkerGroup(pool, worker_cls, name_prefix="actor_rollout_ref_",
                                       env_vars=worker_env(cfg, cpus))
         self.workers.init_model()
+
+    def shutdown(self) -> None:
+        """Stop the workers and free their CPUs/GPUs (the Ray session itself stays up)."""
+        self.workers.kill()
+        self.resource_pool.remove()
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:

@@ -3,6 +3,8 @@ causal LM built from a config, so no test needs a model hub or network."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -71,3 +73,42 @@ def make_tokenizer():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tiny_tokenizer) -> str:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_model"), tiny_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """A local 2-CPU Ray for the module; workers import hybrid_rl from this checkout."""
+    import ray
+
+    from hybrid_rl.main import REPO_ROOT
+
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": REPO_ROOT}})
+    yield
+    ray.shutdown()
+
+
+def write_jsonl(path, rows) -> str:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def arithmetic_files(tmp_path_factory) -> tuple[str, str]:
+    from hybrid_rl.data import make_arithmetic_rows
+
+    folder = tmp_path_factory.mktemp("data")
+    return (write_jsonl(folder / "train.jsonl", make_arithmetic_rows(64, seed=0)),
+            write_jsonl(folder / "val.jsonl", make_arithmetic_rows(6, seed=1, split="test")))
+
+
+def run_overrides(model_dir, files, run_dir, max_prompt=200, response=16) -> list[str]:
+    """Dotted overrides for a small CPU run of the tiny model on the arithmetic files."""
+    return [
+        f"actor_rollout_ref.model.path={model_dir}",
+        f"data.train_files={files[0]}", f"data.val_files={files[1]}",
+        f"data.max_prompt_length={max_prompt}", f"data.max_response_length={response}",
+        f"trainer.default_local_dir={run_dir}", "trainer.logger=[jsonl]", "trainer.progress_bar=false",
+        "trainer.device=cpu",
+    ]

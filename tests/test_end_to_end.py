@@ -8,11 +8,10 @@ import math
 import os
 
 import pytest
-import ray
-import torch
 
-from hybrid_rl.data import collate_prompts, make_arithmetic_rows
-from hybrid_rl.main import REPO_ROOT, build_trainer, compose_config
+from hybrid_rl.data import collate_prompts
+from hybrid_rl.main import build_trainer, compose_config
+from tests.conftest import run_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -20,39 +19,7 @@ MAX_PROMPT = 200
 RESPONSE = 16
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False,
-             runtime_env={"env_vars": {"PYTHONPATH": REPO_ROOT}})
-    yield
-    ray.shutdown()
-
-
-def write_jsonl(path, rows):
-    with open(path, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def arithmetic_files(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("data")
-    return (write_jsonl(folder / "train.jsonl", make_arithmetic_rows(64, seed=0)),
-            write_jsonl(folder / "val.jsonl", make_arithmetic_rows(6, seed=1, split="test")))
-
-
-def base_overrides(model_dir, files, run_dir):
-    return [
-        f"actor_rollout_ref.model.path={model_dir}",
-        f"data.train_files={files[0]}", f"data.val_files={files[1]}",
-        f"data.max_prompt_length={MAX_PROMPT}", f"data.max_response_length={RESPONSE}",
-        f"trainer.default_local_dir={run_dir}", "trainer.logger=[jsonl]", "trainer.progress_bar=false",
-        "trainer.device=cpu",
-    ]
-
-
-def long_prompt_batch(tokenizer, pad_token_id):
+def long_prompt_batch(tokenizer, pad_token_id, temperature):
     """Prompts longer than vLLM-CPU's 128-token KV block, so a stale prefix cache would show."""
     rows = []
     for i in range(4):
@@ -65,19 +32,20 @@ def long_prompt_batch(tokenizer, pad_token_id):
                      "data_source": "arithmetic", "reward_model": {"ground_truth": str(30 + 2 * i)},
                      "extra_info": {}, "index": i})
     batch = collate_prompts(rows, pad_token_id, MAX_PROMPT)
-    batch.meta["temperature"] = 1.0
+    # The actor divides logits by the temperature vLLM sampled with (rollout.temperature).
+    batch.meta["temperature"] = temperature
     return batch
 
 
 def test_two_ranks_vllm_grpo(ray_session, tiny_model_dir, tiny_tokenizer, arithmetic_files, tmp_path):
-    cfg = compose_config(base_overrides(tiny_model_dir, arithmetic_files, tmp_path) + [
+    cfg = compose_config(run_overrides(tiny_model_dir, arithmetic_files, tmp_path, MAX_PROMPT, RESPONSE) + [
         "trainer.n_gpus_per_node=2", "trainer.cpus_per_worker=1", "trainer.total_training_steps=2",
         "trainer.test_freq=-1", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.rollout.name=vllm",
     ])
     trainer = build_trainer(cfg)
-    probe = long_prompt_batch(tiny_tokenizer, trainer.pad_token_id)
+    probe = long_prompt_batch(tiny_tokenizer, trainer.pad_token_id, cfg.actor_rollout_ref.rollout.temperature)
     before_rollout = trainer.workers.generate_sequences(probe)
     before = trainer.workers.compute_log_prob(before_rollout)["old_log_probs"]
 
@@ -105,4 +73,20 @@ def test_two_ranks_vllm_grpo(ray_session, tiny_model_dir, tiny_tokenizer, arithm
     assert mask.sum() > 0
     delta = (rollout["rollout_log_probs"] - recomputed)[mask].abs().max().item()
     assert delta <= 1e-4, f"vLLM vs actor log-prob mismatch {delta}"
-    trainer.workers.kill()
+    trainer.shutdown()
+
+
+def test_two_ranks_hf_rollout(ray_session, tiny_model_dir, arithmetic_files, tmp_path):
+    """rollout.name=hf: transformers generate on the sharded actor, ranks kept in lock-step."""
+    cfg = compose_config(run_overrides(tiny_model_dir, arithmetic_files, tmp_path, MAX_PROMPT, RESPONSE) + [
+        "trainer.n_gpus_per_node=2", "trainer.cpus_per_worker=1", "trainer.total_training_steps=1",
+        "trainer.val_before_train=false", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.rollout.name=hf",
+    ])
+    trainer = build_trainer(cfg)
+    final_val = trainer.fit()
+    trainer.shutdown()
+    steps = [json.loads(line) for line in open(os.path.join(tmp_path, "metrics.jsonl"))]
+    assert steps[-1]["step"] == 1 and math.isfinite(steps[-1]["actor/pg_loss"])
+    assert 0.0 <= final_val["val/score/mean"] <= 1.0

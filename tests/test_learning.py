@@ -8,10 +8,9 @@ import json
 import os
 
 import pytest
-import ray
 
-from hybrid_rl.main import REPO_ROOT, build_trainer, compose_config
-from tests.test_end_to_end import arithmetic_files, base_overrides  # noqa: F401 (fixture)
+from hybrid_rl.main import build_trainer, compose_config
+from tests.conftest import run_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -22,18 +21,11 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": REPO_ROOT}})
-    yield
-    ray.shutdown()
-
-
-def test_reward_rises(ray_session, tiny_model_dir, arithmetic_files, tmp_path):  # noqa: F811
+def test_reward_rises(ray_session, tiny_model_dir, arithmetic_files, tmp_path):
     reward_file = tmp_path / "sevens.py"
     reward_file.write_text(REWARD)
     steps = 30
-    cfg = compose_config(base_overrides(tiny_model_dir, arithmetic_files, tmp_path / "run") + [
+    cfg = compose_config(run_overrides(tiny_model_dir, arithmetic_files, tmp_path / "run") + [
         f"custom_reward_function.path={reward_file}", f"trainer.total_training_steps={steps}",
         "trainer.val_before_train=false", "trainer.test_freq=-1", "data.val_files=null",
         "data.train_batch_size=8", "actor_rollout_ref.rollout.n=8",
@@ -42,7 +34,7 @@ def test_reward_rises(ray_session, tiny_model_dir, arithmetic_files, tmp_path): 
     ])
     trainer = build_trainer(cfg)
     trainer.fit()
-    trainer.workers.kill()
+    trainer.shutdown()
     scores = [json.loads(line)["critic/score/mean"]
               for line in open(os.path.join(tmp_path, "run", "metrics.jsonl"))]
     assert len(scores) == steps

@@ -160,7 +160,7 @@ class ResourcePool:
             f"CPU={total.get('CPU', 0):g} GPU={total.get('GPU', 0):g} in total "
             f"(currently available: CPU={avail.get('CPU', 0):g} GPU={avail.get('GPU', 0):g}, "
             f"nodes={len([k for k in total if k.startswith('node:') and not k.startswith('node:__')])}). "
-            f"Fix: lower trainer.n_gpus_per_node and/or trainer.nnodes, or lower cpus_per_process "
+            f"Fix: lower trainer.n_gpus_per_node and/or trainer.nnodes, or lower trainer.cpus_per_worker "
             f"(fractions such as 0.5 are allowed), or start Ray with more resources "
             f"(ray.init(num_cpus=...)/ray start --num-cpus=... --num-gpus=...)."
         )

@@ -8,6 +8,7 @@ attention_mask, position_ids and the sampled tokens' log-probs (`rollout_log_pro
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Iterable
 
@@ -82,6 +83,9 @@ class VLLMRollout:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.get("kv_cache_gib", 1)))
         from vllm import LLM
 
+        # Rotary cos/sin caches are not checkpoint weights: vLLM restores its own after every
+        # reload and warns "RotaryEmbedding: Failed to load weights" each time.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         dtype = cfg.get("dtype", "auto")
         if dtype == "auto":
             dtype = "bfloat16" if device.type == "cuda" else "float32"

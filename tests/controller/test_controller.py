@@ -173,7 +173,7 @@ def test_resource_pool_too_big_fails_clearly():
     assert time.monotonic() - t0 < 20
     msg = str(exc.value)
     assert "3 CPUs" in msg and "CPU=2" in msg
-    assert "n_gpus_per_node" in msg and "cpus_per_process" in msg
+    assert "n_gpus_per_node" in msg and "cpus_per_worker" in msg
 
 
 # --------------------------------------------------------------------------- 2 x 1.0 CPU

@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
-    trainer.workers.kill()
+    trainer.shutdown()
     return 0
 
 
