@@ -9,17 +9,41 @@ from .functional import entropy_from_logits, masked_mean, masked_sum, masked_var
 from .kl import KL_ESTIMATORS, kl_penalty
 from .policy_loss import POLICY_LOSSES, get_policy_loss
 from .registry import Registry
+from .shaping import (
+    RunningMoments,
+    clip_advantages,
+    clip_rewards,
+    normalize_rewards,
+    shape_advantages,
+    shape_scores,
+    whiten_advantages,
+)
+from .kl import full_kl_from_logits
+from .kl_control import AdaptiveKLController, FixedKLController, apply_kl_penalty, get_kl_controller
+from .rollout_correction import ROLLOUT_RS_MODES, compute_rollout_correction, mismatch_metrics
+from .value_loss import compute_value_loss
 
 __all__ = [
     "ADV_ESTIMATORS",
+    "AdaptiveKLController",
+    "FixedKLController",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
+    "ROLLOUT_RS_MODES",
     "Registry",
+    "RunningMoments",
     "aggregate_loss",
+    "apply_kl_penalty",
+    "clip_advantages",
+    "clip_rewards",
     "compute_grpo_outcome_advantage",
+    "compute_rollout_correction",
+    "compute_value_loss",
     "entropy_from_logits",
+    "full_kl_from_logits",
     "get_advantage_estimator",
+    "get_kl_controller",
     "get_policy_loss",
     "group_ids",
     "group_mean_std",
@@ -28,4 +52,9 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "mismatch_metrics",
+    "normalize_rewards",
+    "shape_advantages",
+    "shape_scores",
+    "whiten_advantages",
 ]

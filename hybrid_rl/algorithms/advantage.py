@@ -4,7 +4,10 @@ Every registered estimator has the trainer-facing signature
 ``fn(token_level_rewards, response_mask, *, index=None, config=None, **extra) -> (advantages, returns)``
 with (batch, response_len) tensors; ``index`` holds one hashable group id per row (the prompt's uid, so a
 group is the n responses to one prompt), ``config`` is the ``algorithm.*`` mapping, and ``extra`` carries
-estimator-specific tensors (values, reward_baselines, ...) that others ignore.
+estimator-specific tensors (values, reward_baselines, step_mask) that others ignore. Scalars come from
+``config`` under verl's key names (``gamma``, ``lam``, ``norm_adv_by_std_in_grpo``, ...) with verl's defaults.
+s_i = Σ_t r_{i,t} below is a response's sequence score; "×m" broadcasts a per-row value over its tokens and
+zeroes the positions outside ``response_mask``.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from .functional import cfg_get
+from .functional import cfg_get, masked_whiten
 from .registry import Registry
 
 ADV_ESTIMATORS = Registry("advantage estimator")
@@ -54,6 +57,28 @@ def _require_index(name: str, index) -> None:
         raise ValueError(f"advantage estimator {name!r} needs index (one group id per row, e.g. the prompt uid)")
 
 
+def _grouping(name: str, index, rows: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """``group_ids`` after checking that ``index`` is given and has one id per row."""
+    _require_index(name, index)
+    if len(index) != rows:
+        raise ValueError(f"index has {len(index)} ids for {rows} rows")
+    return group_ids(index, device)
+
+
+def _require_extra(name: str, key: str, value, what: str, shape: torch.Size | None = None) -> torch.Tensor:
+    """The estimator-specific tensor ``key``, with an error that says what the trainer must supply."""
+    if value is None:
+        raise ValueError(f"advantage estimator {name!r} needs extra {key!r}: {what}")
+    if shape is not None and value.shape != shape:
+        raise ValueError(f"{name}: {key} has shape {tuple(value.shape)}, expected {tuple(shape)}")
+    return value
+
+
+def _reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """y_t = Σ_{u≥t} x_u along the last dim."""
+    return x.flip(-1).cumsum(-1).flip(-1)
+
+
 @torch.no_grad()
 def compute_grpo_outcome_advantage(
     token_level_rewards: torch.Tensor,
@@ -68,10 +93,8 @@ def compute_grpo_outcome_advantage(
     A_i = (s_i − μ)/(σ + ε), or s_i − μ if not ``norm_adv_by_std_in_grpo`` (Dr. GRPO).
     advantages = returns = A_i·m_{i,t}.
     """
-    if len(index) != token_level_rewards.shape[0]:
-        raise ValueError(f"index has {len(index)} ids for {token_level_rewards.shape[0]} rows")
     scores = token_level_rewards.sum(-1)
-    ids, num_groups = group_ids(index, scores.device)
+    ids, num_groups = _grouping("grpo", index, scores.shape[0], scores.device)
     mean, std = group_mean_std(scores, ids, num_groups)
     adv = scores - mean[ids]
     if norm_adv_by_std_in_grpo:
@@ -110,13 +133,257 @@ def rloo_advantage(
     s_i = Σ_t r_{i,t}; group size n > 1: A_i = s_i − (Σ_{j∈g} s_j − s_i)/(n − 1); singleton: A_i = s_i
     (verl's ``rloo``; its ``rloo_vectorized`` gives 0 instead). advantages = returns = A_i·m_{i,t}.
     """
-    _require_index("rloo", index)
     scores = token_level_rewards.sum(-1)
-    ids, num_groups = group_ids(index, scores.device)
+    ids, num_groups = _grouping("rloo", index, scores.shape[0], scores.device)
     count, total = group_count_sum(scores, ids, num_groups)
     n = count[ids]
     baseline = torch.where(n > 1, (total[ids] - scores) / (n - 1).clamp_min(1), torch.zeros_like(scores))
     adv = (scores - baseline).unsqueeze(-1) * response_mask
+    return adv, adv
+
+
+@ADV_ESTIMATORS.register("gae")
+@torch.no_grad()
+def gae_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    index=None,
+    config: Mapping[str, Any] | None = None,
+    values: torch.Tensor | None = None,
+    **extra,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (PPO with a critic); extra ``values`` = V (B, T).
+
+    Backward over t with V_next = a_next = 0 at the end:
+        δ_t = r_t + γ·V_next − V_t,    a_t = δ_t + γλ·a_next,
+    and only where m_t = 1 do V_next ← V_t and a_next ← a_t; a masked token (a tool observation
+    inside a multi-turn response, or padding) carries both over, so it is skipped entirely: its
+    reward and value are never read and the TD chain bridges it. a_t at a masked token is the
+    carried value.
+    returns = a + V (before whitening; unmasked, like verl; only their masked entries are meaningful).
+    advantages = masked_whiten(a, m)·m, whitened over the whole batch. γ = ``gamma``, λ = ``lam`` (1.0).
+    Deviation: verl does not re-mask after whitening, leaving −μ/σ-like junk on masked tokens; we zero it.
+    """
+    values = _require_extra("gae", "values", values, "the critic's per-token values V (B, T)", token_level_rewards.shape)
+    gamma = float(cfg_get(config, "gamma", 1.0))
+    lam = float(cfg_get(config, "lam", 1.0))
+    valid = response_mask.bool()
+    next_value = torch.zeros_like(values[:, 0])
+    next_adv = torch.zeros_like(next_value)
+    columns = []
+    for t in reversed(range(token_level_rewards.shape[1])):
+        adv_t = token_level_rewards[:, t] + gamma * next_value - values[:, t] + gamma * lam * next_adv
+        # where(), not a mask blend: NaN/inf in a skipped token's value must not leak into the chain.
+        next_value = torch.where(valid[:, t], values[:, t], next_value)
+        next_adv = torch.where(valid[:, t], adv_t, next_adv)
+        columns.append(next_adv)
+    adv = torch.stack(columns[::-1], dim=1)
+    returns = adv + values
+    return masked_whiten(adv, response_mask) * response_mask, returns
+
+
+@ADV_ESTIMATORS.register("grpo_passk")
+@torch.no_grad()
+def grpo_passk_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    index=None,
+    config: Mapping[str, Any] | None = None,
+    epsilon: float = 1e-6,
+    **extra,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass@k GRPO (arXiv 2503.19595): only each group's best response is credited.
+
+    Per group (n ≥ 2 required): i* = argmax_i s_i (first row on ties),
+    A_{i*} = (s_max − s_2nd)/(σ + ε) with σ the unbiased group std, or s_max − s_2nd if not
+    ``norm_adv_by_std_in_grpo`` (default True); every other response gets 0. advantages = returns = A_i·m.
+    """
+    scores = token_level_rewards.sum(-1)
+    ids, num_groups = _grouping("grpo_passk", index, scores.shape[0], scores.device)
+    count, _ = group_count_sum(scores, ids, num_groups)
+    if (count < 2).any():
+        raise ValueError(f"grpo_passk needs at least 2 responses per group (rollout.n >= 2), "
+                         f"got a group of size {int(count.min())}")
+    _, std = group_mean_std(scores, ids, num_groups)
+    # Rows grouped together, each group sorted best-first: its first two entries are the top two.
+    order = torch.argsort(scores, descending=True, stable=True)
+    order = order[torch.argsort(ids[order], stable=True)]
+    start = count.long().cumsum(0) - count.long()
+    best, second = order[start], order[start + 1]
+    gap = scores[best] - scores[second]
+    if cfg_get(config, "norm_adv_by_std_in_grpo", True):
+        gap = gap / (std + epsilon)
+    adv = torch.zeros_like(scores).index_put_((best,), gap)
+    adv = adv.unsqueeze(-1) * response_mask
+    return adv, adv
+
+
+@ADV_ESTIMATORS.register("reinforce_plus_plus_baseline")
+@torch.no_grad()
+def reinforce_plus_plus_baseline_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    index=None,
+    config: Mapping[str, Any] | None = None,
+    **extra,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ with a group-mean baseline.
+
+    a_{i,t} = (s_i − μ_g)·m (singleton: μ = 0); advantages = returns = masked_whiten(a, m)·m,
+    whitened over the whole batch (the std normalisation is batch-level, not per group).
+    """
+    scores = token_level_rewards.sum(-1)
+    ids, num_groups = _grouping("reinforce_plus_plus_baseline", index, scores.shape[0], scores.device)
+    mean, _ = group_mean_std(scores, ids, num_groups)
+    adv = (scores - mean[ids]).unsqueeze(-1) * response_mask
+    adv = masked_whiten(adv, response_mask) * response_mask
+    return adv, adv
+
+
+@ADV_ESTIMATORS.register("reinforce_plus_plus")
+@torch.no_grad()
+def reinforce_plus_plus_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    index=None,
+    config: Mapping[str, Any] | None = None,
+    **extra,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: discounted reward-to-go, whitened over the batch.
+
+    Backward over t: G_t = r_t + γ·m_{t+1}·G_{t+1} with G_T = 0, i.e. the discounted sum restarts
+    before every masked token, so padding and observation tokens cut the chain.
+    advantages = masked_whiten(G, m)·m; returns = G (unmasked, like verl). γ = ``gamma`` (1.0).
+    """
+    gamma = float(cfg_get(config, "gamma", 1.0))
+    valid = response_mask.bool()
+    running = torch.zeros_like(token_level_rewards[:, 0])
+    columns = []
+    for t in reversed(range(token_level_rewards.shape[1])):
+        running = token_level_rewards[:, t] + gamma * running
+        columns.append(running)
+        running = torch.where(valid[:, t], running, torch.zeros_like(running))
+    returns = torch.stack(columns[::-1], dim=1)
+    return masked_whiten(returns, response_mask) * response_mask, returns
+
+
+@ADV_ESTIMATORS.register("remax")
+@torch.no_grad()
+def remax_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    index=None,
+    config: Mapping[str, Any] | None = None,
+    reward_baselines: torch.Tensor | None = None,
+    **extra,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax: the greedy response's reward as baseline; extra ``reward_baselines`` b (B,).
+
+    G_t = Σ_{u≥t} r_u·m_u; advantages = (G_t − b)·m_t; returns = G. No whitening.
+    Deviation: verl masks only the baseline (G − b·m), so G leaks onto masked tokens that precede
+    valid ones (multi-turn); we mask the whole advantage. Identical for right-padded responses.
+    """
+    rows = token_level_rewards.shape[0]
+    baselines = _require_extra(
+        "remax", "reward_baselines", reward_baselines,
+        "one reward per row from a greedy (do_sample=False) rollout of the same prompt; the trainer must "
+        "run that greedy baseline rollout and score it before computing advantages")
+    if baselines.numel() != rows:
+        raise ValueError(f"remax: reward_baselines has {baselines.numel()} values for {rows} rows")
+    returns = _reverse_cumsum(token_level_rewards * response_mask)
+    adv = (returns - baselines.reshape(rows, 1)) * response_mask
+    return adv, returns
+
+
+@ADV_ESTIMATORS.register("opo")
+@torch.no_grad()
+def opo_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    index=None,
+    config: Mapping[str, Any] | None = None,
+    **extra,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """OPO (arXiv 2505.23585): length-weighted group baseline, no std.
+
+    L_i = Σ_t m_{i,t}; b_g = Σ_{i∈g} L_i·s_i / Σ_{i∈g} L_i (singleton, or a group of empty
+    responses: b = 0); A_i = s_i − b_g; advantages = returns = A_i·m.
+    """
+    scores = token_level_rewards.sum(-1)
+    ids, num_groups = _grouping("opo", index, scores.shape[0], scores.device)
+    lengths = response_mask.sum(-1).to(scores.dtype)
+    count, weighted = group_count_sum(lengths * scores, ids, num_groups)
+    _, total_len = group_count_sum(lengths, ids, num_groups)
+    has_baseline = (count > 1) & (total_len > 0)
+    baseline = torch.where(has_baseline, weighted / torch.where(has_baseline, total_len, 1.0), 0.0)
+    adv = (scores - baseline[ids]).unsqueeze(-1) * response_mask
+    return adv, adv
+
+
+@ADV_ESTIMATORS.register("gpg")
+@torch.no_grad()
+def gpg_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    index=None,
+    config: Mapping[str, Any] | None = None,
+    **extra,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPG (arXiv 2504.02546): group-mean baseline rescaled by the fraction of rewarded responses.
+
+    α = B / max(#{i : s_i ≠ 0}, 1) over the whole batch; A_i = α·(s_i − μ_g)/f (singleton: μ = 0),
+    f = ``gpg_f_norm`` (1.0); no std. advantages = returns = A_i·m.
+    """
+    scores = token_level_rewards.sum(-1)
+    ids, num_groups = _grouping("gpg", index, scores.shape[0], scores.device)
+    mean, _ = group_mean_std(scores, ids, num_groups)
+    alpha = scores.shape[0] / max(int(torch.count_nonzero(scores)), 1)
+    f_norm = float(cfg_get(config, "gpg_f_norm", 1.0))
+    adv = (alpha * (scores - mean[ids]) / f_norm).unsqueeze(-1) * response_mask
+    return adv, adv
+
+
+@ADV_ESTIMATORS.register("grpo_process")
+@torch.no_grad()
+def grpo_process_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    index=None,
+    config: Mapping[str, Any] | None = None,
+    step_mask: torch.Tensor | None = None,
+    epsilon: float = 1e-6,
+    **extra,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO with process supervision (DeepSeekMath §4.1.3); extra ``step_mask`` (B, T) marks step ends.
+
+    r_{i,k} = token_level_rewards at the end token e_{i,k} of step k of response i. All step rewards
+    of all responses of a group are normalised together: r̃ = (r − μ_g)/(σ_g + ε), μ_g / σ_g the
+    mean / unbiased std over those rewards (a group with one step reward: μ = 0, σ = 1; without the
+    division if not ``norm_adv_by_std_in_grpo``). A_{i,t} = Σ_{k : e_{i,k} ≥ t} r̃_{i,k}, ×m, so tokens
+    after the last step end get 0. Step ends outside ``response_mask`` are ignored.
+    advantages = returns.
+    """
+    step_mask = _require_extra(
+        "grpo_process", "step_mask", step_mask,
+        "a (B, T) bool mask of step-end tokens, each carrying its step's reward in token_level_rewards",
+        token_level_rewards.shape)
+    ids, num_groups = _grouping("grpo_process", index, token_level_rewards.shape[0], token_level_rewards.device)
+    rows, cols = (step_mask.bool() & response_mask.bool()).nonzero(as_tuple=True)
+    step_rewards = token_level_rewards[rows, cols]
+    mean, std = group_mean_std(step_rewards, ids[rows], num_groups)
+    normed = step_rewards - mean[ids[rows]]
+    if cfg_get(config, "norm_adv_by_std_in_grpo", True):
+        normed = normed / (std[ids[rows]] + epsilon)
+    dense = torch.zeros_like(token_level_rewards).index_put_((rows, cols), normed)
+    adv = _reverse_cumsum(dense) * response_mask
     return adv, adv
 
 

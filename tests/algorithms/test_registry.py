@@ -50,7 +50,7 @@ def test_unknown_name_lists_sorted_valid_names():
     [
         (lambda: get_advantage_estimator("grpoo"), "advantage estimator", ADV_ESTIMATORS),
         (lambda: get_policy_loss("ppo"), "policy loss", POLICY_LOSSES),
-        (lambda: kl_penalty(torch.zeros(1, 1), torch.zeros(1, 1), "full"), "KL estimator", KL_ESTIMATORS),
+        (lambda: kl_penalty(torch.zeros(1, 1), torch.zeros(1, 1), "k4"), "KL estimator", KL_ESTIMATORS),
         (lambda: aggregate_loss(torch.zeros(1, 1), torch.ones(1, 1), "seq-sum"), "loss aggregation mode", LOSS_AGG_MODES),
     ],
 )
