@@ -54,6 +54,11 @@ class RewardManager:
 
     ``compute_score`` may return a number (bool/int/float) or a dict with a
     ``"score"`` entry; extra dict keys are returned per sample in ``extra``.
+
+    Process supervision: a dict with ``"step_rewards"`` (one float per reasoning step) and
+    ``"step_ends"`` (each step's end as a character offset into the response, exclusive) puts
+    each step's reward on the token holding the step's last character instead, and ``extra``
+    then carries a (B, T) bool ``"step_mask"`` of those tokens (``"score"`` defaults to the sum).
     """
 
     def __init__(
@@ -94,8 +99,31 @@ class RewardManager:
             ) from exc
         return result
 
+    def _step_positions(self, i: int, ids: list[int], solution_str: str, result: dict) -> list[tuple[int, float]]:
+        """(token index, reward) of each step; a step ends on the token whose decoded prefix first
+        reaches the step's end offset."""
+        rewards, ends = result.get("step_rewards"), result.get("step_ends")
+        if not isinstance(rewards, (list, tuple)) or not isinstance(ends, (list, tuple)) or len(rewards) != len(ends):
+            raise TypeError(
+                f"reward function {self._name} returned step_rewards/step_ends for sample {i} that are not "
+                "two lists of equal length (one reward and one character end offset per step)")
+        prefix_lengths = [len(self.tokenizer.decode(ids[:k + 1], skip_special_tokens=True)) for k in range(len(ids))]
+        positions = []
+        for reward, end in zip(rewards, ends):
+            if not _is_number(reward) or not math.isfinite(float(reward)):
+                raise RewardFunctionError(f"reward function {self._name} returned step reward {reward!r} for "
+                                          f"sample index {i}; step rewards must be finite numbers")
+            if not isinstance(end, int) or not 0 < end <= len(solution_str):
+                raise TypeError(f"reward function {self._name} returned step end {end!r} for sample {i}; ends "
+                                f"are character offsets in 1..{len(solution_str)} (the response length)")
+            token = next((k for k, length in enumerate(prefix_lengths) if length >= end), len(ids) - 1)
+            positions.append((max(token, 0), float(reward)))
+        return positions
+
     def _to_score(self, i: int, data_source, result) -> tuple[float, dict]:
         extras: dict = {}
+        if isinstance(result, dict) and "step_rewards" in result and "score" not in result:
+            result = {**result, "score": float(sum(result["step_rewards"] or [0.0]))}
         if isinstance(result, dict):
             if "score" not in result:
                 raise TypeError(
@@ -163,6 +191,7 @@ class RewardManager:
                 prompt_valid = [prompts.shape[1]] * bsz
 
         reward = torch.zeros(bsz, resp_len, dtype=torch.float32, device=responses.device)
+        step_mask = None
         extra: dict[str, list] = {"score": []}
         extra_keys_seen: list[str] = []
         per_sample_extras: list[dict] = []
@@ -183,7 +212,15 @@ class RewardManager:
             result = self._call(i, data_source, solution_str, ground_truth, extra_info)
             score, extras = self._to_score(i, data_source, result)
 
-            reward[i, max(n_valid - 1, 0)] = score
+            if isinstance(result, dict) and "step_rewards" in result:
+                if step_mask is None:
+                    step_mask = torch.zeros(bsz, resp_len, dtype=torch.bool, device=responses.device)
+                for token, step_reward in self._step_positions(i, ids, solution_str, result):
+                    reward[i, token] += step_reward
+                    step_mask[i, token] = True
+                extras = {k: v for k, v in extras.items() if k not in ("step_rewards", "step_ends")}
+            else:
+                reward[i, max(n_valid - 1, 0)] = score
             extra["score"].append(score)
             per_sample_extras.append(extras)
             for k in extras:
@@ -205,6 +242,8 @@ class RewardManager:
             if k == "score":
                 continue
             extra[k] = [e.get(k) for e in per_sample_extras]
+        if step_mask is not None:
+            extra["step_mask"] = step_mask
         return reward, extra
 
 

@@ -7,20 +7,16 @@ the batch, `ONE_TO_ALL` methods run on every rank with the same arguments.
 
 from __future__ import annotations
 
-import os
 import time
-from collections import defaultdict
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
-from torch.distributed.device_mesh import init_device_mesh
 
-from hybrid_rl.algorithms import aggregate_loss, get_policy_loss, kl_penalty
-from hybrid_rl.controller import Dispatch, Worker, register
+from hybrid_rl.algorithms import aggregate_loss, full_kl_from_logits, get_policy_loss, kl_penalty, mismatch_metrics
+from hybrid_rl.controller import Dispatch, register
 from hybrid_rl.protocol import Batch
 from hybrid_rl.workers import train_engine
-from hybrid_rl.workers.rollout import HFRollout, VLLMRollout, assemble_rollout, sampling_settings
+from hybrid_rl.workers.rollout import HFRollout, VLLMRollout, assemble_rollout, greedy_settings, sampling_settings
 from hybrid_rl.workers.weight_sync import sync_weights
 
 FORWARD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
@@ -30,29 +26,13 @@ def needs_reference(cfg: Any) -> bool:
     return bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
 
 
-class ActorRolloutRefWorker(Worker):
-    def __init__(self, config: dict, model_path: str, total_steps: int):
-        super().__init__()
-        self.cfg = OmegaConf.create(config)
-        self.model_path = model_path
-        self.total_steps = total_steps
-
+class ActorRolloutRefWorker(train_engine.ModelWorker):
     # ------------------------------------------------------------------ set-up
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict:
         cfg = self.cfg
-        threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
-        if threads > 0:
-            torch.set_num_threads(threads)
-        use_cuda = cfg.trainer.device == "cuda"
-        if use_cuda:
-            # Ray gives each actor one visible GPU; vLLM picks its device from LOCAL_RANK.
-            torch.cuda.set_device(0)
-            os.environ["LOCAL_RANK"] = "0"
-        self.device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
-        self.init_process_group(timeout_s=cfg.actor_rollout_ref.nccl_timeout)
+        self.device, mesh = train_engine.setup_device_and_mesh(self, cfg)
         torch.manual_seed(cfg.trainer.seed + self.rank)
-        mesh = init_device_mesh(self.device.type, (self.world_size,))
 
         from transformers import AutoTokenizer
 
@@ -60,6 +40,7 @@ class ActorRolloutRefWorker(Worker):
         self.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.eos_token_ids = eos_ids(self.model_path, tok)
 
+        use_cuda = self.device.type == "cuda"
         param_dtype = train_engine.DTYPES[cfg.actor_rollout_ref.actor.fsdp_config.dtype] if use_cuda else None
         model_cfg = cfg.actor_rollout_ref.model
         actor = train_engine.load_causal_lm(self.model_path, model_cfg, self.device, trainable=True)
@@ -84,8 +65,13 @@ class ActorRolloutRefWorker(Worker):
     # ------------------------------------------------------------------ rollout
     @register(dispatch=Dispatch.DP_COMPUTE)
     def generate_sequences(self, prompts: Batch) -> Batch:
+        """Sample one response per row (the driver repeats prompts n times). `meta["validate"]`
+        selects `rollout.val_kwargs`; `meta["greedy"]` forces greedy decoding (ReMax baseline)."""
         rollout_cfg = self.cfg.actor_rollout_ref.rollout
-        settings = sampling_settings(rollout_cfg, validate=prompts.meta.get("validate", False))
+        if prompts.meta.get("greedy", False):
+            settings = greedy_settings()
+        else:
+            settings = sampling_settings(rollout_cfg, validate=prompts.meta.get("validate", False))
         tokens, log_probs = self.rollout.generate(prompts, settings, rollout_cfg.response_length)
         return assemble_rollout(prompts, tokens, log_probs, rollout_cfg.response_length,
                                 self.pad_token_id, self.eos_token_ids)
@@ -125,77 +111,64 @@ class ActorRolloutRefWorker(Worker):
     # ------------------------------------------------------------------ training
     @register(dispatch=Dispatch.DP_COMPUTE)
     def update_actor(self, batch: Batch) -> dict:
-        """PPO-style update over mini-batches and epochs. Losses are normalised by the token and
-        sequence counts of the whole mini-batch across micro-batches and ranks, so gradient
-        accumulation and data parallelism give exactly the single-batch loss."""
+        """PPO-style update over epochs and mini-batches; every loss term is normalised by the
+        whole mini-batch's token/sequence counts across micro-batches and ranks."""
         cfg = self.cfg.actor_rollout_ref.actor
         n = self.cfg.actor_rollout_ref.rollout.n
-        mini_rows = cfg.ppo_mini_batch_size * n // self.world_size
         temperature = batch.meta.get("temperature", 1.0)
         policy_loss = get_policy_loss(cfg.policy_loss.loss_mode)
         # One mini-batch and one epoch: the data were sampled by these exact weights, so the
         # ratio is 1 and the old log-probs are the current ones, detached.
         on_policy = "old_log_probs" not in batch
         keys = list(FORWARD_KEYS) + ["response_mask", "advantages"]
-        keys += [k for k in ("old_log_probs", "ref_log_prob") if k in batch]
+        keys += [k for k in ("old_log_probs", "ref_log_prob", "rollout_log_probs", "rollout_is_weights")
+                 if k in batch]
         batch = batch.select(keys, non_tensor_keys=[])
-        metrics: dict[str, list[float]] = defaultdict(list)
-        generator = torch.Generator().manual_seed(self.cfg.trainer.seed + int(batch.meta.get("step", 0)))
-        for _ in range(cfg.ppo_epochs):
-            order = torch.randperm(len(batch), generator=generator) if cfg.shuffle else None
-            epoch_batch = batch[order] if order is not None else batch
-            for mini in epoch_batch.split(mini_rows):
-                self._update_mini_batch(mini, cfg, policy_loss, temperature, on_policy, metrics)
+
+        def loss_fn(t: dict, agg_kwargs: dict):
+            return self._actor_loss(t, {**agg_kwargs, "loss_scale_factor": cfg.loss_scale_factor},
+                                    cfg, policy_loss, temperature, on_policy)
+
+        metrics, skipped = train_engine.mini_batch_updates(
+            self.actor, self.optimizer, batch, mini_rows=cfg.ppo_mini_batch_size * n // self.world_size,
+            micro_rows=cfg.ppo_micro_batch_size_per_gpu, epochs=cfg.ppo_epochs, shuffle=cfg.shuffle,
+            seed=self.cfg.trainer.seed + int(batch.meta.get("step", 0)), grad_clip=cfg.grad_clip,
+            device=self.device, loss_fn=loss_fn)
         self.scheduler.step()
-        out = {k: sum(v) / len(v) for k, v in metrics.items()}
+        self.skipped_steps += skipped
+        out = train_engine.summarise_updates(metrics, "actor")
         out["actor/lr"] = self.scheduler.get_last_lr()[0]
         out["actor/skipped_steps"] = float(self.skipped_steps)
         return out
 
-    def _update_mini_batch(self, mini: Batch, cfg, policy_loss, temperature, on_policy, metrics):
-        mask = mini["response_mask"]
-        agg_kwargs = {
-            "global_num_tokens": train_engine.all_reduce_sum(float(mask.sum()), self.device),
-            "global_num_seqs": train_engine.all_reduce_sum(float((mask.sum(-1) > 0).sum()), self.device),
-            "dp_size": self.world_size,
-            "loss_scale_factor": cfg.loss_scale_factor,
-        }
+    def _actor_loss(self, t: dict, agg_kwargs: dict, cfg, policy_loss, temperature: float, on_policy: bool):
+        mask = t["response_mask"]
         mode = cfg.loss_agg_mode
-        self.optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, float] = defaultdict(float)
-        micro_metrics: dict[str, list[float]] = defaultdict(list)
-        for micro in mini.split(cfg.ppo_micro_batch_size_per_gpu):
-            t = {k: micro[k].to(self.device) for k in micro.keys()}
-            log_prob, entropy = train_engine.response_log_probs(
-                self.actor, t, temperature, with_entropy=True, entropy_grad=cfg.entropy_coeff != 0)
-            old = log_prob.detach() if on_policy else t["old_log_probs"]
-            pg_loss, pg_metrics = policy_loss(old, log_prob, t["advantages"], t["response_mask"],
-                                              loss_agg_mode=mode, config=cfg, agg_kwargs=agg_kwargs)
-            entropy_agg = aggregate_loss(entropy, t["response_mask"], mode, **agg_kwargs)
-            loss = pg_loss - cfg.entropy_coeff * entropy_agg
-            if cfg.use_kl_loss:
+        log_prob, entropy, logits = train_engine.response_log_probs(
+            self.actor, t, temperature, with_entropy=True, entropy_grad=cfg.entropy_coeff != 0)
+        old = log_prob.detach() if on_policy else t["old_log_probs"]
+        pg_loss, pg_metrics = policy_loss(old, log_prob, t["advantages"], mask, loss_agg_mode=mode, config=cfg,
+                                          agg_kwargs=agg_kwargs, rollout_is_weights=t.get("rollout_is_weights"))
+        entropy_agg = aggregate_loss(entropy, mask, mode, **agg_kwargs)
+        loss = pg_loss - cfg.entropy_coeff * entropy_agg
+        share = train_engine.token_share(mask, agg_kwargs)
+        terms = {"actor/pg_loss": float(pg_loss.detach()), "actor/entropy": float(entropy_agg.detach()),
+                 **{f"actor/{k}": float(v) * share for k, v in pg_metrics.items()}}
+        if cfg.use_kl_loss:
+            if cfg.kl_loss_type == "full":
+                with torch.no_grad():
+                    ref_logits = train_engine.response_logits(self.ref, t, temperature)
+                kld = full_kl_from_logits(logits, ref_logits, chunk_size=cfg.full_kl_chunk_size)
+            else:
                 kld = kl_penalty(log_prob, t["ref_log_prob"], cfg.kl_loss_type)
-                kl_loss = aggregate_loss(kld, t["response_mask"], mode, **agg_kwargs)
-                loss = loss + cfg.kl_loss_coef * kl_loss
-                totals["actor/kl_loss"] += float(kl_loss.detach())
-            loss.backward()
-            totals["actor/pg_loss"] += float(pg_loss.detach())
-            totals["actor/entropy"] += float(entropy_agg.detach())
-            for k, v in pg_metrics.items():
-                micro_metrics[f"actor/{k}"].append(float(v))
-        grad_norm = train_engine.clip_grad_norm(self.actor, cfg.grad_clip)
-        if torch.isfinite(torch.tensor(grad_norm)):
-            self.optimizer.step()
-        else:
-            self.skipped_steps += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        # Each rank's sum is its share of the global loss times dp_size: the driver's mean over
-        # ranks is the exact mini-batch loss.
-        for k, v in totals.items():
-            metrics[k].append(v)
-        for k, v in micro_metrics.items():
-            metrics[k].append(sum(v) / len(v))
-        metrics["actor/grad_norm"].append(grad_norm)
+            kl_loss = aggregate_loss(kld, mask, mode, **agg_kwargs)
+            loss = loss + cfg.kl_loss_coef * kl_loss
+            terms["actor/kl_loss"] = float(kl_loss.detach())
+        if on_policy and "rollout_log_probs" in t:
+            # This forward is the first time the trainer's log-probs of the sampled tokens exist.
+            for key, value in mismatch_metrics(log_prob.detach(), t["rollout_log_probs"], mask).items():
+                terms[key] = value if key.endswith("_max") else value * share
+        return loss, terms
 
 
 def eos_ids(model_path: str, tokenizer) -> list[int]:

