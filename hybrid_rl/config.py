@@ -10,7 +10,7 @@ import os
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from hybrid_rl.algorithms import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
+from hybrid_rl.algorithms import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_RS_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -24,9 +24,20 @@ class ConfigError(ValueError):
     pass
 
 
+# Estimators that compare the n responses of a prompt with each other.
+GROUP_ESTIMATORS = ("grpo", "rloo", "grpo_passk", "opo", "gpg", "reinforce_plus_plus_baseline", "grpo_process")
+
+
+def needs_critic(cfg: DictConfig) -> bool:
+    """critic.enable, or (when null) whether the estimator is GAE."""
+    enable = cfg.critic.enable
+    return cfg.algorithm.adv_estimator == "gae" if enable is None else bool(enable)
+
+
 def _choice(value, valid, key: str) -> None:
     if value not in valid:
-        raise ConfigError(f"{key}={value!r} is not valid. Valid choices: {', '.join(sorted(valid))}.")
+        names = sorted("null" if v is None else str(v) for v in valid)
+        raise ConfigError(f"{key}={value!r} is not valid. Valid choices: {', '.join(names)}.")
 
 
 def resolve_device(cfg: DictConfig) -> str:
@@ -56,12 +67,25 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     loggers = [trainer.logger] if isinstance(trainer.logger, str) else list(trainer.logger)
     for name in loggers:
         _choice(name, LOGGERS, "trainer.logger")
-    if cfg.algorithm.adv_estimator == "gae" or cfg.critic.enable:
-        raise ConfigError("PPO with a critic (algorithm.adv_estimator=gae / critic.enable=true) is not "
-                          "available yet; use a critic-free estimator such as grpo or rloo.")
-    if cfg.algorithm.use_kl_in_reward:
-        raise ConfigError("algorithm.use_kl_in_reward=true is not available yet; use "
-                          "actor_rollout_ref.actor.use_kl_loss=true for a KL penalty.")
+    algo = cfg.algorithm
+    if algo.adv_estimator == "gae" and cfg.critic.enable is False:
+        raise ConfigError("algorithm.adv_estimator=gae needs a critic, but critic.enable=false. Set "
+                          "critic.enable=true (or null), or pick a critic-free estimator such as grpo.")
+    if algo.kl_penalty == "full":
+        raise ConfigError("algorithm.kl_penalty=full is not available for the KL in the reward (it needs the "
+                          "full logits at rollout time); use actor_rollout_ref.actor.use_kl_loss=true "
+                          "actor_rollout_ref.actor.kl_loss_type=full for the exact KL.")
+    _choice(algo.kl_ctrl.type, ("fixed", "adaptive"), "algorithm.kl_ctrl.type")
+    if algo.kl_ctrl.type == "adaptive" and not algo.kl_ctrl.horizon > 0:
+        raise ConfigError(f"algorithm.kl_ctrl.horizon={algo.kl_ctrl.horizon} must be positive for the adaptive "
+                          "KL controller.")
+    for key in ("mean", "std"):
+        _choice(algo.reward_norm[key], (None, "none", "batch", "group", "running"), f"algorithm.reward_norm.{key}")
+    correction = algo.rollout_correction
+    _choice(correction.rollout_is, (None, "token", "sequence"), "algorithm.rollout_correction.rollout_is")
+    for mode in (correction.rollout_rs or "").split(","):
+        if mode.strip():
+            _choice(mode.strip(), ROLLOUT_RS_MODES, "algorithm.rollout_correction.rollout_rs")
 
     world = trainer.nnodes * trainer.n_gpus_per_node
     if trainer.nnodes < 1 or trainer.n_gpus_per_node < 1:
@@ -121,7 +145,10 @@ def validate_config(cfg: DictConfig) -> DictConfig:
                           "set do_sample=false for greedy decoding.")
     if not 0 < rollout.top_p <= 1:
         raise ConfigError(f"actor_rollout_ref.rollout.top_p={rollout.top_p} must be in (0, 1].")
-    if cfg.algorithm.adv_estimator in ("grpo", "rloo") and rollout.n == 1:
+    if cfg.algorithm.adv_estimator == "grpo_passk" and rollout.n < 2:
+        raise ConfigError("algorithm.adv_estimator=grpo_passk compares the best and second-best of each "
+                          f"group and needs actor_rollout_ref.rollout.n >= 2 (got {rollout.n}).")
+    if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and rollout.n == 1:
         logger.warning("algorithm.adv_estimator=%s with actor_rollout_ref.rollout.n=1: every group has "
                        "one response, so every advantage is zero and nothing is learned. Set n >= 2.",
                        cfg.algorithm.adv_estimator)

@@ -34,12 +34,14 @@ def compute_data_metrics(batch: Batch) -> dict[str, float]:
 
 
 def reduce_worker_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """Mean over ranks (per-rank losses are already scaled so that this mean is exact)."""
+    """Mean over ranks (per-rank losses are already scaled so that this mean is exact); metrics
+    named *_max take the max."""
     merged: dict[str, list[float]] = defaultdict(list)
     for metrics in per_rank:
         for key, value in metrics.items():
             merged[key].append(value)
-    return {key: sum(values) / len(values) for key, values in merged.items()}
+    return {key: max(values) if key.endswith("_max") else sum(values) / len(values)
+            for key, values in merged.items()}
 
 
 class Timer:

@@ -17,15 +17,20 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from hybrid_rl.algorithms import get_advantage_estimator
-from hybrid_rl.config import to_container
-from hybrid_rl.controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool
+from hybrid_rl.algorithms import (
+    RunningMoments, apply_kl_penalty, compute_rollout_correction, get_advantage_estimator, get_kl_controller,
+    mismatch_metrics, shape_advantages, shape_scores,
+)
+from hybrid_rl.config import needs_critic, to_container
+from hybrid_rl.controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool, create_colocated_worker_cls
+from hybrid_rl.models import resolve_model_path
 from hybrid_rl.data import EpochSampler, RLDataset, collate_prompts
 from hybrid_rl.metrics import Timer, compute_data_metrics, reduce_worker_metrics, throughput_metrics
 from hybrid_rl.protocol import Batch
 from hybrid_rl.rewards import RewardManager
 from hybrid_rl.tracking import Tracker
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker, needs_reference
+from hybrid_rl.workers.critic import CriticWorker
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +64,9 @@ class Trainer:
         self.val_reward_fn = val_reward_fn
         self.advantage_fn = get_advantage_estimator(cfg.algorithm.adv_estimator)
         self.use_reference = needs_reference(cfg)
+        self.use_critic = needs_critic(cfg)
+        self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl)
+        self.reward_stats = RunningMoments()  # for algorithm.reward_norm.*=running
 
         steps_per_epoch = len(train_dataset) // cfg.data.train_batch_size
         self.total_steps = cfg.trainer.total_training_steps or steps_per_epoch * cfg.trainer.total_epochs
@@ -67,9 +75,12 @@ class Trainer:
             drop_last=True,
             total_epochs=max(cfg.trainer.total_epochs, math.ceil(self.total_steps / max(1, steps_per_epoch))))
         actor = cfg.actor_rollout_ref.actor
-        # Ratio is exactly 1 with a single on-policy update, so old log-probs need no extra pass.
-        self.recompute_old_log_probs = (
-            actor.ppo_epochs > 1 or actor.ppo_mini_batch_size < cfg.data.train_batch_size)
+        correction = cfg.algorithm.rollout_correction
+        # With a single on-policy update the ratio is exactly 1 and the old log-probs are the
+        # update's own forward; they need a pass of their own only when used before the update.
+        self.recompute_old_log_probs = bool(
+            actor.ppo_epochs > 1 or actor.ppo_mini_batch_size < cfg.data.train_batch_size
+            or cfg.algorithm.use_kl_in_reward or correction.rollout_is or correction.rollout_rs)
         self.n_ranks = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
         self.global_step = 0
 
@@ -79,14 +90,24 @@ class Trainer:
         cpus = cfg.trainer.cpus_per_worker or max(0.5, (os.cpu_count() or 1) / cfg.trainer.n_gpus_per_node)
         self.resource_pool = pool = ResourcePool([cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes,
                             use_gpu=cfg.trainer.device == "cuda", cpus_per_process=cpus)
-        worker_cls = ClassWithInitArgs(ActorRolloutRefWorker, to_container(cfg), self.model_path, self.total_steps)
-        self.workers = RayWorkerGroup(pool, worker_cls, name_prefix="actor_rollout_ref_",
-                                      env_vars=worker_env(cfg, cpus))
-        self.workers.init_model()
+        config = to_container(cfg)
+        roles = {"actor_rollout_ref": ClassWithInitArgs(ActorRolloutRefWorker, config, self.model_path,
+                                                        self.total_steps)}
+        if self.use_critic:
+            critic_path = resolve_model_path(cfg.critic.model.path) if cfg.critic.model.path else self.model_path
+            roles["critic"] = ClassWithInitArgs(CriticWorker, config, critic_path, self.total_steps)
+        # All roles share one process per rank (and its CPUs/GPU).
+        self.group = RayWorkerGroup(pool, create_colocated_worker_cls(roles), name_prefix="worker_",
+                                    env_vars=worker_env(cfg, cpus))
+        views = self.group.spawn(roles)
+        self.workers, self.critic = views["actor_rollout_ref"], views.get("critic")
+        if self.critic is not None:
+            self.critic.init_model()
+        self.workers.init_model()  # last: the rollout engine sizes its cache after the trainers
 
     def shutdown(self) -> None:
         """Stop the workers and free their CPUs/GPUs (the Ray session itself stays up)."""
-        self.workers.kill()
+        self.group.kill()
         self.resource_pool.remove()
 
     # ------------------------------------------------------------------ loop
@@ -118,20 +139,28 @@ class Trainer:
 
     def train_step(self, indices: list[int]) -> dict[str, float]:
         cfg = self.cfg
+        n = cfg.actor_rollout_ref.rollout.n
         timer = Timer()
+        metrics: dict[str, float] = {}
         with timer.phase("step"):
-            batch = self.prompt_batch(indices)
-            batch["uid"] = [str(uuid.uuid4()) for _ in range(len(batch))]
-            batch.meta.update(temperature=cfg.actor_rollout_ref.rollout.temperature, step=self.global_step)
-            batch = batch.repeat(cfg.actor_rollout_ref.rollout.n, interleave=True)
+            prompts = self.prompt_batch(indices)
+            prompts["uid"] = [str(uuid.uuid4()) for _ in range(len(prompts))]
+            prompts.meta.update(temperature=cfg.actor_rollout_ref.rollout.temperature, step=self.global_step)
+            batch = prompts.repeat(n, interleave=True)
 
             with timer.phase("gen"):
                 batch = self.workers.generate_sequences(batch)
 
+            if cfg.algorithm.adv_estimator == "remax":
+                with timer.phase("gen_max"):
+                    batch["reward_baselines"] = self.greedy_baseline(prompts).repeat_interleave(n)
+
             with timer.phase("reward"):
                 scores, reward_extra = self.reward_fn(batch)
+                if "step_mask" in reward_extra:
+                    batch["step_mask"] = reward_extra.pop("step_mask")
                 batch["token_level_scores"] = scores
-                batch["token_level_rewards"] = scores
+                batch["token_level_rewards"] = self.shaped_rewards(batch)
 
             if self.recompute_old_log_probs:
                 with timer.phase("old_log_prob"):
@@ -141,23 +170,76 @@ class Trainer:
                 with timer.phase("ref"):
                     batch.union(self.workers.compute_ref_log_prob(batch))
 
+            if self.use_critic:
+                with timer.phase("values"):
+                    batch.union(self.critic.compute_values(batch))
+
             with timer.phase("adv"):
+                metrics.update(self.reward_kl_and_rollout_correction(batch))
                 advantages, returns = self.advantage_fn(
-                    batch["token_level_rewards"], batch["response_mask"], index=batch["uid"],
-                    config=cfg.algorithm)
-                batch["advantages"], batch["returns"] = advantages, returns
+                    batch["token_level_rewards"], batch["response_mask"], index=batch["uid"], config=cfg.algorithm,
+                    **{key: batch[key] for key in ("values", "reward_baselines", "step_mask") if key in batch})
+                batch["advantages"] = shape_advantages(advantages, batch["response_mask"], cfg.algorithm)
+                batch["returns"] = returns
+
+            if self.use_critic:
+                with timer.phase("update_critic"):
+                    metrics.update(reduce_worker_metrics(self.critic.update_critic(batch)))
 
             with timer.phase("update_actor"):
-                actor_metrics = reduce_worker_metrics(self.workers.update_actor(batch))
+                metrics.update(reduce_worker_metrics(self.workers.update_actor(batch)))
 
             with timer.phase("update_weights"):
                 self.workers.sync_rollout_weights()
 
-        metrics = {"training/global_step": float(self.global_step), **actor_metrics,
-                   **compute_data_metrics(batch), **timer.timings,
-                   **throughput_metrics(batch, timer.timings["timing_s/step"], self.n_ranks)}
+        metrics.update({"training/global_step": float(self.global_step), **compute_data_metrics(batch),
+                        **timer.timings, **throughput_metrics(batch, timer.timings["timing_s/step"], self.n_ranks)})
         if "acc" in reward_extra:
             metrics["critic/acc/mean"] = float(np.mean([float(a) for a in reward_extra["acc"]]))
+        return metrics
+
+    def greedy_baseline(self, prompts: Batch) -> torch.Tensor:
+        """ReMax: the reward of a greedy response to each prompt."""
+        greedy = prompts.select()
+        greedy.meta["greedy"] = True
+        scores, _ = self.reward_fn(self.workers.generate_sequences(greedy))
+        return scores.sum(-1)
+
+    def shaped_rewards(self, batch: Batch) -> torch.Tensor:
+        """Token rewards after `algorithm.reward_clip` / `reward_norm` (applied to each response's
+        total score; the change lands on its last token)."""
+        scores = batch["token_level_scores"]
+        totals = scores.sum(-1)
+        shaped = shape_scores(totals, batch["uid"], self.cfg.algorithm, self.reward_stats)
+        if shaped is totals:
+            return scores
+        last = (batch["response_mask"].sum(-1) - 1).clamp_min(0)
+        rewards = scores.clone()
+        rewards[torch.arange(len(rewards)), last] += shaped - totals
+        return rewards
+
+    def reward_kl_and_rollout_correction(self, batch: Batch) -> dict[str, float]:
+        """KL penalty in the reward (`algorithm.use_kl_in_reward`) and, when the trainer's own
+        log-probs were recomputed, the train/inference mismatch and rollout correction."""
+        cfg = self.cfg.algorithm
+        metrics: dict[str, float] = {}
+        if cfg.use_kl_in_reward:
+            batch["token_level_rewards"], kl_metrics = apply_kl_penalty(
+                batch["token_level_rewards"], batch["old_log_probs"], batch["ref_log_prob"],
+                batch["response_mask"], self.kl_ctrl, cfg.kl_penalty)
+            metrics.update(kl_metrics)
+        if "old_log_probs" in batch and "rollout_log_probs" in batch:
+            old, rollout, mask = batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"]
+            metrics.update(mismatch_metrics(old, rollout, mask))
+            rc = cfg.rollout_correction
+            if rc.rollout_is or rc.rollout_rs:
+                weights, batch["response_mask"], rc_metrics = compute_rollout_correction(
+                    old, rollout, mask, rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
+                    rollout_rs=rc.rollout_rs, rollout_rs_threshold=rc.rollout_rs_threshold,
+                    batch_normalize=rc.rollout_is_batch_normalize)
+                if weights is not None:
+                    batch["rollout_is_weights"] = weights
+                metrics.update(rc_metrics)
         return metrics
 
     def prompt_batch(self, indices) -> Batch:

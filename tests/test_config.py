@@ -9,6 +9,7 @@ import sys
 import pytest
 from hydra.errors import ConfigCompositionException
 
+from hybrid_rl.algorithms import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
 from hybrid_rl.config import ConfigError, validate_config
 from hybrid_rl.main import REPO_ROOT, compose_config
 
@@ -38,6 +39,15 @@ def test_verl_grpo_command_line_composes_and_validates():
     assert cfg.actor_rollout_ref.rollout.n == 5
     assert cfg.actor_rollout_ref.rollout.response_length == 1024  # interpolated from data.*
     assert cfg.trainer.device in ("cpu", "cuda")
+
+
+@pytest.mark.parametrize("key, registry", [
+    ("algorithm.adv_estimator", ADV_ESTIMATORS), ("actor_rollout_ref.actor.policy_loss.loss_mode", POLICY_LOSSES),
+    ("actor_rollout_ref.actor.kl_loss_type", KL_ESTIMATORS), ("actor_rollout_ref.actor.loss_agg_mode", LOSS_AGG_MODES),
+])
+def test_every_registered_name_and_alias_validates(key, registry):
+    for name in registry.names():
+        validate_config(compose_config([f"{key}={name}"]))
 
 
 def test_unknown_key_is_rejected_by_hydra():
