@@ -149,8 +149,9 @@ def validate_config(cfg: DictConfig) -> DictConfig:
         raise ConfigError("algorithm.adv_estimator=grpo_passk compares the best and second-best of each "
                           f"group and needs actor_rollout_ref.rollout.n >= 2 (got {rollout.n}).")
     if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and rollout.n == 1:
-        logger.warning("algorithm.adv_estimator=%s with actor_rollout_ref.rollout.n=1: every group has "
-                       "one response, so every advantage is zero and nothing is learned. Set n >= 2.",
+        logger.warning("algorithm.adv_estimator=%s with actor_rollout_ref.rollout.n=1: every group has a "
+                       "single response, so there is no group baseline and the advantage is just the raw "
+                       "score (REINFORCE without a baseline). Set actor_rollout_ref.rollout.n >= 2.",
                        cfg.algorithm.adv_estimator)
     if trainer.total_training_steps is not None and trainer.total_training_steps <= 0:
         raise ConfigError("trainer.total_training_steps must be positive or null (null: "

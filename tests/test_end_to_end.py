@@ -59,6 +59,8 @@ def test_two_ranks_vllm_grpo(ray_session, tiny_model_dir, tiny_tokenizer, arithm
                     "critic/score/mean", "response_length/mean", "timing_s/gen", "timing_s/update_actor",
                     "timing_s/update_weights", "perf/throughput"):
             assert math.isfinite(m[key]), (key, m[key])
+        # Measured in the update's own forward: the fp32 engine samples from the trainer's weights.
+        assert m["rollout_corr/abs_logp_diff_max"] <= 1e-4, m["rollout_corr/abs_logp_diff_max"]
     assert "val/score/mean" in final_val
 
     # The update changed the weights: the actor scores the same sequences differently.

@@ -156,3 +156,33 @@ def test_num_examine_prints(tiny_tokenizer, capsys):
     out = capsys.readouterr().out
     assert "What is 1 + 2?" in out and "[ground_truth] 3" in out and "[score] 1.0" in out
     assert "q2" not in out
+
+
+def test_step_rewards_land_on_each_steps_last_token(tiny_tokenizer):
+    """Process supervision: each step's reward sits on the token holding its last character."""
+    text = "The answer is 46. #### 46"
+    batch, lengths = make_batch(tiny_tokenizer, ["What is 12 + 34?"], [text], ["46"], T=32)
+    ends = [len("The answer is 46."), len(text)]
+
+    def steps(data_source, solution_str, ground_truth, extra_info):
+        assert solution_str == text
+        return {"step_rewards": [0.25, 1.0], "step_ends": ends}
+
+    reward, extra = RewardManager(tiny_tokenizer, steps)(batch)
+    mask = extra.pop("step_mask")
+    ids = batch["responses"][0, : lengths[0]].tolist()
+    prefix = [len(tiny_tokenizer.decode(ids[: k + 1], skip_special_tokens=True)) for k in range(len(ids))]
+    expected_tokens = [min(k for k, n in enumerate(prefix) if n >= end) for end in ends]
+    assert mask[0].nonzero().flatten().tolist() == expected_tokens
+    assert reward[0, expected_tokens].tolist() == [0.25, 1.0]
+    assert reward.sum().item() == 1.25 and extra["score"] == [1.25]
+
+
+@pytest.mark.parametrize("result, fragment", [
+    ({"step_rewards": [1.0], "step_ends": [1, 2]}, "equal length"),
+    ({"step_rewards": [1.0], "step_ends": [999]}, "character offsets"),
+])
+def test_bad_step_rewards(tiny_tokenizer, result, fragment):
+    batch, _ = make_batch(tiny_tokenizer, ["What is 1 + 2?"], ["3"], ["3"])
+    with pytest.raises(TypeError, match=fragment):
+        RewardManager(tiny_tokenizer, lambda **kw: result)(batch)
