@@ -1,0 +1,51 @@
+"""Loggers write what they promise; the learning-rate schedule follows its formula."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from omegaconf import OmegaConf
+
+from hybrid_rl.tracking import Tracker
+from hybrid_rl.workers.train_engine import lr_lambda
+
+
+def test_jsonl_tensorboard_and_console(tmp_path, capsys):
+    tracker = Tracker(["console", "jsonl", "tensorboard"], str(tmp_path), total_steps=2, progress_bar=False)
+    tracker.log({"critic/score/mean": 0.25, "actor/pg_loss": -0.5, "val/score/mean": 0.75}, step=1)
+    tracker.log({"critic/score/mean": 0.5}, step=2)
+    tracker.close()
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["actor/pg_loss"] == -0.5
+    out = capsys.readouterr().out
+    assert "step 1:" in out and "critic/score/mean=0.2500" in out and "val/score/mean=0.7500" in out
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("critic/score/mean")] == [(1, 0.25), (2, 0.5)]
+
+
+def optim(**kw):
+    base = dict(lr=1.0, lr_warmup_steps=-1, lr_warmup_steps_ratio=0.0, lr_scheduler_type="constant",
+                min_lr_ratio=0.0, num_cycles=0.5)
+    return OmegaConf.create({**base, **kw})
+
+
+def test_constant_with_warmup_steps():
+    f = lr_lambda(optim(lr_warmup_steps=4), total_steps=10)
+    assert [f(s) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+
+
+def test_warmup_ratio_then_cosine_to_min():
+    total, warmup, floor = 20, 5, 0.1
+    f = lr_lambda(optim(lr_warmup_steps_ratio=0.25, lr_scheduler_type="cosine", min_lr_ratio=floor), total)
+    assert f(0) == pytest.approx(1 / warmup) and f(warmup - 1) == pytest.approx(1.0)
+    for step in range(warmup, total + 1):
+        progress = (step - warmup) / (total - warmup)
+        expected = floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        assert f(step) == pytest.approx(expected)
+    assert f(total) == pytest.approx(floor)
