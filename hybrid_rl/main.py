@@ -91,6 +91,7 @@ def build_trainer(cfg: DictConfig):
 
     try:
         model_path, tokenizer, train_dataset, val_dataset, reward_fn, val_reward_fn = prepare(cfg)
+        trainer = Trainer(cfg, model_path, tokenizer, train_dataset, val_dataset, reward_fn, val_reward_fn)
     except (ConfigError, ModelPathError, FileNotFoundError, ValueError, TypeError) as exc:
         raise SetupError(str(exc)) from exc
     logger.info("Model %s, %d training prompts, %d validation prompts, device %s", model_path,
@@ -98,7 +99,6 @@ def build_trainer(cfg: DictConfig):
     # Workers must import hybrid_rl even when it runs from a source checkout.
     pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
     init_ray(address=cfg.trainer.ray_address, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
-    trainer = Trainer(cfg, model_path, tokenizer, train_dataset, val_dataset, reward_fn, val_reward_fn)
     trainer.init_workers()
     return trainer
 

@@ -47,6 +47,10 @@ class Tracker:
             self.bar.set_postfix(score=f"{score:.3f}")
         self.bar.update(1)
 
+    def advance_to(self, step: int) -> None:
+        """Resume the progress bar at `step` (after loading a checkpoint)."""
+        self.bar.update(step - self.bar.n)
+
     def close(self) -> None:
         self.bar.close()
         if self.jsonl:

@@ -21,6 +21,7 @@ from hybrid_rl.algorithms import (
     RunningMoments, apply_kl_penalty, compute_rollout_correction, get_advantage_estimator, get_kl_controller,
     mismatch_metrics, shape_advantages, shape_scores,
 )
+from hybrid_rl.checkpoint import CheckpointManager, read_trainer_state
 from hybrid_rl.config import needs_critic, to_container
 from hybrid_rl.controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool, create_colocated_worker_cls
 from hybrid_rl.models import resolve_model_path
@@ -83,6 +84,9 @@ class Trainer:
             or cfg.algorithm.use_kl_in_reward or correction.rollout_is or correction.rollout_rs)
         self.n_ranks = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
         self.global_step = 0
+        self.checkpoints = CheckpointManager(cfg.trainer.default_local_dir, cfg.trainer.max_actor_ckpt_to_keep)
+        # Resolved now, before any worker starts, so a bad resume path fails fast.
+        self.resume_from = self.checkpoints.resume_folder(cfg.trainer.resume_mode, cfg.trainer.resume_from_path)
 
     # ------------------------------------------------------------------ workers
     def init_workers(self) -> None:
@@ -117,13 +121,16 @@ class Trainer:
                           cfg.trainer.progress_bar)
         last_val: dict[str, float] = {}
         try:
-            if cfg.trainer.val_before_train and self.val_dataset is not None:
+            if self.resume_from is not None:
+                self.load_checkpoint(self.resume_from)
+                tracker.advance_to(self.global_step)
+            elif cfg.trainer.val_before_train and self.val_dataset is not None:
                 last_val = self.validate()
                 tracker.log(last_val, step=0)
                 if cfg.trainer.val_only:
                     return last_val
             batches = iter(self.sampler)
-            for step in range(1, self.total_steps + 1):
+            for step in range(self.global_step + 1, self.total_steps + 1):
                 self.global_step = step
                 metrics = self.train_step(next(batches))
                 is_last = step == self.total_steps
@@ -131,11 +138,40 @@ class Trainer:
                 if self.val_dataset is not None and (is_last or (test_freq > 0 and step % test_freq == 0)):
                     last_val = self.validate()
                     metrics.update(last_val)
+                save_freq = cfg.trainer.save_freq
+                if save_freq > 0 and (is_last or step % save_freq == 0):
+                    start = time.perf_counter()
+                    self.save_checkpoint()
+                    metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
                 tracker.log(metrics, step=step)
                 tracker.advance(metrics["critic/score/mean"])
         finally:
             tracker.close()
         return last_val
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> None:
+        def write_parts(folder: str) -> None:
+            self.workers.save_checkpoint(os.path.join(folder, "actor"))
+            if self.critic is not None:
+                self.critic.save_checkpoint(os.path.join(folder, "critic"))
+
+        # The sampler has already handed out this step's batch: its state is the next batch.
+        state = {"global_step": self.global_step, "sampler": self.sampler.state_dict(),
+                 "kl_ctrl": self.kl_ctrl.state_dict(), "reward_stats": self.reward_stats.state_dict(),
+                 "config": to_container(self.cfg)}
+        self.checkpoints.save(self.global_step, write_parts, state)
+
+    def load_checkpoint(self, folder) -> None:
+        state = read_trainer_state(folder)
+        self.workers.load_checkpoint(os.path.join(folder, "actor"))
+        if self.critic is not None:
+            self.critic.load_checkpoint(os.path.join(folder, "critic"))
+        self.global_step = int(state["global_step"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.reward_stats.load_state_dict(state["reward_stats"])
+        logger.info("Resumed from %s at step %d", folder, self.global_step)
 
     def train_step(self, indices: list[int]) -> dict[str, float]:
         cfg = self.cfg

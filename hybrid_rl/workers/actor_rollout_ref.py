@@ -72,6 +72,10 @@ class ActorRolloutRefWorker(train_engine.ModelWorker):
             settings = greedy_settings()
         else:
             settings = sampling_settings(rollout_cfg, validate=prompts.meta.get("validate", False))
+        # Sampling depends only on (seed, step, rank, kind of call), so a resumed run samples
+        # exactly what an uninterrupted one would.
+        kind = 1 if prompts.meta.get("validate", False) else 2 if prompts.meta.get("greedy", False) else 0
+        torch.manual_seed(hash((self.cfg.trainer.seed, int(prompts.meta.get("step", 0)), self.rank, kind)) % 2**62)
         tokens, log_probs = self.rollout.generate(prompts, settings, rollout_cfg.response_length)
         return assemble_rollout(prompts, tokens, log_probs, rollout_cfg.response_length,
                                 self.pad_token_id, self.eos_token_ids)
@@ -85,6 +89,17 @@ class ActorRolloutRefWorker(train_engine.ModelWorker):
         start = time.perf_counter()
         sent = sync_weights(self.actor, self.rollout)
         return {"bytes": sent, "seconds": time.perf_counter() - start}
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, folder: str) -> None:
+        train_engine.save_sharded(self.actor, self.optimizer, self.scheduler, folder, self.rank,
+                                  {"skipped_steps": self.skipped_steps})
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, folder: str) -> None:
+        extra = train_engine.load_sharded(self.actor, self.optimizer, self.scheduler, folder, self.rank)
+        self.skipped_steps = int(extra.get("skipped_steps", 0))
+        self.sync_rollout_weights()  # the engine must sample from the restored weights
 
     # ------------------------------------------------------------------ log-probs
     @torch.no_grad()

@@ -58,6 +58,16 @@ class CriticWorker(train_engine.ModelWorker):
         self.skipped_steps = 0
         return {"rank": self.rank, "params": sum(p.numel() for p in self.critic.parameters())}
 
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, folder: str) -> None:
+        train_engine.save_sharded(self.critic, self.optimizer, self.scheduler, folder, self.rank,
+                                  {"skipped_steps": self.skipped_steps})
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, folder: str) -> None:
+        extra = train_engine.load_sharded(self.critic, self.optimizer, self.scheduler, folder, self.rank)
+        self.skipped_steps = int(extra.get("skipped_steps", 0))
+
     @register(dispatch=Dispatch.DP_COMPUTE)
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:

@@ -235,3 +235,40 @@ def token_share(mask: torch.Tensor, agg_kwargs: dict) -> float:
     """Weight of a micro-batch's per-token means in the exact mini-batch mean (see
     `mini_batch_updates`)."""
     return float(mask.sum()) / max(agg_kwargs["global_num_tokens"], 1.0) * agg_kwargs["dp_size"]
+
+
+def save_sharded(model, optimizer, scheduler, folder: str, rank: int, extra: dict | None = None) -> None:
+    """Each rank writes its shards of the model and optimizer (torch.distributed.checkpoint) plus
+    its own scheduler and RNG states; everything loads back with `weights_only` loading."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder)
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save({"scheduler": scheduler.state_dict(), "rng": rng, **(extra or {})},
+               os.path.join(folder, f"extra_rank{rank}.pt"))
+
+
+def load_sharded(model, optimizer, scheduler, folder: str, rank: int) -> dict:
+    """Inverse of `save_sharded` (same world size); returns the rank's extra entries."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    extra = torch.load(os.path.join(folder, f"extra_rank{rank}.pt"), weights_only=True)
+    scheduler.load_state_dict(extra.pop("scheduler"))
+    rng = extra.pop("rng")
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    return extra

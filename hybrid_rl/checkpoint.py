@@ -1,0 +1,128 @@
+"""Crash-safe checkpoints of a whole run, laid out like verl's:
+
+    <trainer.default_local_dir>/
+        global_step_<N>/
+            actor/   critic/        sharded model + optimizer (torch.distributed.checkpoint),
+                                    per-rank scheduler and RNG states
+            trainer_state.json      step, data sampler position, KL controller, reward statistics,
+                                    the resolved config
+        latest_checkpointed_iteration.txt
+
+A checkpoint is written into a hidden temporary folder and renamed into place only when every
+part is on disk; the `latest` pointer is replaced atomically after that. A crash at any moment
+therefore leaves the previous checkpoint, and the pointer to it, intact.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Callable
+
+logger = logging.getLogger(__name__)
+
+POINTER = "latest_checkpointed_iteration.txt"
+STATE = "trainer_state.json"
+STEP_DIR = re.compile(r"^global_step_(\d+)$")
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+class CheckpointManager:
+    def __init__(self, root: str, max_to_keep: int | None = None):
+        self.root = Path(os.path.expanduser(root))
+        self.max_to_keep = max_to_keep
+
+    def save(self, step: int, write_parts: Callable[[str], None], trainer_state: dict) -> Path:
+        """`write_parts(folder)` has the workers write their shards under `folder`."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".tmp_global_step_{step}_{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        write_parts(str(tmp))
+        _write_atomic(tmp / STATE, json.dumps(trainer_state, indent=1))
+        final = self.root / f"global_step_{step}"
+        if final.exists():  # the same step saved again after a resume: replace it whole
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        _write_atomic(self.root / POINTER, str(step))
+        self._rotate()
+        logger.info("Saved checkpoint %s", final)
+        return final
+
+    def _rotate(self) -> None:
+        if not self.max_to_keep or self.max_to_keep <= 0:
+            return
+        for old in self.completed()[:-self.max_to_keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        # Leftovers of saves interrupted by a crash.
+        for tmp in self.root.glob(".tmp_global_step_*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def completed(self) -> list[Path]:
+        steps = [(int(m.group(1)), p) for p in self.root.glob("global_step_*")
+                 if (m := STEP_DIR.match(p.name)) and (p / STATE).is_file()]
+        return [p for _, p in sorted(steps)]
+
+    def latest(self) -> Path | None:
+        pointer = self.root / POINTER
+        if not pointer.is_file():
+            return None
+        folder = self.root / f"global_step_{pointer.read_text().strip()}"
+        if not (folder / STATE).is_file():
+            raise CheckpointError(
+                f"{pointer} points to {folder}, which is missing or incomplete. Delete the pointer to "
+                "start over, or resume from a complete checkpoint with trainer.resume_mode=resume_path "
+                f"trainer.resume_from_path=<folder> (complete ones: {[p.name for p in self.completed()]}).")
+        return folder
+
+    def resume_folder(self, mode: str, path: str | None) -> Path | None:
+        """The checkpoint to resume from under `trainer.resume_mode`, or None to start fresh."""
+        if mode == "disable":
+            return None
+        if mode == "auto":
+            return self.latest()
+        if mode == "resume_path":
+            if not path:
+                raise CheckpointError("trainer.resume_mode=resume_path needs trainer.resume_from_path=<.../global_step_N>.")
+            folder = Path(os.path.expanduser(path))
+            if not folder.is_dir():
+                raise CheckpointError(f"trainer.resume_from_path={path} does not exist.")
+            if not (folder / STATE).is_file():
+                raise CheckpointError(f"trainer.resume_from_path={path} is not a complete checkpoint (no {STATE}); "
+                                      "point it at a global_step_<N> folder written by hybrid-rl.")
+            return folder
+        raise CheckpointError(f"trainer.resume_mode={mode!r} is not valid. Valid choices: auto, disable, resume_path.")
+
+
+def read_trainer_state(folder: Path) -> dict:
+    try:
+        return json.loads((folder / STATE).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"Cannot read {folder / STATE} ({exc}); the checkpoint is corrupt. Resume from an "
+                              "earlier global_step_<N> folder with trainer.resume_mode=resume_path.") from exc
