@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 import time
 import uuid
 from collections import defaultdict
@@ -16,6 +17,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 from omegaconf import DictConfig
+from transformers import AutoConfig
 
 from hybrid_rl.algorithms import (
     RunningMoments, apply_kl_penalty, compute_rollout_correction, get_advantage_estimator, get_kl_controller,
@@ -152,6 +154,12 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> None:
         def write_parts(folder: str) -> None:
+            # Config, tokenizer and chat template, so a checkpoint exports without the original model.
+            hf_dir = os.path.join(folder, "huggingface")
+            self.tokenizer.save_pretrained(hf_dir)
+            AutoConfig.from_pretrained(self.model_path).save_pretrained(hf_dir)
+            if os.path.isfile(os.path.join(self.model_path, "generation_config.json")):
+                shutil.copy(os.path.join(self.model_path, "generation_config.json"), hf_dir)
             self.workers.save_checkpoint(os.path.join(folder, "actor"))
             if self.critic is not None:
                 self.critic.save_checkpoint(os.path.join(folder, "critic"))
