@@ -35,7 +35,7 @@ def default_compute_score(data_source, solution_str, ground_truth, extra_info=No
     """Score one response with the built-in scorer registered for ``data_source``."""
     scorer = _BUILTIN_SCORERS.get(str(data_source))
     if scorer is None:
-        raise ValueError(
+        raise UnknownDataSourceError(
             f"No built-in reward function for data_source={str(data_source)!r}. "
             f"Known data sources: {', '.join(KNOWN_DATA_SOURCES)}. "
             "To score other data, write a function "
@@ -46,12 +46,14 @@ def default_compute_score(data_source, solution_str, ground_truth, extra_info=No
 
 
 from .custom import load_custom_reward_fn  # noqa: E402
-from .manager import RewardFunctionError, RewardManager  # noqa: E402
+from .manager import ON_ERROR_CHOICES, RewardFunctionError, RewardManager, UnknownDataSourceError  # noqa: E402
 
 __all__ = [
     "KNOWN_DATA_SOURCES",
+    "ON_ERROR_CHOICES",
     "RewardFunctionError",
     "RewardManager",
+    "UnknownDataSourceError",
     "default_compute_score",
     "load_custom_reward_fn",
 ]

@@ -5,18 +5,112 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import logging
 import math
 import numbers
+import os
+import queue
+import sys
+import threading
+import traceback
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-__all__ = ["RewardFunctionError", "RewardManager"]
+__all__ = ["ON_ERROR_CHOICES", "RewardFunctionError", "RewardManager", "UnknownDataSourceError"]
+
+logger = logging.getLogger(__name__)
+
+ON_ERROR_CHOICES: tuple[str, ...] = ("zero", "raise")
 
 
 class RewardFunctionError(RuntimeError):
-    """A reward function raised, or returned a non-finite score, for one sample."""
+    """A reward function raised, timed out or returned a non-finite score for one sample."""
+
+
+class UnknownDataSourceError(ValueError):
+    """No reward function is registered for a sample's data source: a configuration error, so the
+    reward manager always raises it, whatever ``on_error`` says."""
+
+
+_FAILED = object()  # _call's result for a failed sample under on_error="zero"
+
+
+class _RewardTimeout(Exception):
+    """Internal: an async reward function was cancelled at its deadline."""
+
+
+class _DaemonWorkers:
+    """Daemon threads that run reward calls so the caller can stop waiting at a deadline.
+
+    Like a ``ThreadPoolExecutor`` that reuses idle threads, but (1) a call that never returns only
+    takes its own thread out of service, a new one is started for the next call instead of queueing
+    behind it, and (2) the threads are daemons, so a hung reward function cannot keep the process
+    from exiting (``ThreadPoolExecutor`` joins its threads at interpreter exit).
+    """
+
+    def __init__(self, name: str):
+        self._name = name
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+        self._started = 0
+        self._closed = False
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        future: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the reward manager was closed")
+            if self._idle:
+                self._idle -= 1
+            else:
+                self._started += 1
+                threading.Thread(target=self._work, name=f"{self._name}-{self._started}", daemon=True).start()
+        self._jobs.put((future, fn))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            future, fn = job
+            del job
+            if future.set_running_or_notify_cancel():
+                try:
+                    result = fn()
+                except BaseException as exc:  # handed to the waiting caller
+                    future.set_exception(exc)
+                    del exc
+                else:
+                    future.set_result(result)
+                    del result
+            del future, fn
+            with self._lock:
+                self._idle += 1
+
+    def close(self) -> None:
+        """Idle threads exit now; a thread still running a timed-out call exits when it returns."""
+        with self._lock:
+            self._closed = True
+            started = self._started
+        for _ in range(started):
+            self._jobs.put(None)
+
+
+def _stack_of(thread_id: int | None) -> str:
+    """Where a (hung) thread is now, without the worker machinery's frames."""
+    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
+    if frame is None:
+        return "  (the call had not started, or has just finished)\n"
+    here = os.path.normcase(os.path.abspath(__file__))
+    frames = [f for f in traceback.extract_stack(frame)
+              if os.path.normcase(os.path.abspath(f.filename)) != here and not f.filename.endswith("threading.py")]
+    return "".join(traceback.format_list(frames)) or "  (no frames outside the worker)\n"
 
 
 def _fn_name(fn: Callable) -> str:
@@ -59,6 +153,28 @@ class RewardManager:
     ``"step_ends"`` (each step's end as a character offset into the response, exclusive) puts
     each step's reward on the token holding the step's last character instead, and ``extra``
     then carries a (B, T) bool ``"step_mask"`` of those tokens (``"score"`` defaults to the sum).
+
+    Faults (``on_error``, ``timeout_s``; ``reward_model.on_error`` / ``reward_model.timeout_s``):
+
+    * A call that raises, or that runs past ``timeout_s`` seconds, is a *failure*. With
+      ``on_error="raise"`` it stops the run with :class:`RewardFunctionError` (naming the function,
+      the sample index, data source and ground truth). With ``on_error="zero"`` the sample scores
+      0.0, it is counted, and the first failure of this manager is logged once as a warning with
+      its traceback (for a timeout: the stack where the call was stuck); later ones are only
+      counted. ``self.failures`` is the number of failed samples in the last call,
+      ``self.total_failures`` the running total, and with ``on_error="zero"`` ``extra`` carries a
+      per-sample bool list ``"reward_failed"``.
+    * Programming errors are not failures and always raise, whatever ``on_error`` says: a wrong
+      return type, a dict without ``"score"``, malformed step rewards (``TypeError`` naming the
+      function), a non-finite score (``RewardFunctionError`` naming the data source and sample
+      index), and a data source no built-in scorer knows (:class:`UnknownDataSourceError`).
+    * ``timeout_s`` (None or <= 0: no limit) is per call. With a limit each call runs in a daemon
+      worker thread and the manager stops waiting at the deadline; Python cannot stop a thread, so
+      a timed-out call keeps running in the background (its result is dropped) and the next call
+      gets a fresh thread. Async reward functions are cancelled at the deadline. Code stuck in C
+      without releasing the GIL can stall the whole process and is not covered; code that uses
+      ``signal`` (e.g. ``signal.alarm``-based timeouts) only works in the main thread, so it fails
+      when ``timeout_s`` is set. Without a limit calls run in the caller's thread, as before.
     """
 
     def __init__(
@@ -67,6 +183,8 @@ class RewardManager:
         compute_score: Callable | None = None,
         reward_fn_key: str = "data_source",
         num_examine: int = 0,
+        on_error: str = "raise",
+        timeout_s: float | None = None,
     ):
         if compute_score is None:
             from . import default_compute_score
@@ -74,30 +192,105 @@ class RewardManager:
             compute_score = default_compute_score
         if not callable(compute_score):
             raise TypeError(f"compute_score must be callable, got {type(compute_score).__name__}")
+        if on_error not in ON_ERROR_CHOICES:
+            raise ValueError(f"reward_model.on_error must be one of {', '.join(map(repr, ON_ERROR_CHOICES))}, "
+                             f"got {on_error!r}")
+        if timeout_s is not None:
+            try:
+                timeout_s = float(timeout_s)
+            except (TypeError, ValueError):
+                raise ValueError(f"reward_model.timeout_s must be a number of seconds (or null for no limit), "
+                                 f"got {timeout_s!r}") from None
+            if math.isnan(timeout_s):
+                raise ValueError("reward_model.timeout_s must be a number of seconds (or null for no limit), got nan")
+            if timeout_s <= 0 or math.isinf(timeout_s):
+                timeout_s = None
         self.tokenizer = tokenizer
         self.compute_score = compute_score
         self.reward_fn_key = reward_fn_key
         self.num_examine = int(num_examine)
+        self.on_error = on_error
+        self.timeout_s = timeout_s
+        self.failures = 0
+        self.total_failures = 0
+        self._logged_failure = False
+        self._workers: _DaemonWorkers | None = None
         self._name = _fn_name(compute_score)
 
+    def close(self) -> None:
+        """Let the worker threads of ``timeout_s`` go (optional; they are daemon threads)."""
+        if self._workers is not None:
+            self._workers.close()
+            self._workers = None
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_workers"] = None  # threads and locks do not pickle; a copy starts its own
+        return state
+
     # ------------------------------------------------------------------ helpers
-    def _call(self, i: int, data_source, solution_str: str, ground_truth, extra_info):
-        try:
-            result = self.compute_score(
-                data_source=data_source,
-                solution_str=solution_str,
-                ground_truth=ground_truth,
-                extra_info=extra_info,
-            )
+    def _invoke(self, data_source, solution_str: str, ground_truth, extra_info):
+        """One call of the reward function, with the ``timeout_s`` deadline when there is one."""
+        kwargs = dict(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
+                      extra_info=extra_info)
+        if self.timeout_s is None:
+            result = self.compute_score(**kwargs)
             if inspect.isawaitable(result):
                 result = asyncio.run(_await(result))
+            return result
+
+        timeout = self.timeout_s
+        where: dict[str, int] = {}
+
+        def run():
+            where["thread"] = threading.get_ident()
+            result = self.compute_score(**kwargs)
+            if inspect.isawaitable(result):
+                try:
+                    result = asyncio.run(_await(result, timeout))
+                except asyncio.TimeoutError:
+                    raise _RewardTimeout() from None
+            return result
+
+        if self._workers is None:
+            self._workers = _DaemonWorkers("reward-fn")
+        future = self._workers.submit(run)
+        try:
+            return future.result(timeout=timeout)
+        except FutureTimeoutError:
+            raise _RewardTimeout(_stack_of(where.get("thread"))) from None
+
+    def _call(self, i: int, data_source, solution_str: str, ground_truth, extra_info):
+        """The reward function's result, or ``_FAILED`` when it failed and ``on_error="zero"``."""
+        try:
+            return self._invoke(data_source, solution_str, ground_truth, extra_info)
+        except _RewardTimeout as timeout:
+            cause = None
+            what = f"exceeded reward_model.timeout_s={self.timeout_s:g} s"
+            fix = ("raise reward_model.timeout_s (or set it to null for no limit) if the function needs more "
+                   "time; the timed-out call keeps running in a background thread")
+            stack = timeout.args[0] if timeout.args else "  (an async function, cancelled at the deadline)\n"
+            details = f"\nThe call was at:\n{stack}"
         except Exception as exc:
-            raise RewardFunctionError(
-                f"reward function {self._name} raised {type(exc).__name__}: {exc} "
-                f"(sample index {i}, data_source={data_source!r}, ground_truth={ground_truth!r}, "
-                f"response[:200]={solution_str[:200]!r})"
-            ) from exc
-        return result
+            cause = exc
+            what = f"raised {type(exc).__name__}: {exc}"
+            fix = details = ""
+        sample = (f"sample index {i}, data_source={data_source!r}, ground_truth={ground_truth!r}, "
+                  f"response[:200]={solution_str[:200]!r}")
+        if self.on_error == "raise" or isinstance(cause, UnknownDataSourceError):
+            # an unknown data source is a configuration error: scoring it 0 would hide it
+            raise RewardFunctionError(f"reward function {self._name} {what} ({sample})"
+                                      + (f"; {fix}" if fix else "")) from cause
+        self.failures += 1
+        self.total_failures += 1
+        if not self._logged_failure:
+            self._logged_failure = True
+            logger.warning(
+                "reward function %s %s (%s). The sample scores 0 (reward_model.on_error=zero); this is logged "
+                "once, later failures are only counted (reward/failed_samples). Set reward_model.on_error=raise "
+                "to stop the run instead%s%s",
+                self._name, what, sample, f"; {fix}" if fix else ".", details, exc_info=cause)
+        return _FAILED
 
     def _step_positions(self, i: int, ids: list[int], solution_str: str, result: dict) -> list[tuple[int, float]]:
         """(token index, reward) of each step; a step ends on the token whose decoded prefix first
@@ -195,6 +388,8 @@ class RewardManager:
         extra: dict[str, list] = {"score": []}
         extra_keys_seen: list[str] = []
         per_sample_extras: list[dict] = []
+        failed: list[bool] = []
+        self.failures = 0
 
         for i in range(bsz):
             n_valid = int(valid_resp_len[i])
@@ -210,9 +405,15 @@ class RewardManager:
             extra_info = _as_python(extra_infos[i]) if extra_infos is not None else None
 
             result = self._call(i, data_source, solution_str, ground_truth, extra_info)
-            score, extras = self._to_score(i, data_source, result)
+            failed.append(result is _FAILED)
+            if result is _FAILED:  # failed, on_error="zero": the row stays all zero
+                score, extras = 0.0, {}
+            else:
+                score, extras = self._to_score(i, data_source, result)
 
-            if isinstance(result, dict) and "step_rewards" in result:
+            if result is _FAILED:
+                pass
+            elif isinstance(result, dict) and "step_rewards" in result:
                 if step_mask is None:
                     step_mask = torch.zeros(bsz, resp_len, dtype=torch.bool, device=responses.device)
                 for token, step_reward in self._step_positions(i, ids, solution_str, result):
@@ -236,16 +437,21 @@ class RewardManager:
                 print(f"[prompt] {prompt_str}")
                 print(f"[response] {solution_str}")
                 print(f"[ground_truth] {ground_truth}")
-                print(f"[score] {score}" + (f" {extras}" if extras else ""))
+                print(f"[score] {score}" + (f" {extras}" if extras else "")
+                      + (" (the reward function failed)" if result is _FAILED else ""))
 
         for k in extra_keys_seen:
             if k == "score":
                 continue
             extra[k] = [e.get(k) for e in per_sample_extras]
+        if self.on_error == "zero":
+            extra["reward_failed"] = failed
         if step_mask is not None:
             extra["step_mask"] = step_mask
         return reward, extra
 
 
-async def _await(awaitable):
-    return await awaitable
+async def _await(awaitable, timeout: float | None = None):
+    if timeout is None:
+        return await awaitable
+    return await asyncio.wait_for(awaitable, timeout)
