@@ -58,13 +58,17 @@ def load_tokenizer(cfg: DictConfig, model_path: str):
 
 def prepare(cfg: DictConfig):
     """Everything the run needs before workers start; raises on bad input."""
+    from hybrid_rl.config import needs_critic
     from hybrid_rl.data import RLDataset
     from hybrid_rl.rewards import RewardManager, load_custom_reward_fn
 
     validate_config(cfg)
+    check_resume(cfg)
     model_path = resolve_model_path(cfg.actor_rollout_ref.model.path)
+    if needs_critic(cfg) and cfg.critic.model.path:
+        resolve_model_path(cfg.critic.model.path, key="critic.model.path")
     check_model_limits(cfg, model_path)
-    tokenizer = load_tokenizer(cfg, model_path)
+    tokenizer = load_checked_tokenizer(cfg, model_path)
 
     train_files, val_files = cfg.data.train_files, cfg.data.val_files
     if train_files is None:
@@ -79,9 +83,60 @@ def prepare(cfg: DictConfig):
 
     custom = cfg.custom_reward_function
     compute_score = load_custom_reward_fn(custom.path, custom.name, custom.reward_kwargs)
-    reward_fn = RewardManager(tokenizer, compute_score, cfg.data.reward_fn_key, cfg.reward_model.num_examine)
-    val_reward_fn = RewardManager(tokenizer, compute_score, cfg.data.reward_fn_key, 0)
+    if compute_score is None:
+        check_builtin_data_sources(train_dataset, "data.train_files")
+        if val_dataset is not None:
+            check_builtin_data_sources(val_dataset, "data.val_files")
+    faults = dict(on_error=cfg.reward_model.on_error, timeout_s=cfg.reward_model.timeout_s)
+    reward_fn = RewardManager(tokenizer, compute_score, cfg.data.reward_fn_key, cfg.reward_model.num_examine, **faults)
+    val_reward_fn = RewardManager(tokenizer, compute_score, cfg.data.reward_fn_key, 0, **faults)
     return model_path, tokenizer, train_dataset, val_dataset, reward_fn, val_reward_fn
+
+
+def check_resume(cfg: DictConfig) -> None:
+    """Resolve trainer.resume_mode / resume_from_path now, before models and data are loaded."""
+    from hybrid_rl.checkpoint import CheckpointError, CheckpointManager
+
+    trainer = cfg.trainer
+    checkpoints = CheckpointManager(trainer.default_local_dir)
+    path = trainer.resume_from_path
+    if trainer.resume_mode == "resume_path" and path and not os.path.isdir(os.path.expanduser(path)):
+        complete = [str(p) for p in checkpoints.completed()] if checkpoints.root.is_dir() else []
+        raise CheckpointError(
+            f"trainer.resume_from_path={path} does not exist. Point it at a global_step_<N> folder of an "
+            f"earlier run (complete ones under trainer.default_local_dir: {complete or 'none'}), or set "
+            "trainer.resume_mode=auto (latest checkpoint, if any) or disable (start fresh).")
+    checkpoints.resume_folder(trainer.resume_mode, path)
+
+
+def load_checked_tokenizer(cfg: DictConfig, model_path: str):
+    """load_tokenizer, with a missing or unreadable tokenizer reported as a bad model path."""
+    source = cfg.actor_rollout_ref.model.tokenizer_path or model_path
+    key = ("actor_rollout_ref.model.tokenizer_path" if cfg.actor_rollout_ref.model.tokenizer_path
+           else "actor_rollout_ref.model.path")
+    try:
+        return load_tokenizer(cfg, model_path)
+    except (OSError, ValueError) as exc:
+        reason = " ".join(str(exc).split())[:300]
+        raise ModelPathError(
+            f"Cannot load a tokenizer from {key}={source!r} ({type(exc).__name__}: {reason}). Point "
+            f"{key} at a folder with the tokenizer files (tokenizer.json / tokenizer_config.json) of "
+            "this model.") from exc
+
+
+def check_builtin_data_sources(dataset, key: str) -> None:
+    """Without custom_reward_function.path every row's data_source needs a built-in scorer."""
+    from collections import Counter
+
+    from hybrid_rl.rewards import KNOWN_DATA_SOURCES
+
+    unknown = Counter(str(s) for s in dataset.data_sources() if str(s) not in KNOWN_DATA_SOURCES)
+    if unknown:
+        found = ", ".join(f"{name!r} ({count} rows)" for name, count in unknown.most_common(5))
+        raise ConfigError(
+            f"{key} has rows whose data_source no built-in reward function scores: {found}. Known "
+            f"data sources: {', '.join(KNOWN_DATA_SOURCES)}. Set custom_reward_function.path=/file.py "
+            "(and custom_reward_function.name) to score them, or fix the data_source column.")
 
 
 def build_trainer(cfg: DictConfig):
@@ -104,7 +159,25 @@ def build_trainer(cfg: DictConfig):
 
 
 def run(cfg: DictConfig) -> dict[str, float]:
-    return build_trainer(cfg).fit()
+    """Train; after a worker failure, restart the workers from the last checkpoint up to
+    `trainer.max_restarts` times."""
+    from hybrid_rl.trainer import WorkerFailure
+
+    trainer = build_trainer(cfg)
+    restarts = 0
+    try:
+        while True:
+            try:
+                return trainer.fit()
+            except WorkerFailure as exc:
+                if restarts >= cfg.trainer.max_restarts:
+                    raise
+                restarts += 1
+                logger.error("%s. Restarting the workers (%d of trainer.max_restarts=%d) from the last "
+                             "checkpoint.", exc, restarts, cfg.trainer.max_restarts)
+                trainer.restart_workers()
+    finally:
+        trainer.shutdown()
 
 
 class SetupError(RuntimeError):
@@ -114,12 +187,18 @@ class SetupError(RuntimeError):
 @hydra.main(config_path="../conf", config_name="ppo_trainer", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     OmegaConf.resolve(cfg)
+    from hybrid_rl.trainer import WorkerFailure
+
     try:
         run(cfg)
     except SetupError as exc:
         # One clear line, no traceback to decode.
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except WorkerFailure as exc:
+        print(f"error: {exc}. The last checkpoint is intact; rerun the same command to resume "
+              "(or set trainer.max_restarts to restart automatically).", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

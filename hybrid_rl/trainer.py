@@ -25,7 +25,7 @@ from hybrid_rl.algorithms import (
 )
 from hybrid_rl.checkpoint import CheckpointManager, read_trainer_state
 from hybrid_rl.config import needs_critic, to_container
-from hybrid_rl.controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool, create_colocated_worker_cls
+from hybrid_rl.controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool, WorkerError, create_colocated_worker_cls
 from hybrid_rl.models import resolve_model_path
 from hybrid_rl.data import EpochSampler, RLDataset, collate_prompts
 from hybrid_rl.metrics import Timer, compute_data_metrics, reduce_worker_metrics, throughput_metrics
@@ -54,6 +54,10 @@ def worker_env(cfg: DictConfig, cpus_per_worker: float) -> dict[str, str]:
     return env
 
 
+class WorkerFailure(RuntimeError):
+    """A worker process failed or died; the message names the rank, node and step."""
+
+
 class Trainer:
     def __init__(self, cfg: DictConfig, model_path: str, tokenizer, train_dataset: RLDataset,
                  val_dataset: RLDataset | None, reward_fn: RewardManager, val_reward_fn: RewardManager):
@@ -68,8 +72,6 @@ class Trainer:
         self.advantage_fn = get_advantage_estimator(cfg.algorithm.adv_estimator)
         self.use_reference = needs_reference(cfg)
         self.use_critic = needs_critic(cfg)
-        self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl)
-        self.reward_stats = RunningMoments()  # for algorithm.reward_norm.*=running
 
         steps_per_epoch = len(train_dataset) // cfg.data.train_batch_size
         self.total_steps = cfg.trainer.total_training_steps or steps_per_epoch * cfg.trainer.total_epochs
@@ -85,10 +87,17 @@ class Trainer:
             actor.ppo_epochs > 1 or actor.ppo_mini_batch_size < cfg.data.train_batch_size
             or cfg.algorithm.use_kl_in_reward or correction.rollout_is or correction.rollout_rs)
         self.n_ranks = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-        self.global_step = 0
+        self.reset_run_state()
         self.checkpoints = CheckpointManager(cfg.trainer.default_local_dir, cfg.trainer.max_actor_ckpt_to_keep)
         # Resolved now, before any worker starts, so a bad resume path fails fast.
         self.resume_from = self.checkpoints.resume_folder(cfg.trainer.resume_mode, cfg.trainer.resume_from_path)
+
+    def reset_run_state(self) -> None:
+        """Driver-side state that a checkpoint restores; fresh values for a run from scratch."""
+        self.global_step = 0
+        self.sampler.load_state_dict({"epoch": 0, "batch_in_epoch": 0})
+        self.kl_ctrl = get_kl_controller(self.cfg.algorithm.kl_ctrl)
+        self.reward_stats = RunningMoments()  # for algorithm.reward_norm.*=running
 
     # ------------------------------------------------------------------ workers
     def init_workers(self) -> None:
@@ -107,9 +116,24 @@ class Trainer:
                                     env_vars=worker_env(cfg, cpus))
         views = self.group.spawn(roles)
         self.workers, self.critic = views["actor_rollout_ref"], views.get("critic")
+        self.node_info = self.group.get_node_info()
         if self.critic is not None:
             self.critic.init_model()
         self.workers.init_model()  # last: the rollout engine sizes its cache after the trainers
+
+    def restart_workers(self) -> None:
+        """New worker processes, resuming from the latest checkpoint of this run (or from
+        scratch when there is none)."""
+        self.shutdown()
+        self.reset_run_state()
+        self.resume_from = self.checkpoints.latest()
+        self.init_workers()
+
+    def describe_failure(self, exc: WorkerError) -> str:
+        node = self.node_info[exc.rank] if exc.rank < len(self.node_info) else {}
+        cause = str(exc).splitlines()[0]  # Ray's death reports run over many lines
+        return (f"worker rank {exc.rank} on node {node.get('hostname', '?')} ({node.get('ip', '?')}, pid "
+                f"{node.get('pid', '?')}) failed during step {self.global_step}: {cause}")
 
     def shutdown(self) -> None:
         """Stop the workers and free their CPUs/GPUs (the Ray session itself stays up)."""
@@ -118,37 +142,44 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
+        """Train to `total_steps`; a failed or dead worker becomes a `WorkerFailure`."""
         cfg = self.cfg
         tracker = Tracker(cfg.trainer.logger, cfg.trainer.default_local_dir, self.total_steps,
                           cfg.trainer.progress_bar)
-        last_val: dict[str, float] = {}
         try:
-            if self.resume_from is not None:
-                self.load_checkpoint(self.resume_from)
-                tracker.advance_to(self.global_step)
-            elif cfg.trainer.val_before_train and self.val_dataset is not None:
-                last_val = self.validate()
-                tracker.log(last_val, step=0)
-                if cfg.trainer.val_only:
-                    return last_val
-            batches = iter(self.sampler)
-            for step in range(self.global_step + 1, self.total_steps + 1):
-                self.global_step = step
-                metrics = self.train_step(next(batches))
-                is_last = step == self.total_steps
-                test_freq = cfg.trainer.test_freq
-                if self.val_dataset is not None and (is_last or (test_freq > 0 and step % test_freq == 0)):
-                    last_val = self.validate()
-                    metrics.update(last_val)
-                save_freq = cfg.trainer.save_freq
-                if save_freq > 0 and (is_last or step % save_freq == 0):
-                    start = time.perf_counter()
-                    self.save_checkpoint()
-                    metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
-                tracker.log(metrics, step=step)
-                tracker.advance(metrics["critic/score/mean"])
+            return self._fit(tracker)
+        except WorkerError as exc:
+            raise WorkerFailure(self.describe_failure(exc)) from exc
         finally:
             tracker.close()
+
+    def _fit(self, tracker: Tracker) -> dict[str, float]:
+        cfg = self.cfg
+        last_val: dict[str, float] = {}
+        if self.resume_from is not None:
+            self.load_checkpoint(self.resume_from)
+            tracker.advance_to(self.global_step)
+        elif cfg.trainer.val_before_train and self.val_dataset is not None:
+            last_val = self.validate()
+            tracker.log(last_val, step=0)
+            if cfg.trainer.val_only:
+                return last_val
+        batches = iter(self.sampler)
+        for step in range(self.global_step + 1, self.total_steps + 1):
+            self.global_step = step
+            metrics = self.train_step(next(batches))
+            is_last = step == self.total_steps
+            test_freq = cfg.trainer.test_freq
+            if self.val_dataset is not None and (is_last or (test_freq > 0 and step % test_freq == 0)):
+                last_val = self.validate()
+                metrics.update(last_val)
+            save_freq = cfg.trainer.save_freq
+            if save_freq > 0 and (is_last or step % save_freq == 0):
+                start = time.perf_counter()
+                self.save_checkpoint()
+                metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
+            tracker.log(metrics, step=step)
+            tracker.advance(metrics["critic/score/mean"])
         return last_val
 
     # ------------------------------------------------------------------ checkpoints
@@ -238,8 +269,11 @@ class Trainer:
 
         metrics.update({"training/global_step": float(self.global_step), **compute_data_metrics(batch),
                         **timer.timings, **throughput_metrics(batch, timer.timings["timing_s/step"], self.n_ranks)})
-        if "acc" in reward_extra:
-            metrics["critic/acc/mean"] = float(np.mean([float(a) for a in reward_extra["acc"]]))
+        metrics["reward/failed_samples"] = float(self.reward_fn.failures)
+        metrics["reward/failed_samples_total"] = float(self.reward_fn.total_failures)
+        accuracies = [float(a) for a in reward_extra.get("acc", []) if a is not None]  # None: failed sample
+        if accuracies:
+            metrics["critic/acc/mean"] = float(np.mean(accuracies))
         return metrics
 
     def greedy_baseline(self, prompts: Batch) -> torch.Tensor:
@@ -309,6 +343,7 @@ class Trainer:
             by_source[str(source)].append(score)
         metrics = {f"val-core/{src}/reward/mean@{n}": float(np.mean(v)) for src, v in by_source.items()}
         metrics["val/score/mean"] = float(sample_scores.mean())
+        metrics["val/reward/failed_samples"] = float(self.val_reward_fn.failures)
         metrics["timing_s/validate"] = time.perf_counter() - start
         self.print_generations(batch, sample_scores)
         return metrics

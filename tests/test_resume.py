@@ -42,7 +42,8 @@ def run(cmd) -> None:
 
 def run_and_kill_after(cmd, run_dir: Path, step: int) -> None:
     """Start the run in its own process group and SIGKILL all of it once checkpoint `step` is complete."""
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    log = run_dir.parent / f"{run_dir.name}.log"  # a file: an unread pipe could fill and stall the run
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     deadline = time.time() + 600
     pointer = run_dir / POINTER
@@ -50,7 +51,7 @@ def run_and_kill_after(cmd, run_dir: Path, step: int) -> None:
         if pointer.is_file() and pointer.read_text().strip() == str(step):
             break
         time.sleep(0.05)
-    assert proc.poll() is None, f"run ended before checkpoint {step}: {proc.stderr.read()[-3000:]}"
+    assert proc.poll() is None, f"run ended before checkpoint {step}: {log.read_text()[-3000:]}"
     # The driver leads its own process group; Ray's daemons share its fate and exit with it.
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()

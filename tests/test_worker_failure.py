@@ -1,0 +1,75 @@
+"""A worker process killed mid-run: the driver names the worker, node and step and exits non-zero
+within a minute; with trainer.max_restarts it restarts the workers from the last checkpoint and
+finishes the run."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from hybrid_rl.checkpoint import POINTER
+from hybrid_rl.main import REPO_ROOT
+from tests.conftest import run_overrides
+
+pytestmark = pytest.mark.slow
+
+STEPS = 4
+
+
+def start(model_dir, files, run_dir, max_restarts: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "hybrid_rl.main", *run_overrides(model_dir, files, run_dir, response=12),
+           f"trainer.total_training_steps={STEPS}", "trainer.save_freq=1", "trainer.val_before_train=false",
+           "trainer.test_freq=-1", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=2",
+           "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+           "actor_rollout_ref.rollout.name=hf", "trainer.n_gpus_per_node=2", "trainer.cpus_per_worker=1",
+           f"trainer.max_restarts={max_restarts}"]
+    # Output to a file: a pipe nobody reads while the test waits could fill up and stall the run.
+    log = open(run_dir / "run.log", "w")
+    return subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def kill_a_worker_after_checkpoint(proc: subprocess.Popen, run_dir, step: int) -> float:
+    """SIGKILL one worker process (a descendant of the driver) once checkpoint `step` exists."""
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        pointer = run_dir / POINTER
+        if pointer.is_file() and int(pointer.read_text() or 0) >= step:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, (run_dir / "run.log").read_text()[-3000:]
+    workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+               if any("ray::Colocated" in part for part in p.cmdline())]
+    assert len(workers) == 2, [p.cmdline() for p in workers]
+    workers[-1].send_signal(signal.SIGKILL)
+    return time.time()
+
+
+def test_dead_worker_stops_the_run_with_a_clear_error(tiny_model_dir, arithmetic_files, tmp_path):
+    proc = start(tiny_model_dir, arithmetic_files, tmp_path, max_restarts=0)
+    killed_at = kill_a_worker_after_checkpoint(proc, tmp_path, step=1)
+    proc.wait(timeout=120)
+    assert time.time() - killed_at < 60
+    output = (tmp_path / "run.log").read_text()
+    assert proc.returncode == 1, output[-3000:]
+    (error,) = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert error.startswith("error: worker rank") and "on node" in error and "failed during step" in error, error
+    assert "rerun the same command to resume" in error
+
+
+def test_max_restarts_resumes_and_finishes(tiny_model_dir, arithmetic_files, tmp_path):
+    proc = start(tiny_model_dir, arithmetic_files, tmp_path, max_restarts=1)
+    kill_a_worker_after_checkpoint(proc, tmp_path, step=2)
+    proc.wait(timeout=600)
+    output = (tmp_path / "run.log").read_text()
+    assert proc.returncode == 0, output[-3000:]
+    assert "Restarting the workers (1 of trainer.max_restarts=1)" in output
+    steps = {json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")}
+    assert steps == set(range(1, STEPS + 1))
+    assert (tmp_path / POINTER).read_text().strip() == str(STEPS)
