@@ -1,0 +1,310 @@
+"""Export a training checkpoint as a plain Hugging Face model folder (safetensors).
+
+A checkpoint written by the trainer (see `hybrid_rl.checkpoint`) holds the model as a sharded
+`torch.distributed.checkpoint` (DCP) folder next to the optimizer state, plus a `huggingface/`
+folder with the config, tokenizer, chat template and generation config. This module reads only
+the model tensors of one role (`actor` or `critic`) in a single process, with no process group,
+and writes a folder that `transformers.AutoModel*.from_pretrained` and vLLM load directly:
+
+    from hybrid_rl.export import export_checkpoint
+    export_checkpoint("checkpoints/run1", "exported/run1")      # latest step of a run
+    export_checkpoint("checkpoints/run1/global_step_40", "exported/step40", dtype="bfloat16")
+
+or from the command line: `python tools/export_hf.py CHECKPOINT OUT_DIR [--role] [--dtype]`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import uuid
+import warnings
+from pathlib import Path
+
+import torch
+
+from hybrid_rl.checkpoint import POINTER, STATE, STEP_DIR, CheckpointManager
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("actor", "critic")
+EXPORT_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+HF_DIR = "huggingface"
+MODEL_KEY = "model"  # top-level key of the model's state dict inside the DCP checkpoint (see save_sharded)
+# Files of huggingface/ that the exported folder gets from save_pretrained instead of copying.
+_NOT_COPIED = {"config.json"}
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+
+
+class ExportError(ValueError):
+    pass
+
+
+# --------------------------------------------------------------------------- locating the checkpoint
+def resolve_step_folder(checkpoint: str | os.PathLike) -> Path:
+    """`checkpoint` is a `global_step_<N>` folder, or a run folder whose latest pointer names one."""
+    path = Path(os.path.expanduser(str(checkpoint)))
+    if not path.exists():
+        raise FileNotFoundError(
+            f"Checkpoint {path} does not exist. Pass a run folder (trainer.default_local_dir, holding "
+            f"{POINTER}) or one of its global_step_<N> folders.")
+    if not path.is_dir():
+        raise ExportError(f"Checkpoint {path} is a file, not a folder. Pass a run folder "
+                          f"(trainer.default_local_dir) or one of its global_step_<N> folders.")
+    if (path / STATE).is_file() or STEP_DIR.match(path.name):
+        return path
+    manager = CheckpointManager(str(path))
+    latest = manager.latest()  # raises CheckpointError (a ValueError) for a dangling pointer
+    if latest is None:
+        steps = [p.name for p in manager.completed()]
+        if steps:
+            raise ExportError(
+                f"Run folder {path} has no {POINTER}, so the latest checkpoint is unknown. Pass one of its "
+                f"step folders explicitly, e.g. {path / steps[-1]} (complete ones: {steps}).")
+        raise ExportError(
+            f"{path} is neither a checkpoint step folder (no {STATE}) nor a run folder (no {POINTER} and no "
+            "global_step_<N> folders). Pass trainer.default_local_dir of a run that saved checkpoints "
+            "(trainer.save_freq > 0), or one of its global_step_<N> folders.")
+    return latest
+
+
+def _check_step_folder(step: Path, role: str) -> Path:
+    if role not in ROLES:
+        raise ExportError(f"role={role!r} is not valid. Valid choices: {', '.join(ROLES)}.")
+    if not (step / STATE).is_file():
+        raise ExportError(
+            f"{step} is not a complete checkpoint (no {STATE}); it was probably interrupted while saving. "
+            "Export an earlier global_step_<N> folder.")
+    hf = step / HF_DIR
+    if not (hf / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{hf / 'config.json'} is missing: the checkpoint has no {HF_DIR}/ folder with the model config "
+            "(checkpoints written by older versions lack it). Copy config.json and the tokenizer files of the "
+            f"model you trained (actor_rollout_ref.model.path) into {hf} and export again.")
+    role_dir = step / role
+    if not role_dir.is_dir():
+        present = [r for r in ROLES if (step / r).is_dir()]
+        hint = " (the run had no critic: critic checkpoints exist only for PPO with a value model)" \
+            if role == "critic" else ""
+        fix = (f"Roles saved in this checkpoint: {present}; pass role={present[0]!r} (--role {present[0]})."
+               if present else f"{step} holds no model weights; export another global_step_<N> folder.")
+        raise FileNotFoundError(f"{role_dir} does not exist{hint}. {fix}")
+    if not (role_dir / ".metadata").is_file():
+        raise ExportError(
+            f"{role_dir} has no .metadata file: the torch.distributed.checkpoint is incomplete or corrupt. "
+            "Export an earlier global_step_<N> folder.")
+    return role_dir
+
+
+# --------------------------------------------------------------------------- reading the weights
+def _root_cause(exc: BaseException) -> str:
+    """One line for an error; DCP wraps each rank's exception (with its traceback) in a
+    CheckpointException, which derives from BaseException, not Exception."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
+            exc = inner[0]
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text if len(text) <= 300 else text[:300] + '...'}"
+
+
+def read_model_state(role_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The model tensors of a DCP folder written by `save_sharded`, gathered into full CPU tensors
+    in this process (no process group, optimizer state left unread)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    role_dir = Path(role_dir)
+    try:
+        metadata = FileSystemReader(str(role_dir)).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - any reader failure means an unreadable checkpoint
+        raise ExportError(
+            f"Cannot read the checkpoint metadata in {role_dir} ({_root_cause(exc)}); the checkpoint is "
+            "corrupt or partially written. Export an earlier global_step_<N> folder.") from exc
+    planner_data = metadata.planner_data or {}
+    model: dict[str, torch.Tensor] = {}
+    for flat_key, meta in metadata.state_dict_metadata.items():
+        path = planner_data.get(flat_key)
+        if path is not None:
+            if len(path) != 2 or path[0] != MODEL_KEY:
+                continue
+            name = str(path[1])
+        elif flat_key.startswith(MODEL_KEY + "."):
+            name = flat_key[len(MODEL_KEY) + 1:]
+        else:
+            continue
+        if not isinstance(meta, TensorStorageMetadata):
+            logger.warning("Skipping non-tensor model entry %s in %s", name, role_dir)
+            continue
+        model[name] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    if not model:
+        raise ExportError(
+            f"{role_dir} holds no '{MODEL_KEY}' tensors (keys: {sorted(metadata.state_dict_metadata)[:5]}...); "
+            "it is not a model checkpoint written by hybrid-rl.")
+    state = {MODEL_KEY: model}
+    try:
+        with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": intended
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+            dcp.load(state, storage_reader=FileSystemReader(str(role_dir)), planner=DefaultLoadPlanner(),
+                     no_dist=True)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - truncated shards, missing files, ...
+        raise ExportError(
+            f"Cannot read the model tensors in {role_dir} ({_root_cause(exc)}); the "
+            "checkpoint is corrupt or partially written (a shard file may be missing or truncated). "
+            "Export an earlier global_step_<N> folder.") from exc
+    return state[MODEL_KEY]
+
+
+# --------------------------------------------------------------------------- building the model
+def _role_config(step: Path, role: str):
+    """The model config the role was trained with: huggingface/config.json plus the run's
+    override_config (and the value head's settings for the critic), as the workers build it."""
+    from transformers import AutoConfig
+
+    try:
+        run_cfg = json.loads((step / STATE).read_text()).get("config") or {}
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ExportError(f"Cannot read {step / STATE} ({exc}); the checkpoint is corrupt. "
+                          "Export an earlier global_step_<N> folder.") from exc
+    model_cfg = ((run_cfg.get("critic") or {}) if role == "critic"
+                 else (run_cfg.get("actor_rollout_ref") or {})).get("model") or {}
+    trust = bool(model_cfg.get("trust_remote_code", False))
+    config = AutoConfig.from_pretrained(str(step / HF_DIR), trust_remote_code=trust)
+    if role == "critic":  # mirrors hybrid_rl.workers.critic.load_value_model
+        config.num_labels = 1
+        for key in ("classifier_dropout", "hidden_dropout"):
+            if hasattr(config, key):
+                setattr(config, key, 0.0)
+    for key, value in (model_cfg.get("override_config") or {}).items():
+        setattr(config, key, value)
+    return config, trust
+
+
+def _build_empty_model(config, role: str, trust: bool):
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    auto = AutoModelForTokenClassification if role == "critic" else AutoModelForCausalLM
+    # Parameters on the meta device (no memory, no random init); buffers such as rotary
+    # frequencies are real, as they are not in checkpoints.
+    with init_empty_weights(include_buffers=False):
+        return auto.from_config(config, trust_remote_code=trust)
+
+
+def _load_into(model, state: dict[str, torch.Tensor], source: Path) -> None:
+    """Assign the checkpoint tensors to the meta-device model; tied weights may appear under one
+    or both names. Raises ExportError listing missing/unexpected keys and shape mismatches."""
+    expected = model.state_dict()
+    tied = model.get_expanded_tied_weights_keys(all_submodels=True) if hasattr(
+        model, "get_expanded_tied_weights_keys") else {}
+    state = dict(state)
+    for target, src in tied.items():
+        if target in state and src in state:
+            if not torch.equal(state[target], state[src]):
+                raise ExportError(
+                    f"The config ties {target} to {src} (tie_word_embeddings), but the checkpoint in {source} "
+                    "holds different values for them. Set \"tie_word_embeddings\": false in "
+                    f"{source.parent / HF_DIR / 'config.json'} (or the run's override_config) and export again.")
+            state[target] = state[src]
+        elif target in state:
+            state[src] = state[target]
+        elif src in state:
+            state[target] = state[src]
+    missing = sorted(k for k in expected if k not in state)
+    unexpected = sorted(k for k in state if k not in expected)
+    shapes = sorted(f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(v.shape)}"
+                    for k, v in expected.items() if k in state and tuple(state[k].shape) != tuple(v.shape))
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing (e.g. {missing[:5]})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected (e.g. {unexpected[:5]})")
+        if shapes:
+            parts.append(f"{len(shapes)} with other shapes (e.g. {shapes[:3]})")
+        raise ExportError(
+            f"The tensors in {source} do not match the {type(model).__name__} built from "
+            f"{source.parent / HF_DIR / 'config.json'}: {'; '.join(parts)}. The config must be the one the run "
+            "trained (check the role: --role actor for the policy, --role critic for the value model).")
+    model.load_state_dict(state, strict=True, assign=True)
+    if tied:
+        model.tie_weights()
+    still_meta = [k for k, v in model.state_dict().items() if v.is_meta]
+    if still_meta:
+        raise ExportError(f"The checkpoint in {source} does not set {still_meta[:5]}; cannot export it.")
+
+
+# --------------------------------------------------------------------------- writing
+def _copy_hf_files(hf_dir: Path, out: Path) -> list[str]:
+    copied = []
+    for item in sorted(hf_dir.iterdir()):
+        if item.name in _NOT_COPIED or item.name.endswith(_WEIGHT_SUFFIXES):
+            continue
+        if item.is_dir():
+            shutil.copytree(item, out / item.name, dirs_exist_ok=True)
+        else:
+            shutil.copy2(item, out / item.name)
+        copied.append(item.name)
+    return copied
+
+
+def _install(tmp: Path, out: Path, overwrite: bool) -> None:
+    """Move the finished temporary folder to `out` with renames only."""
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        if not overwrite:
+            raise FileExistsError(f"{out} already exists and is not empty. Choose another output folder, "
+                                  "delete it, or pass overwrite=True (--overwrite).")
+        trash = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(out, trash)
+        os.rename(tmp, out)
+        shutil.rmtree(trash, ignore_errors=True)
+        return
+    os.replace(tmp, out)  # replaces an empty folder atomically on POSIX
+
+
+def export_checkpoint(checkpoint: str, out_dir: str, role: str = "actor", dtype: str = "float32",
+                      overwrite: bool = False) -> str:
+    """Write the `role` model of a checkpoint as a Hugging Face folder at `out_dir`; returns its path.
+
+    `checkpoint` is a `global_step_<N>` folder or a run folder (its latest checkpoint is used).
+    The folder gets `config.json` + `model.safetensors` in `dtype`, and the tokenizer files, chat
+    template and `generation_config.json` the run trained with. It appears at `out_dir` only when
+    complete (written to a temporary sibling folder, then renamed).
+    """
+    if dtype not in EXPORT_DTYPES:
+        raise ExportError(f"dtype={dtype!r} is not valid. Valid choices: float32, bfloat16, float16.")
+    torch_dtype = EXPORT_DTYPES[dtype]
+    step = resolve_step_folder(checkpoint)
+    role_dir = _check_step_folder(step, role)
+    out = Path(os.path.expanduser(out_dir)).absolute()
+    if out.exists() and not overwrite and not (out.is_dir() and not any(out.iterdir())):
+        raise FileExistsError(f"{out} already exists and is not empty. Choose another output folder, "
+                              "delete it, or pass overwrite=True (--overwrite).")
+    if out.resolve() == step.resolve() or step.resolve() in out.resolve().parents:
+        raise ExportError(f"Output folder {out} is inside the checkpoint {step}; choose a folder outside it.")
+
+    config, trust = _role_config(step, role)
+    model = _build_empty_model(config, role, trust)
+    _load_into(model, read_model_state(role_dir), role_dir)
+    model = model.to(torch_dtype)
+    model.config.dtype = torch_dtype
+    model.eval()
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".tmp_{out.name}_{uuid.uuid4().hex[:8]}")
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        _copy_hf_files(step / HF_DIR, tmp)
+        _install(tmp, out, overwrite)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("Exported %s of %s to %s (%s)", role, step, out, dtype)
+    return str(out)
