@@ -144,7 +144,8 @@ def validate_config(cfg: DictConfig) -> DictConfig:
         raise ConfigError("actor_rollout_ref.rollout.temperature must be > 0 when do_sample=true; "
                           "set do_sample=false for greedy decoding.")
     if not 0 < rollout.top_p <= 1:
-        raise ConfigError(f"actor_rollout_ref.rollout.top_p={rollout.top_p} must be in (0, 1].")
+        raise ConfigError(f"actor_rollout_ref.rollout.top_p={rollout.top_p} must be in (0, 1]; "
+                          "set it to 1.0 to sample from the full distribution.")
     if cfg.algorithm.adv_estimator == "grpo_passk" and rollout.n < 2:
         raise ConfigError("algorithm.adv_estimator=grpo_passk compares the best and second-best of each "
                           f"group and needs actor_rollout_ref.rollout.n >= 2 (got {rollout.n}).")
@@ -153,6 +154,10 @@ def validate_config(cfg: DictConfig) -> DictConfig:
                        "single response, so there is no group baseline and the advantage is just the raw "
                        "score (REINFORCE without a baseline). Set actor_rollout_ref.rollout.n >= 2.",
                        cfg.algorithm.adv_estimator)
+    _choice(trainer.resume_mode, ("auto", "disable", "resume_path"), "trainer.resume_mode")
+    if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
+        raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path=<run folder>/"
+                          "global_step_<N>; or set trainer.resume_mode=auto to resume from the latest checkpoint.")
     if trainer.total_training_steps is not None and trainer.total_training_steps <= 0:
         raise ConfigError("trainer.total_training_steps must be positive or null (null: "
                           "trainer.total_epochs passes over the data).")
@@ -174,7 +179,16 @@ def check_model_limits(cfg: DictConfig, model_path: str) -> None:
     """Prompt + response must fit the model's context window."""
     from transformers import AutoConfig
 
-    model_config = AutoConfig.from_pretrained(model_path)
+    from hybrid_rl.models import ModelPathError
+
+    try:
+        model_config = AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError) as exc:
+        reason = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise ModelPathError(
+            f"Cannot read the model config {os.path.join(model_path, 'config.json')} ({type(exc).__name__}: "
+            f"{reason}). Point actor_rollout_ref.model.path at a Hugging Face model folder with a valid "
+            "config.json (including its model_type).") from exc
     limit = getattr(model_config, "max_position_embeddings", None)
     total = cfg.data.max_prompt_length + cfg.data.max_response_length
     if limit is not None and total > limit:

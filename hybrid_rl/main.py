@@ -83,6 +83,11 @@ def prepare(cfg: DictConfig):
 
     custom = cfg.custom_reward_function
     compute_score = load_custom_reward_fn(custom.path, custom.name, custom.reward_kwargs)
+    if len(train_dataset) < cfg.data.train_batch_size:
+        raise ConfigError(
+            f"data.train_files has {len(train_dataset)} usable prompts, fewer than data.train_batch_size="
+            f"{cfg.data.train_batch_size}, so there is not a single full training batch. Lower "
+            f"data.train_batch_size to at most {len(train_dataset)} or add data.")
     if compute_score is None:
         check_builtin_data_sources(train_dataset, "data.train_files")
         if val_dataset is not None:
@@ -111,13 +116,25 @@ def check_resume(cfg: DictConfig) -> None:
 
 def load_checked_tokenizer(cfg: DictConfig, model_path: str):
     """load_tokenizer, with a missing or unreadable tokenizer reported as a bad model path."""
+    from pathlib import Path
+
     source = cfg.actor_rollout_ref.model.tokenizer_path or model_path
     key = ("actor_rollout_ref.model.tokenizer_path" if cfg.actor_rollout_ref.model.tokenizer_path
            else "actor_rollout_ref.model.path")
+    folder = Path(os.path.expanduser(source))
+    if not folder.exists() and source.startswith(("/", ".", "~")):
+        raise ModelPathError(f"{key}={source!r} does not exist; point it at the model's tokenizer folder "
+                             "(or leave actor_rollout_ref.model.tokenizer_path null to use the model folder).")
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if folder.is_dir() and not any((folder / name).is_file() for name in tokenizer_files):
+        raise ModelPathError(
+            f"{key}={source!r} has no tokenizer files ({', '.join(tokenizer_files)}). Copy the model's "
+            "tokenizer into that folder, or set actor_rollout_ref.model.tokenizer_path to a folder that has it.")
     try:
         return load_tokenizer(cfg, model_path)
     except (OSError, ValueError) as exc:
-        reason = " ".join(str(exc).split())[:300]
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        reason = reason if len(reason) <= 200 else reason[:200] + "..."
         raise ModelPathError(
             f"Cannot load a tokenizer from {key}={source!r} ({type(exc).__name__}: {reason}). Point "
             f"{key} at a folder with the tokenizer files (tokenizer.json / tokenizer_config.json) of "

@@ -67,27 +67,28 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
     return out_dir
 
 
-def resolve_model_path(path: str | None) -> str:
-    """Return a local folder holding config.json, safetensors weights and a tokenizer."""
+def resolve_model_path(path: str | None, key: str = "actor_rollout_ref.model.path") -> str:
+    """Return a local folder holding config.json, safetensors weights and a tokenizer; `key` is the
+    config key that gave `path`, named in error messages."""
     if not path:
         gguf = default_gguf_path()
         return str(convert_gguf(gguf, cache_dir() / "models" / gguf.stem))
     p = Path(os.path.expanduser(path))
     if p.suffix == ".gguf":
         if not p.is_file():
-            raise ModelPathError(f"GGUF model file {p} does not exist.")
+            raise ModelPathError(f"GGUF model file {p} does not exist; fix {key}.")
         digest = hashlib.sha1(str(p.resolve()).encode()).hexdigest()[:10]
         return str(convert_gguf(p, cache_dir() / "models" / f"{p.stem}-{digest}"))
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise ModelPathError(
-                f"Model folder {p} has no config.json; point actor_rollout_ref.model.path at a "
+                f"Model folder {p} has no config.json; point {key} at a "
                 "Hugging Face model folder (config.json + safetensors + tokenizer)."
             )
         return str(p)
     if p.exists() or path.startswith(("/", ".", "~")) or path.count("/") != 1:
         raise ModelPathError(
-            f"actor_rollout_ref.model.path={path!r} is neither a model folder nor a .gguf file. "
+            f"{key}={path!r} is neither a model folder nor a .gguf file. "
             "Give a local Hugging Face folder, a .gguf file, a hub id such as 'org/name', or leave "
             "it empty for the default SmolLM2-135M-Instruct."
         )
@@ -98,6 +99,6 @@ def resolve_model_path(path: str | None) -> str:
         return snapshot_download(path)
     except Exception as exc:  # noqa: BLE001 - any hub failure becomes one actionable message
         raise ModelPathError(
-            f"Could not fetch hub model {path!r} ({type(exc).__name__}: {exc}). Without network "
+            f"Could not fetch hub model {key}={path!r} ({type(exc).__name__}: {exc}). Without network "
             "access, download it elsewhere and pass the local folder."
         ) from exc

@@ -38,7 +38,7 @@ def _read_parquet(path: str) -> list[dict]:
         table = pq.read_table(path)
     except Exception as exc:  # pyarrow raises ArrowInvalid/OSError on corrupt files
         raise ValueError(
-            f"cannot read parquet file {path}: {type(exc).__name__}: {exc}. "
+            f"cannot read parquet file {path}: {type(exc).__name__}: {str(exc).rstrip('.')}. "
             "The file is corrupt or not parquet; regenerate it (e.g. tools/make_arithmetic_data.py)."
         ) from exc
     return table.to_pylist()
@@ -184,7 +184,10 @@ class RLDataset(Dataset):
         self.files = [os.path.expanduser(str(f)) for f in files_list]
         rows = read_rows(self.files)
         if not rows:
-            raise ValueError(f"dataset is empty: no rows in {self.files}")
+            raise ValueError(
+                f"dataset is empty: no rows in {self.files}. Point data.train_files / data.val_files "
+                "at non-empty parquet or JSON Lines files."
+            )
         missing = [i for i, r in enumerate(rows) if prompt_key not in r]
         if missing:
             columns = sorted({k for r in rows for k in r})
@@ -202,7 +205,13 @@ class RLDataset(Dataset):
             else:
                 positions = positions[: int(max_samples)]
 
-        messages = [_to_messages(rows[p][prompt_key], p) for p in positions]
+        try:
+            messages = [_to_messages(rows[p][prompt_key], p) for p in positions]
+        except ValueError as exc:
+            raise ValueError(
+                f"{self.files}: column {prompt_key!r}: {exc}. Fix those rows, or set data.prompt_key "
+                "to the column holding the chat messages or prompt strings."
+            ) from exc
         prompt_ids = self._tokenize(messages)
 
         keep: list[int] = []
@@ -253,14 +262,27 @@ class RLDataset(Dataset):
             )
 
     def _tokenize(self, messages: list[list[dict]]) -> list[list[int]]:
-        texts = [
-            self.tokenizer.apply_chat_template(
-                m, add_generation_prompt=True, tokenize=False, **self.apply_chat_template_kwargs
-            )
-            for m in messages
-        ]
+        from jinja2 import TemplateError
+
+        try:
+            texts = [
+                self.tokenizer.apply_chat_template(
+                    m, add_generation_prompt=True, tokenize=False, **self.apply_chat_template_kwargs
+                )
+                for m in messages
+            ]
+        except TemplateError as exc:
+            raise ValueError(
+                f"the tokenizer's chat template failed on the prompts of {self.files} "
+                f"({type(exc).__name__}: {exc}). Fix actor_rollout_ref.model.custom_chat_template "
+                "(or data.apply_chat_template_kwargs), or use a model whose template fits these prompts."
+            ) from exc
         enc = self.tokenizer(texts, add_special_tokens=False)
         return [list(ids) for ids in enc["input_ids"]]
+
+    def data_sources(self) -> list:
+        """The data_source of every row, in order (selects the reward function)."""
+        return [item["data_source"] for item in self._items]
 
     def __len__(self) -> int:
         return len(self._items)

@@ -88,7 +88,7 @@ def load_custom_reward_fn(
     fn = getattr(module, name)
     if not callable(fn):
         raise ValueError(
-            f"{name!r} in custom reward file {path} is a {type(fn).__name__}, not a function. "
+            f"{name!r} in custom reward file {path} is of type {type(fn).__name__}, not a function. "
             f"Set custom_reward_function.name to a function with signature {EXPECTED_SIGNATURE}."
         )
 
