@@ -76,6 +76,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
                           "full logits at rollout time); use actor_rollout_ref.actor.use_kl_loss=true "
                           "actor_rollout_ref.actor.kl_loss_type=full for the exact KL.")
     _choice(algo.kl_ctrl.type, ("fixed", "adaptive"), "algorithm.kl_ctrl.type")
+    _choice(cfg.reward_model.on_error, ("zero", "raise"), "reward_model.on_error")
     if algo.kl_ctrl.type == "adaptive" and not algo.kl_ctrl.horizon > 0:
         raise ConfigError(f"algorithm.kl_ctrl.horizon={algo.kl_ctrl.horizon} must be positive for the adaptive "
                           "KL controller.")

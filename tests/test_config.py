@@ -67,6 +67,7 @@ def test_unknown_key_is_rejected_by_hydra():
     ("actor_rollout_ref.actor.clip_ratio_c=0.5", ["clip_ratio_c", "> 1"]),
     ("actor_rollout_ref.rollout.top_p=0", ["top_p"]),
     ("data.train_batch_size=0", ["data.train_batch_size=0", "positive"]),
+    ("reward_model.on_error=ignore", ["reward_model.on_error='ignore'", "raise", "zero"]),
 ])
 def test_bad_choice_or_value(override, fragments):
     with pytest.raises(ConfigError) as err:
