@@ -166,7 +166,7 @@ def read_model_state(role_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
 def _role_config(step: Path, role: str):
     """The model config the role was trained with: huggingface/config.json plus the run's
     override_config (and the value head's settings for the critic), as the workers build it."""
-    from transformers import AutoConfig
+    from hybrid_rl.workers.train_engine import model_config
 
     try:
         run_cfg = json.loads((step / STATE).read_text()).get("config") or {}
@@ -175,16 +175,8 @@ def _role_config(step: Path, role: str):
                           "Export an earlier global_step_<N> folder.") from exc
     model_cfg = ((run_cfg.get("critic") or {}) if role == "critic"
                  else (run_cfg.get("actor_rollout_ref") or {})).get("model") or {}
-    trust = bool(model_cfg.get("trust_remote_code", False))
-    config = AutoConfig.from_pretrained(str(step / HF_DIR), trust_remote_code=trust)
-    if role == "critic":  # mirrors hybrid_rl.workers.critic.load_value_model
-        config.num_labels = 1
-        for key in ("classifier_dropout", "hidden_dropout"):
-            if hasattr(config, key):
-                setattr(config, key, 0.0)
-    for key, value in (model_cfg.get("override_config") or {}).items():
-        setattr(config, key, value)
-    return config, trust
+    config = model_config(str(step / HF_DIR), model_cfg, value_head=role == "critic")
+    return config, bool(model_cfg.get("trust_remote_code", False))
 
 
 def _build_empty_model(config, role: str, trust: bool):

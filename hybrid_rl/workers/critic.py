@@ -18,16 +18,9 @@ FORWARD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 def load_value_model(path: str, model_cfg: Any, device: torch.device):
     """`AutoModelForTokenClassification` with one label: the backbone's weights plus a freshly
     initialised linear value head on every position."""
-    from transformers import AutoConfig, AutoModelForTokenClassification
+    from transformers import AutoModelForTokenClassification
 
-    config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.get("trust_remote_code", False))
-    config.num_labels = 1
-    # Token-classification heads add dropout on the hidden states; values must be deterministic.
-    for key in ("classifier_dropout", "hidden_dropout"):
-        if hasattr(config, key):
-            setattr(config, key, 0.0)
-    for key, value in (model_cfg.get("override_config") or {}).items():
-        setattr(config, key, value)
+    config = train_engine.model_config(path, model_cfg, value_head=True)
     model = AutoModelForTokenClassification.from_pretrained(
         path, config=config, dtype=torch.float32, attn_implementation="sdpa",
         trust_remote_code=model_cfg.get("trust_remote_code", False))

@@ -25,12 +25,26 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 
-def load_causal_lm(path: str, model_cfg: Any, device: torch.device, trainable: bool):
-    from transformers import AutoConfig, AutoModelForCausalLM
+def model_config(path: str, model_cfg: Any, value_head: bool = False):
+    """The model's HF config with `override_config` applied; for a value model, one output label
+    and no dropout on the head (values must be deterministic)."""
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.get("trust_remote_code", False))
+    if value_head:
+        config.num_labels = 1
+        for key in ("classifier_dropout", "hidden_dropout"):
+            if hasattr(config, key):
+                setattr(config, key, 0.0)
     for key, value in (model_cfg.get("override_config") or {}).items():
         setattr(config, key, value)
+    return config
+
+
+def load_causal_lm(path: str, model_cfg: Any, device: torch.device, trainable: bool):
+    from transformers import AutoModelForCausalLM
+
+    config = model_config(path, model_cfg)
     model = AutoModelForCausalLM.from_pretrained(
         path, config=config, dtype=torch.float32, attn_implementation="sdpa",
         trust_remote_code=model_cfg.get("trust_remote_code", False),
