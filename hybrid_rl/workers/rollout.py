@@ -87,9 +87,6 @@ class VLLMRollout:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.get("kv_cache_gib", 1)))
         from vllm import LLM
 
-        # Rotary cos/sin caches are not checkpoint weights: vLLM restores its own after every
-        # reload and warns "RotaryEmbedding: Failed to load weights" each time.
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         dtype = cfg.get("dtype", "auto")
         if dtype == "auto":
             dtype = "bfloat16" if device.type == "cuda" else "float32"
@@ -116,6 +113,10 @@ class VLLMRollout:
             **(cfg.get("engine_kwargs") or {}),
         )
         self.dtype = self.llm.llm_engine.model_config.dtype
+        # Rotary cos/sin caches are not checkpoint weights: vLLM restores its own after every
+        # reload and warns "RotaryEmbedding: Failed to load weights" each time. (Set after the
+        # engine exists: its logging set-up resets levels.)
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         # Chat models often end a turn with a token other than the tokenizer's EOS.
         self.stop_token_ids = list(eos_token_ids)
 
