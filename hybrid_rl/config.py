@@ -99,6 +99,9 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     _positive(actor.ppo_epochs, "actor_rollout_ref.actor.ppo_epochs")
     _positive(rollout.log_prob_micro_batch_size_per_gpu,
               "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu")
+    _positive(actor.ppo_max_token_len_per_gpu, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
+    _positive(rollout.log_prob_max_token_len_per_gpu, "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu")
+    _positive(cfg.actor_rollout_ref.model.head_chunk_size, "actor_rollout_ref.model.head_chunk_size")
     _positive(data.max_prompt_length, "data.max_prompt_length")
     _positive(data.max_response_length, "data.max_response_length")
 
@@ -126,7 +129,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
             f"({rollout.n}) = {mini_sequences} sequences cannot be split over {world} ranks; make it "
             f"a multiple of {world}.")
     per_rank = mini_sequences // world
-    if per_rank % actor.ppo_micro_batch_size_per_gpu:
+    if not actor.use_dynamic_bsz and per_rank % actor.ppo_micro_batch_size_per_gpu:
         raise ConfigError(
             f"Each rank's mini-batch has {per_rank} sequences (ppo_mini_batch_size "
             f"{actor.ppo_mini_batch_size} x n {rollout.n} / {world} ranks), which is not a multiple "

@@ -1,7 +1,7 @@
 """The driver-side training loop. One GRPO step, top to bottom, is `Trainer.fit`'s loop body:
 
-    prompts -> generate -> reward -> [old log-probs] -> [reference log-probs] -> advantages
-            -> actor update -> weight sync into the rollout engine -> [validation] -> log
+    prompts -> generate -> reward -> [balance over ranks] -> [old log-probs] -> [reference log-probs]
+            -> advantages -> actor update -> weight sync into the rollout engine -> [validation] -> log
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from hybrid_rl.algorithms import (
     RunningMoments, apply_kl_penalty, compute_rollout_correction, get_advantage_estimator, get_kl_controller,
     mismatch_metrics, shape_advantages, shape_scores,
 )
+from hybrid_rl import seqlen_balancing
 from hybrid_rl.checkpoint import CheckpointManager, read_trainer_state
 from hybrid_rl.config import needs_critic, to_container
 from hybrid_rl.controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool, WorkerError, create_colocated_worker_cls
@@ -236,6 +237,11 @@ class Trainer:
                     batch["step_mask"] = reward_extra.pop("step_mask")
                 batch["token_level_scores"] = scores
                 batch["token_level_rewards"] = self.shaped_rewards(batch)
+
+            if cfg.trainer.balance_batch and self.n_ranks > 1:
+                model = cfg.actor_rollout_ref.model
+                batch = batch[seqlen_balancing.balance_permutation(
+                    batch, self.n_ranks, share_prompts=model.use_remove_padding and model.share_prompt_prefix)]
 
             if self.recompute_old_log_probs:
                 with timer.phase("old_log_prob"):

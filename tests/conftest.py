@@ -111,4 +111,7 @@ def run_overrides(model_dir, files, run_dir, max_prompt=200, response=16) -> lis
         f"data.max_prompt_length={max_prompt}", f"data.max_response_length={response}",
         f"trainer.default_local_dir={run_dir}", "trainer.logger=[jsonl]", "trainer.progress_bar=false",
         "trainer.device=cpu",
+        # float32 end to end, so trainer and engine log-probs agree to 1e-4 and runs compare exactly
+        # (the bf16 defaults are exercised by test_learning and the benchmarks).
+        "actor_rollout_ref.actor.fsdp_config.dtype=fp32", "actor_rollout_ref.rollout.dtype=float32",
     ]

@@ -1,6 +1,7 @@
 """Exact loss normalisation through the real workers: the same mini-batch trained by 1 rank with
-1 micro-batch and by 2 FSDP ranks with 2 micro-batches each gives the same losses and the same
-(global, pre-clip) gradient norm, for several aggregation modes and with an all-masked row."""
+1 micro-batch and by 2 FSDP ranks with 2 micro-batches each (fixed rows, or token-budget
+micro-batches of the padding-free forward) gives the same losses and the same (global, pre-clip)
+gradient norm, for several aggregation modes and with an all-masked row."""
 
 from __future__ import annotations
 
@@ -42,8 +43,12 @@ def synthetic_batch(vocab: int, pad_id: int) -> Batch:
     }, meta={"temperature": 1.0, "step": 0})
 
 
-def update_metrics(mode: str, ranks: int, micro: int, model_dir, files, run_dir, tokenizer) -> dict:
-    trainer = build_trainer(compose_config(run_overrides(model_dir, files, run_dir) + [
+def update_metrics(mode: str, ranks: int, micro: int, model_dir, files, run_dir, tokenizer,
+                   max_tokens: int | None = None) -> dict:
+    """`max_tokens` switches to token-budget micro-batches (use_dynamic_bsz) instead of `micro` rows."""
+    batching = ([f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={max_tokens}"] if max_tokens
+                else ["actor_rollout_ref.actor.use_dynamic_bsz=false"])
+    trainer = build_trainer(compose_config(run_overrides(model_dir, files, run_dir) + batching + [
         f"trainer.n_gpus_per_node={ranks}", "trainer.cpus_per_worker=1", "actor_rollout_ref.rollout.name=hf",
         "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4", f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
@@ -61,5 +66,15 @@ def test_one_rank_equals_two_ranks_with_micro_batches(mode, ray_session, tiny_mo
                                                       arithmetic_files, tmp_path):
     single = update_metrics(mode, 1, ROWS, tiny_model_dir, arithmetic_files, tmp_path / "a", tiny_tokenizer)
     split = update_metrics(mode, 2, 2, tiny_model_dir, arithmetic_files, tmp_path / "b", tiny_tokenizer)
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
+        assert split[key] == pytest.approx(single[key], rel=1e-5, abs=1e-7), (key, single[key], split[key])
+
+
+def test_token_budget_micro_batches_are_exact(ray_session, tiny_model_dir, tiny_tokenizer, arithmetic_files, tmp_path):
+    mode = "seq-mean-token-mean"
+    single = update_metrics(mode, 1, ROWS, tiny_model_dir, arithmetic_files, tmp_path / "a", tiny_tokenizer)
+    # 12 tokens: each rank's 4 rows (3 to 11 tokens each) need several micro-batches.
+    split = update_metrics(mode, 2, ROWS, tiny_model_dir, arithmetic_files, tmp_path / "b", tiny_tokenizer,
+                           max_tokens=12)
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
         assert split[key] == pytest.approx(single[key], rel=1e-5, abs=1e-7), (key, single[key], split[key])

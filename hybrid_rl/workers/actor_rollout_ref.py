@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 
-from hybrid_rl.algorithms import aggregate_loss, full_kl_from_logits, get_policy_loss, kl_penalty, mismatch_metrics
+from hybrid_rl.algorithms import (
+    aggregate_loss, entropy_from_logits, full_kl_from_logits, get_policy_loss, kl_penalty, mismatch_metrics,
+)
 from hybrid_rl.controller import Dispatch, register
 from hybrid_rl.protocol import Batch
 from hybrid_rl.workers import train_engine
@@ -48,6 +50,7 @@ class ActorRolloutRefWorker(train_engine.ModelWorker):
             actor, mesh, param_dtype, cfg.actor_rollout_ref.actor.fsdp_config.reshard_after_forward)
         self.optimizer, self.scheduler = train_engine.build_optimizer(
             self.actor, cfg.actor_rollout_ref.actor.optim, self.total_steps)
+        self.forward = train_engine.forward_options(model_cfg, cfg.actor_rollout_ref.actor.fsdp_config, self.device)
         self.ref = None
         if needs_reference(cfg):
             ref = train_engine.load_causal_lm(self.model_path, model_cfg, self.device, trainable=False)
@@ -103,25 +106,30 @@ class ActorRolloutRefWorker(train_engine.ModelWorker):
 
     # ------------------------------------------------------------------ log-probs
     @torch.no_grad()
-    def _log_probs(self, model, batch: Batch) -> torch.Tensor:
-        micro = self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
+    def _log_probs(self, model, batch: Batch, role_cfg) -> torch.Tensor:
+        """Response log-probs of `batch` under `model`, in micro-batches of
+        `log_prob_micro_batch_size_per_gpu` rows or `log_prob_max_token_len_per_gpu` tokens."""
         temperature = batch.meta.get("temperature", 1.0)
-        log_probs = []
-        for part in batch.split(micro):
+        max_tokens = role_cfg.log_prob_max_token_len_per_gpu if role_cfg.log_prob_use_dynamic_bsz else None
+        log_probs = torch.zeros(batch["responses"].shape, dtype=torch.float32)
+        for rows in train_engine.micro_batches(batch, role_cfg.log_prob_micro_batch_size_per_gpu, max_tokens,
+                                               self.forward.share_prompts, self.device):
+            part = batch[rows]
             tensors = {k: part[k].to(self.device) for k in FORWARD_KEYS}
-            log_probs.append(train_engine.response_log_probs(model, tensors, temperature, False)[0].cpu())
-        return torch.cat(log_probs)
+            log_probs[rows] = train_engine.response_log_probs(model, tensors, temperature, self.forward)[0].cpu()
+        return log_probs
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def compute_log_prob(self, batch: Batch) -> Batch:
-        return Batch(tensors={"old_log_probs": self._log_probs(self.actor, batch)})
+        role_cfg = self.cfg.actor_rollout_ref.rollout
+        return Batch(tensors={"old_log_probs": self._log_probs(self.actor, batch, role_cfg)})
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         if self.ref is None:
             raise RuntimeError("No reference policy: set actor_rollout_ref.actor.use_kl_loss=true "
                                "or algorithm.use_kl_in_reward=true to create one.")
-        return Batch(tensors={"ref_log_prob": self._log_probs(self.ref, batch)})
+        return Batch(tensors={"ref_log_prob": self._log_probs(self.ref, batch, self.cfg.actor_rollout_ref.ref)})
 
     # ------------------------------------------------------------------ training
     @register(dispatch=Dispatch.DP_COMPUTE)
@@ -146,7 +154,9 @@ class ActorRolloutRefWorker(train_engine.ModelWorker):
 
         metrics, skipped = train_engine.mini_batch_updates(
             self.actor, self.optimizer, batch, mini_rows=cfg.ppo_mini_batch_size * n // self.world_size,
-            micro_rows=cfg.ppo_micro_batch_size_per_gpu, epochs=cfg.ppo_epochs, shuffle=cfg.shuffle,
+            micro_rows=cfg.ppo_micro_batch_size_per_gpu,
+            max_tokens=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
+            share_prompts=self.forward.share_prompts, epochs=cfg.ppo_epochs, shuffle=cfg.shuffle,
             seed=self.cfg.trainer.seed + int(batch.meta.get("step", 0)), grad_clip=cfg.grad_clip,
             device=self.device, loss_fn=loss_fn)
         self.scheduler.step()
@@ -159,8 +169,14 @@ class ActorRolloutRefWorker(train_engine.ModelWorker):
     def _actor_loss(self, t: dict, agg_kwargs: dict, cfg, policy_loss, temperature: float, on_policy: bool):
         mask = t["response_mask"]
         mode = cfg.loss_agg_mode
-        log_prob, entropy, logits = train_engine.response_log_probs(
-            self.actor, t, temperature, with_entropy=True, entropy_grad=cfg.entropy_coeff != 0)
+        full_kl = cfg.use_kl_loss and cfg.kl_loss_type == "full"
+        if full_kl:  # the only loss that needs whole next-token distributions
+            logits = train_engine.response_logits(self.actor, t, temperature, self.forward)
+            log_prob, entropy = train_engine.token_log_probs(logits, t["responses"]), entropy_from_logits(logits)
+        else:
+            log_prob, entropy = train_engine.response_log_probs(self.actor, t, temperature, self.forward)
+        if cfg.entropy_coeff == 0:
+            entropy = entropy.detach()  # a metric only: no backward through it
         old = log_prob.detach() if on_policy else t["old_log_probs"]
         pg_loss, pg_metrics = policy_loss(old, log_prob, t["advantages"], mask, loss_agg_mode=mode, config=cfg,
                                           agg_kwargs=agg_kwargs, rollout_is_weights=t.get("rollout_is_weights"))
@@ -170,9 +186,9 @@ class ActorRolloutRefWorker(train_engine.ModelWorker):
         terms = {"actor/pg_loss": float(pg_loss.detach()), "actor/entropy": float(entropy_agg.detach()),
                  **{f"actor/{k}": float(v) * share for k, v in pg_metrics.items()}}
         if cfg.use_kl_loss:
-            if cfg.kl_loss_type == "full":
+            if full_kl:
                 with torch.no_grad():
-                    ref_logits = train_engine.response_logits(self.ref, t, temperature)
+                    ref_logits = train_engine.response_logits(self.ref, t, temperature, self.forward)
                 kld = full_kl_from_logits(logits, ref_logits, chunk_size=cfg.full_kl_chunk_size)
             else:
                 kld = kl_penalty(log_prob, t["ref_log_prob"], cfg.kl_loss_type)

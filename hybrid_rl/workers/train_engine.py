@@ -8,6 +8,7 @@ is gathered at a time.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,8 +19,10 @@ from torch.distributed.tensor import DTensor
 
 from omegaconf import OmegaConf
 
-from hybrid_rl.algorithms import entropy_from_logits
+from hybrid_rl import seqlen_balancing
 from hybrid_rl.controller import Worker
+from hybrid_rl.protocol import Batch
+from hybrid_rl.workers import packing
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -46,9 +49,13 @@ def load_causal_lm(path: str, model_cfg: Any, device: torch.device, trainable: b
 
     config = model_config(path, model_cfg)
     model = AutoModelForCausalLM.from_pretrained(
-        path, config=config, dtype=torch.float32, attn_implementation="sdpa",
+        path, config=config, dtype=torch.float32, attn_implementation=attn_implementation(device),
         trust_remote_code=model_cfg.get("trust_remote_code", False),
     )
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None or getattr(config, "final_logit_softcapping", None):
+        # The chunked head (`packing.head_log_probs`) computes plain h W^T.
+        raise ValueError(f"{type(model).__name__}: LM heads with a bias or logit soft-capping are not supported.")
     model.to(device)
     if trainable:
         if model_cfg.get("enable_gradient_checkpointing", False):
@@ -79,35 +86,100 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, param_dtype: torch.dty
     return model
 
 
-def response_logits(model: torch.nn.Module, micro: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
-    """Float32 logits (B, T, V) that predict the T response tokens, divided by the temperature.
+@dataclass(frozen=True)
+class ForwardOptions:
+    """How a worker runs its response forward passes (see `forward_options`)."""
 
-    The batch is [left-padded prompt | right-padded response]; only the last T+1 positions'
-    logits are computed (`logits_to_keep`).
+    remove_padding: bool = False  # pack real tokens into one row (`packing.pack_rows`)
+    share_prompts: bool = False  # one prompt copy per group of responses (needs a dense mask)
+    dense_mask: bool = True  # False for varlen kernels (flash-attention), which take no mask
+    head_chunk_size: int = 256  # positions per chunk of the LM head
+    autocast_dtype: torch.dtype | None = None  # CPU mixed precision (fp32 weights stay the masters)
+
+
+def forward_options(model_cfg: Any, fsdp_cfg: Any, device: torch.device) -> ForwardOptions:
+    """`model.use_remove_padding`, `model.share_prompt_prefix` and `model.head_chunk_size`,
+    plus the compute dtype: on GPU FSDP2 casts the weights itself, on CPU it is autocast."""
+    dtype = DTYPES[fsdp_cfg.get("dtype", "fp32")]
+    dense = attn_implementation(device) == "sdpa"
+    remove_padding = bool(model_cfg.get("use_remove_padding", False))
+    return ForwardOptions(
+        remove_padding=remove_padding,
+        share_prompts=remove_padding and dense and bool(model_cfg.get("share_prompt_prefix", True)),
+        dense_mask=dense, head_chunk_size=int(model_cfg.get("head_chunk_size", 256)),
+        autocast_dtype=dtype if device.type == "cpu" and dtype != torch.float32 else None)
+
+
+def attn_implementation(device: torch.device) -> str:
+    """flash-attention 2 (varlen, no masks) on GPU when installed, else SDPA."""
+    if device.type == "cuda":
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is not None:
+            return "flash_attention_2"
+    return "sdpa"
+
+
+def response_head_outputs(model: torch.nn.Module, micro: dict[str, torch.Tensor], options: ForwardOptions,
+                          head_fn) -> torch.Tensor:
+    """Run `model` on a micro-batch of [left-padded prompt | right-padded response] rows with its
+    LM head replaced by `head_fn(hidden, targets, head)`, evaluated only at the positions that
+    predict response tokens; returns its output laid out as (B, T, ...), zero at padding.
     """
-    resp_len = micro["responses"].shape[1]
-    out = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
-                position_ids=micro["position_ids"], use_cache=False, logits_to_keep=resp_len + 1)
-    logits = out.logits[:, :-1, :].float()
-    return logits / temperature if temperature != 1.0 else logits
+    responses = micro["responses"]
+    batch, resp_len = responses.shape
+    prompt_len = micro["input_ids"].shape[1] - resp_len
+    packed = None
+    if options.remove_padding:
+        packed = packing.pack_rows(micro["input_ids"], micro["attention_mask"], prompt_len,
+                                   options.share_prompts, options.dense_mask)
+        inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids,
+                  "attention_mask": packed.attention_mask}
+        keep, targets = packed.keep, packed.targets[None]
+    else:
+        inputs = {key: micro[key] for key in ("input_ids", "attention_mask", "position_ids")}
+        keep = torch.arange(prompt_len - 1, prompt_len + resp_len - 1, device=responses.device)
+        targets = responses
+    head = model.get_output_embeddings()
+    autocast = torch.autocast(responses.device.type, dtype=options.autocast_dtype or torch.bfloat16,
+                              enabled=options.autocast_dtype is not None)
+    with autocast, packing.replaced_head(head, lambda hidden: head_fn(hidden, targets, head)):
+        out = model(**inputs, use_cache=False, logits_to_keep=keep).logits
+    return packing.unpack(out[0], packed, (batch, resp_len)) if packed is not None else out
+
+
+def head_dtype(head: torch.nn.Module, options: ForwardOptions) -> torch.dtype:
+    return options.autocast_dtype or head.weight.dtype
+
+
+def response_log_probs(model: torch.nn.Module, micro: dict[str, torch.Tensor], temperature: float,
+                       options: ForwardOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs (B, T) of the response tokens at `temperature` and the entropies of those
+    next-token distributions, computed in chunks without a (B, T, V) logits tensor."""
+
+    def head_fn(hidden, targets, head):
+        log_probs, entropy = packing.head_log_probs(hidden, head.weight, targets, temperature,
+                                                    options.head_chunk_size, head_dtype(head, options))
+        return torch.stack([log_probs, entropy], dim=-1)
+
+    out = response_head_outputs(model, micro, options, head_fn)
+    return out[..., 0], out[..., 1]
+
+
+def response_logits(model: torch.nn.Module, micro: dict[str, torch.Tensor], temperature: float,
+                    options: ForwardOptions) -> torch.Tensor:
+    """Float32 logits (B, T, V) that predict the T response tokens, divided by the temperature
+    (only for losses that need whole distributions, such as the full KL)."""
+
+    def head_fn(hidden, targets, head):
+        dtype = head_dtype(head, options)
+        return (hidden.to(dtype) @ head.weight.to(dtype).T).float() / temperature
+
+    return response_head_outputs(model, micro, options, head_fn)
 
 
 def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-
-
-def response_log_probs(model: torch.nn.Module, micro: dict[str, torch.Tensor], temperature: float,
-                       with_entropy: bool, entropy_grad: bool = False
-                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Log-probs of the response tokens under `model` (and their entropies), plus the logits."""
-    logits = response_logits(model, micro, temperature)
-    log_probs = token_log_probs(logits, micro["responses"])
-    entropy = None
-    if with_entropy:
-        # Entropy only needs a graph when it is part of the loss (entropy bonus).
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = entropy_from_logits(logits)
-    return log_probs, entropy, logits
 
 
 def lr_lambda(optim_cfg: Any, total_steps: int):
@@ -150,12 +222,24 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     return float(norm)
 
 
-def all_reduce_sum(value: float, device: torch.device) -> float:
+def all_reduce_scalar(value: float, device: torch.device, op=dist.ReduceOp.SUM) -> float:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return value
     t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
+    dist.all_reduce(t, op=op)
     return float(t.item())
+
+
+def micro_batches(batch: Batch, micro_rows: int, max_tokens: int | None, share_prompts: bool,
+                  device: torch.device) -> list[torch.Tensor]:
+    """Row indices of micro-batches of `micro_rows` rows, or (with `max_tokens`, i.e.
+    `use_dynamic_bsz`) of at most about that many tokens, balanced. Every rank then runs as many
+    micro-batches as the rank that needs most, because each FSDP forward is a collective."""
+    if max_tokens is None:
+        return list(torch.arange(len(batch)).split(micro_rows))
+    count = seqlen_balancing.token_budget_bins(batch, max_tokens, share_prompts)
+    count = int(all_reduce_scalar(count, device, op=dist.ReduceOp.MAX))
+    return seqlen_balancing.split_into(batch, count, share_prompts)
 
 
 class ModelWorker(Worker):
@@ -187,10 +271,11 @@ def setup_device_and_mesh(worker, cfg: Any) -> tuple[torch.device, DeviceMesh]:
     return device, init_device_mesh(device.type, (worker.world_size,))
 
 
-def mini_batch_updates(model, optimizer, batch, *, mini_rows: int, micro_rows: int, epochs: int,
-                       shuffle: bool, seed: int, grad_clip: float, device: torch.device, loss_fn,
-                       ) -> tuple[dict[str, list[float]], int]:
-    """Epochs x mini-batches of optimizer steps with gradient accumulation over micro-batches.
+def mini_batch_updates(model, optimizer, batch, *, mini_rows: int, micro_rows: int, max_tokens: int | None,
+                       share_prompts: bool, epochs: int, shuffle: bool, seed: int, grad_clip: float,
+                       device: torch.device, loss_fn) -> tuple[dict[str, list[float]], int]:
+    """Epochs x mini-batches of optimizer steps with gradient accumulation over micro-batches
+    (`micro_batches`).
 
     Before each mini-batch the token and sequence counts are all-reduced, and `loss_fn(tensors,
     agg_kwargs) -> (loss, terms)` normalises by them, so the accumulated gradient (after FSDP's
@@ -208,13 +293,14 @@ def mini_batch_updates(model, optimizer, batch, *, mini_rows: int, micro_rows: i
         for mini in epoch_batch.split(mini_rows):
             mask = mini["response_mask"]
             agg_kwargs = {
-                "global_num_tokens": all_reduce_sum(float(mask.sum()), device),
-                "global_num_seqs": all_reduce_sum(float((mask.sum(-1) > 0).sum()), device),
+                "global_num_tokens": all_reduce_scalar(float(mask.sum()), device),
+                "global_num_seqs": all_reduce_scalar(float((mask.sum(-1) > 0).sum()), device),
                 "dp_size": world,
             }
             optimizer.zero_grad(set_to_none=True)
             sums: dict[str, float] = {}
-            for micro in mini.split(micro_rows):
+            for rows in micro_batches(mini, micro_rows, max_tokens, share_prompts, device):
+                micro = mini[rows]
                 tensors = {k: micro[k].to(device) for k in micro.tensors.keys()}
                 loss, terms = loss_fn(tensors, agg_kwargs)
                 loss.backward()

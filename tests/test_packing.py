@@ -1,0 +1,177 @@
+"""Padding-free forwards: packed (with and without shared prompts) and padded layouts give the
+same response log-probs, entropies and gradients; the chunked LM head matches a float64
+reference; token-budget micro-batches and rank balancing respect their constraints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hybrid_rl import seqlen_balancing
+from hybrid_rl.algorithms import entropy_from_logits
+from hybrid_rl.protocol import Batch
+from hybrid_rl.workers import packing, train_engine
+from hybrid_rl.workers.rollout import assemble_rollout
+
+PADDED = train_engine.ForwardOptions(remove_padding=False)
+PACKED = train_engine.ForwardOptions(remove_padding=True, share_prompts=False, head_chunk_size=7)
+SHARED = train_engine.ForwardOptions(remove_padding=True, share_prompts=True, head_chunk_size=5)
+
+
+def rollout_batch(vocab: int, pad: int, eos: int, groups: int = 3, n: int = 3, prompt_len: int = 9,
+                  resp_len: int = 6, seed: int = 0) -> Batch:
+    """Groups of n responses of varied length (one empty) to left-padded prompts of varied length."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.full((groups, prompt_len), pad)
+    mask = torch.zeros((groups, prompt_len), dtype=torch.long)
+    for i in range(groups):
+        length = prompt_len - 2 * i
+        ids[i, -length:] = torch.randint(5, vocab, (length,), generator=g)
+        mask[i, -length:] = 1
+    prompts = Batch(tensors={"input_ids": ids, "attention_mask": mask}).repeat(n, interleave=True)
+    responses = []
+    for row in range(groups * n):
+        length = int(torch.randint(1, resp_len + 3, (1,), generator=g))
+        responses.append(torch.randint(5, vocab, (length,), generator=g).tolist())
+    responses[1] = [eos]  # a one-token response
+    out = assemble_rollout(prompts, responses, [[0.0] * len(r) for r in responses], resp_len, pad, [eos])
+    return out
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_tokenizer):
+    return rollout_batch(len(tiny_tokenizer), tiny_tokenizer.pad_token_id, tiny_tokenizer.eos_token_id)
+
+
+def tensors(batch: Batch) -> dict[str, torch.Tensor]:
+    return {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "responses")}
+
+
+def reference_log_probs(model, batch: Batch, temperature: float):
+    """Each row on its own, unpadded, with full logits: the plainest possible computation."""
+    out_lp = torch.zeros(batch["responses"].shape)
+    out_ent = torch.zeros(batch["responses"].shape)
+    resp_len = batch["responses"].shape[1]
+    for i in range(len(batch)):
+        real = batch["attention_mask"][i].bool()
+        ids = batch["input_ids"][i][real][None]
+        r = int(batch["response_mask"][i].sum())
+        logits = model(input_ids=ids).logits[0, -r - 1:-1].double() / temperature
+        out_lp[i, :r] = train_engine.token_log_probs(logits, batch["responses"][i, :r]).float()
+        out_ent[i, :r] = entropy_from_logits(logits).float()
+    assert resp_len >= r
+    return out_lp, out_ent
+
+
+@pytest.mark.parametrize("options", [PADDED, PACKED, SHARED], ids=["padded", "packed", "shared_prompts"])
+def test_layouts_match_rowwise_reference(model, batch, options):
+    mask = batch["response_mask"].bool()
+    with torch.no_grad():
+        log_probs, entropy = train_engine.response_log_probs(model, tensors(batch), 0.7, options)
+        ref_lp, ref_ent = reference_log_probs(model, batch, 0.7)
+    assert torch.allclose(log_probs[mask], ref_lp[mask], atol=2e-5)
+    assert torch.allclose(entropy[mask], ref_ent[mask], atol=2e-5)
+    if options.remove_padding:
+        assert (log_probs[~mask] == 0).all()
+
+
+def test_packed_and_padded_gradients_agree(model, batch):
+    mask = batch["response_mask"].float()
+    grads = []
+    for options in (PADDED, SHARED):
+        model.zero_grad()
+        log_probs, entropy = train_engine.response_log_probs(model, tensors(batch), 1.0, options)
+        ((log_probs * mask).sum() + 0.1 * (entropy * mask).sum()).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-5, rtol=1e-4)
+
+
+def test_shared_prompts_compute_each_prompt_once(batch):
+    plain = packing.pack_rows(batch["input_ids"], batch["attention_mask"], 9, share_prompts=False, dense_mask=True)
+    shared = packing.pack_rows(batch["input_ids"], batch["attention_mask"], 9, share_prompts=True, dense_mask=True)
+    prompt_tokens = batch["attention_mask"][:, :9].sum(-1)
+    saved = int(prompt_tokens.sum() - prompt_tokens[::3].sum())  # 3 responses per prompt
+    assert plain.num_tokens - shared.num_tokens == saved
+    assert int(batch["response_mask"].sum()) == len(shared.keep) == len(plain.keep)
+    varlen = packing.pack_rows(batch["input_ids"], batch["attention_mask"], 9, share_prompts=False, dense_mask=False)
+    assert varlen.attention_mask is None and torch.equal(varlen.input_ids, plain.input_ids)
+    with pytest.raises(ValueError, match="dense attention mask"):
+        packing.pack_rows(batch["input_ids"], batch["attention_mask"], 9, share_prompts=True, dense_mask=False)
+
+
+def test_chunked_head_matches_float64_reference():
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 11, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (2, 11))
+    g_lp, g_ent = torch.randn(2, 11, dtype=torch.float64), torch.randn(2, 11, dtype=torch.float64)
+
+    log_probs, entropy = packing.head_log_probs(hidden, weight, targets, 0.6, chunk_size=4)
+    ((log_probs * g_lp).sum() + (entropy * g_ent).sum()).backward()
+    got = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+
+    logits = hidden @ weight.T / 0.6
+    ref_lp = train_engine.token_log_probs(logits, targets)
+    ref_ent = entropy_from_logits(logits)
+    ((ref_lp * g_lp).sum() + (ref_ent * g_ent).sum()).backward()
+    # Log-probs and entropies are accumulated in float32 by design.
+    assert torch.allclose(log_probs.double(), ref_lp, atol=1e-5)
+    assert torch.allclose(entropy.double(), ref_ent, atol=1e-5)
+    assert torch.allclose(got[0], hidden.grad, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(got[1], weight.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_chunked_head_gradcheck():
+    torch.manual_seed(1)
+    hidden = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(7, 4, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 7, (5,))
+
+    def fn(h, w):
+        lp, ent = packing._HeadLogProbs.apply(h, w, targets, 1.3, 2, torch.float64)
+        return lp.double(), ent.double()
+
+    # The forward accumulates in float32, so compare at float32 precision.
+    assert torch.autograd.gradcheck(fn, (hidden, weight), eps=1e-3, atol=1e-3, rtol=1e-2)
+
+
+def test_token_budget_micro_batches(batch):
+    for share in (False, True):
+        units, costs = seqlen_balancing.cost_units(batch, share)
+        count = seqlen_balancing.token_budget_bins(batch, 40, share)
+        parts = seqlen_balancing.split_into(batch, count, share)
+        rows = torch.cat(parts)
+        assert sorted(rows.tolist()) == list(range(len(batch)))
+        assert all(len(p) > 0 for p in parts)
+        loads = [sum(c for u, c in zip(units, costs) if set(u) <= set(p.tolist())) for p in parts]
+        assert sum(loads) <= sum(costs)
+    # A budget above the whole batch gives one micro-batch; one token per bin gives one row each.
+    assert seqlen_balancing.token_budget_bins(batch, 10_000, True) == 1
+    assert seqlen_balancing.token_budget_bins(batch, 1, False) == len(batch)
+
+
+def test_balanced_partition_is_balanced_and_equal_sized():
+    costs = [9, 8, 7, 6, 5, 4, 3, 2]
+    bins = seqlen_balancing.balanced_partition(costs, 2, equal_size=True)
+    assert sorted(i for b in bins for i in b) == list(range(8))
+    assert [len(b) for b in bins] == [4, 4]
+    totals = [sum(costs[i] for i in b) for b in bins]
+    assert abs(totals[0] - totals[1]) <= 2
+    with pytest.raises(ValueError, match="equal bins"):
+        seqlen_balancing.balanced_partition(costs[:7], 2, equal_size=True)
+
+
+def test_balance_permutation_keeps_groups_whole(batch):
+    order = seqlen_balancing.balance_permutation(batch, 3, share_prompts=True)
+    assert sorted(order.tolist()) == list(range(len(batch)))
+    # 3 groups of 3 over 3 ranks: each rank's chunk is one whole group.
+    for chunk in order.view(3, 3):
+        assert len({int(c) // 3 for c in chunk}) == 1
