@@ -163,6 +163,7 @@ class ActorRolloutRefWorker(train_engine.ModelWorker):
         self.skipped_steps += skipped
         out = train_engine.summarise_updates(metrics, "actor")
         out["actor/lr"] = self.scheduler.get_last_lr()[0]
+        out["perf/max_memory_gb"] = train_engine.peak_memory_gb(self.device)
         out["actor/skipped_steps"] = float(self.skipped_steps)
         return out
 

@@ -271,6 +271,9 @@ def setup_device_and_mesh(worker, cfg: Any) -> tuple[torch.device, DeviceMesh]:
     return device, init_device_mesh(device.type, (worker.world_size,))
 
 
+FORWARD_TOKENS = "update_tokens"  # reported as <role>/update_tokens, per rank
+
+
 def mini_batch_updates(model, optimizer, batch, *, mini_rows: int, micro_rows: int, max_tokens: int | None,
                        share_prompts: bool, epochs: int, shuffle: bool, seed: int, grad_clip: float,
                        device: torch.device, loss_fn) -> tuple[dict[str, list[float]], int]:
@@ -282,7 +285,8 @@ def mini_batch_updates(model, optimizer, batch, *, mini_rows: int, micro_rows: i
     average over ranks) is exactly that of the whole mini-batch. `terms` are floats already
     weighted the same way: their sum over micro-batches, averaged over ranks, is the exact
     mini-batch value. Returns per-mini-batch metrics and the number of skipped steps (non-finite
-    gradient norm).
+    gradient norm). `metrics[FORWARD_TOKENS]` counts the tokens each mini-batch's forward passes
+    computed (padding-free count; see `seqlen_balancing`).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     metrics: dict[str, list[float]] = {}
@@ -299,6 +303,7 @@ def mini_batch_updates(model, optimizer, batch, *, mini_rows: int, micro_rows: i
             }
             optimizer.zero_grad(set_to_none=True)
             sums: dict[str, float] = {}
+            forward_tokens = 0
             for rows in micro_batches(mini, micro_rows, max_tokens, share_prompts, device):
                 micro = mini[rows]
                 tensors = {k: micro[k].to(device) for k in micro.tensors.keys()}
@@ -306,15 +311,26 @@ def mini_batch_updates(model, optimizer, batch, *, mini_rows: int, micro_rows: i
                 loss.backward()
                 for key, value in terms.items():
                     sums[key] = combine_metric(key, sums.get(key), value)
+                forward_tokens += sum(seqlen_balancing.cost_units(micro, share_prompts)[1])
             grad_norm = clip_grad_norm(model, grad_clip)
             if math.isfinite(grad_norm):
                 optimizer.step()
             else:
                 skipped += 1
             optimizer.zero_grad(set_to_none=True)
-            for key, value in {**sums, "grad_norm": grad_norm}.items():
+            for key, value in {**sums, "grad_norm": grad_norm, FORWARD_TOKENS: forward_tokens}.items():
                 metrics.setdefault(key, []).append(value)
     return metrics, skipped
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory of this worker so far: CUDA allocations on GPU, the process's peak resident
+    set on CPU (trainer, reference and the vLLM engine together)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def combine_metric(key: str, total: float | None, value: float) -> float:
@@ -325,10 +341,14 @@ def combine_metric(key: str, total: float | None, value: float) -> float:
 
 
 def summarise_updates(metrics: dict[str, list[float]], role: str) -> dict[str, float]:
-    """Per-mini-batch metrics of `mini_batch_updates` -> one value each (max for *_max, else
-    the mean), named `<role>/<metric>` unless already namespaced."""
-    return {(key if "/" in key else f"{role}/{key}"): (max(v) if key.endswith("_max") else sum(v) / len(v))
-            for key, v in metrics.items()}
+    """Per-mini-batch metrics of `mini_batch_updates` -> one value each (max for *_max, the
+    total for the token count, else the mean), named `<role>/<metric>` unless already namespaced."""
+    def combine(key: str, values: list[float]) -> float:
+        if key == FORWARD_TOKENS:
+            return float(sum(values))
+        return max(values) if key.endswith("_max") else sum(values) / len(values)
+
+    return {(key if "/" in key else f"{role}/{key}"): combine(key, v) for key, v in metrics.items()}
 
 
 def token_share(mask: torch.Tensor, agg_kwargs: dict) -> float:
