@@ -84,7 +84,8 @@ def test_bad_choice_or_value(override, fragments):
     (["data.train_batch_size=12", "actor_rollout_ref.actor.ppo_mini_batch_size=8"],
      ["multiple of", "ppo_mini_batch_size (8)", "divisor of 12"]),
     (["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-      "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5"],
+      "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5",
+      "actor_rollout_ref.actor.use_dynamic_bsz=false"],
      ["32 sequences", "ppo_micro_batch_size_per_gpu (5)", "divides 32"]),
 ])
 def test_batch_size_arithmetic(overrides, fragments):
