@@ -11,6 +11,7 @@ import os
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hybrid_rl.algorithms import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_RS_MODES
+from hybrid_rl.workers.train_engine import DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,8 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     _choice(cfg.algorithm.kl_penalty, KL_ESTIMATORS.names(), "algorithm.kl_penalty")
     _choice(actor.loss_agg_mode, LOSS_AGG_MODES.names(), "actor_rollout_ref.actor.loss_agg_mode")
     _choice(rollout.name, ROLLOUT_ENGINES, "actor_rollout_ref.rollout.name")
+    _choice(rollout.dtype, ("auto", "float32", "bfloat16", "float16"), "actor_rollout_ref.rollout.dtype")
+    _choice(actor.fsdp_config.dtype, tuple(DTYPES), "actor_rollout_ref.actor.fsdp_config.dtype")
     _choice(actor.strategy, TRAIN_STRATEGIES, "actor_rollout_ref.actor.strategy")
     _choice(trainer.device, DEVICES, "trainer.device")
     _choice(data.truncation, ("error", "left", "right", "middle"), "data.truncation")
