@@ -37,8 +37,12 @@ def long_prompt_batch(tokenizer, pad_token_id, temperature):
     return batch
 
 
-def test_two_ranks_vllm_grpo(ray_session, tiny_model_dir, tiny_tokenizer, arithmetic_files, tmp_path):
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
+def test_two_ranks_vllm_grpo(eager, ray_session, tiny_model_dir, tiny_tokenizer, arithmetic_files, tmp_path):
+    """Also with the engine's torch.compile'd model (enforce_eager=false, the default): the
+    synced weights must reach the compiled graph."""
     cfg = compose_config(run_overrides(tiny_model_dir, arithmetic_files, tmp_path, MAX_PROMPT, RESPONSE) + [
+        f"actor_rollout_ref.rollout.enforce_eager={eager}",
         "trainer.n_gpus_per_node=2", "trainer.cpus_per_worker=1", "trainer.total_training_steps=2",
         "trainer.test_freq=-1", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
@@ -74,7 +78,11 @@ def test_two_ranks_vllm_grpo(ray_session, tiny_model_dir, tiny_tokenizer, arithm
     mask = rollout["response_mask"].bool()
     assert mask.sum() > 0
     delta = (rollout["rollout_log_probs"] - recomputed)[mask].abs().max().item()
-    assert delta <= 1e-4, f"vLLM vs actor log-prob mismatch {delta}"
+    # The compiled graph fuses and reorders fp32 reductions (measured 2.7e-4 on >128-token
+    # prompts); stale weights would be off by about the update's own effect.
+    tolerance = 1e-4 if eager else 1e-3
+    assert delta <= tolerance, f"vLLM vs actor log-prob mismatch {delta}"
+    assert delta < 0.2 * (after - before)[before_rollout["response_mask"].bool()].abs().max()
     trainer.shutdown()
 
 
