@@ -64,7 +64,8 @@ def test_non_finite_gradient_skips_the_step():
     def nan_loss(t, agg):
         return model(t["x"]).sum() * float("nan"), {}
 
-    metrics, skipped = mini_batch_updates(model, optimizer, batch, mini_rows=4, micro_rows=2, epochs=1, shuffle=False,
+    metrics, skipped = mini_batch_updates(model, optimizer, batch, mini_rows=4, micro_rows=2, max_tokens=None,
+                                          share_prompts=False, epochs=1, shuffle=False,
                                           seed=0, grad_clip=1.0, device=torch.device("cpu"), loss_fn=nan_loss)
     assert skipped == 1 and not torch.isfinite(torch.tensor(metrics["grad_norm"])).all()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

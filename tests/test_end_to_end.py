@@ -78,8 +78,8 @@ def test_two_ranks_vllm_grpo(eager, ray_session, tiny_model_dir, tiny_tokenizer,
     mask = rollout["response_mask"].bool()
     assert mask.sum() > 0
     delta = (rollout["rollout_log_probs"] - recomputed)[mask].abs().max().item()
-    # The compiled graph fuses and reorders fp32 reductions (measured 2.7e-4 on >128-token
-    # prompts); stale weights would be off by about the update's own effect.
+    # The compiled graph may fuse and reorder fp32 reductions, hence a looser bound; stale
+    # weights would be off by about the update's own effect.
     tolerance = 1e-4 if eager else 1e-3
     assert delta <= tolerance, f"vLLM vs actor log-prob mismatch {delta}"
     assert delta < 0.2 * (after - before)[before_rollout["response_mask"].bool()].abs().max()
