@@ -59,7 +59,10 @@ def test_non_finite_gradient_skips_the_step():
     model = torch.nn.Linear(3, 1)
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    batch = Batch(tensors={"x": torch.randn(4, 3), "response_mask": torch.ones(4, 2)})
+    # [1 prompt token | 2 response tokens] rows: the update loop counts the tokens it forwards.
+    tokens = torch.ones(4, 3, dtype=torch.long)
+    batch = Batch(tensors={"x": torch.randn(4, 3), "response_mask": torch.ones(4, 2), "input_ids": tokens,
+                           "attention_mask": tokens, "responses": tokens[:, 1:]})
 
     def nan_loss(t, agg):
         return model(t["x"]).sum() * float("nan"), {}
