@@ -101,9 +101,22 @@ def test_shared_prompts_compute_each_prompt_once(batch):
     assert plain.num_tokens - shared.num_tokens == saved
     assert int(batch["response_mask"].sum()) == len(shared.keep) == len(plain.keep)
     varlen = packing.pack_rows(batch["input_ids"], batch["attention_mask"], 9, share_prompts=False, dense_mask=False)
-    assert varlen.attention_mask is None and torch.equal(varlen.input_ids, plain.input_ids)
+    assert varlen.attention_mask is None and varlen.input_ids.shape == (1, plain.num_tokens)
     with pytest.raises(ValueError, match="dense attention mask"):
         packing.pack_rows(batch["input_ids"], batch["attention_mask"], 9, share_prompts=True, dense_mask=False)
+
+
+def test_dense_packing_spreads_units_over_rows_no_longer_than_the_longest_unit(batch):
+    shared = packing.pack_rows(batch["input_ids"], batch["attention_mask"], 9, share_prompts=True, dense_mask=True)
+    prompt_lens = batch["attention_mask"][::3, :9].sum(-1)
+    response_lens = batch["response_mask"].sum(-1).view(-1, 3).sum(-1)
+    units = prompt_lens + response_lens  # one prompt and its 3 responses
+    rows, width = shared.input_ids.shape
+    assert width == int(units.max()) and 1 < rows < len(units) + 1
+    assert shared.attention_mask.shape == (rows, 1, width, width)
+    # Every token, padding included, attends at least to itself (no all-masked softmax rows).
+    assert shared.attention_mask[:, 0].diagonal(dim1=-2, dim2=-1).all()
+    assert shared.num_tokens == int(units.sum()) <= rows * width
 
 
 def test_chunked_head_matches_float64_reference():
@@ -136,11 +149,28 @@ def test_chunked_head_gradcheck():
     targets = torch.randint(0, 7, (5,))
 
     def fn(h, w):
-        lp, ent = packing._HeadLogProbs.apply(h, w, targets, 1.3, 2, torch.float64)
+        lp, ent = packing._HeadLogProbs.apply(h, w, targets, 1.3, 2, torch.float64, True)
         return lp.double(), ent.double()
 
     # The forward accumulates in float32, so compare at float32 precision.
     assert torch.autograd.gradcheck(fn, (hidden, weight), eps=1e-3, atol=1e-3, rtol=1e-2)
+
+
+def test_log_prob_only_head_gives_the_same_log_probs_and_gradients():
+    torch.manual_seed(2)
+    hidden = torch.randn(9, 8, requires_grad=True)
+    weight = torch.randn(30, 8, requires_grad=True)
+    targets = torch.randint(0, 30, (9,))
+    results = []
+    for with_entropy in (True, False):
+        log_probs, entropy = packing.head_log_probs(hidden, weight, targets, 0.8, chunk_size=4,
+                                                    with_entropy=with_entropy)
+        log_probs.sum().backward()
+        results.append((log_probs.detach(), entropy.detach(), hidden.grad.clone(), weight.grad.clone()))
+        hidden.grad = weight.grad = None
+    full, only = results
+    assert torch.equal(full[0], only[0]) and torch.equal(full[2], only[2]) and torch.equal(full[3], only[3])
+    assert (full[1] > 0).all() and (only[1] == 0).all()
 
 
 def test_token_budget_micro_batches(batch):

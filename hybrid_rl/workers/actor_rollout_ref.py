@@ -116,7 +116,8 @@ class ActorRolloutRefWorker(train_engine.ModelWorker):
                                                self.forward.share_prompts, self.device):
             part = batch[rows]
             tensors = {k: part[k].to(self.device) for k in FORWARD_KEYS}
-            log_probs[rows] = train_engine.response_log_probs(model, tensors, temperature, self.forward)[0].cpu()
+            log_probs[rows] = train_engine.response_log_probs(
+                model, tensors, temperature, self.forward, with_entropy=False)[0].cpu()
         return log_probs
 
     @register(dispatch=Dispatch.DP_COMPUTE)

@@ -1,12 +1,14 @@
 """Padding-free forward passes over rollout micro-batches.
 
 A micro-batch arrives as rows of [left-padded prompt | right-padded response]. `pack_rows` turns
-it into a single row holding only real tokens. With a dense attention mask (SDPA, the CPU path),
-the n responses sampled from one prompt share a single copy of that prompt: each response
-attends to the prompt and to itself, with positions continuing after the prompt, which is exactly
-the attention it gets in its own padded row, so the prompt is computed once per group instead of
-n times. With a varlen kernel (flash-attention on GPU) sequence boundaries come from the
-position ids alone, so each response keeps its own copy of the prompt.
+it into rows holding only real tokens. With a dense attention mask (SDPA, the CPU path), the n
+responses sampled from one prompt share a single copy of that prompt: each response attends to
+the prompt and to itself, with positions continuing after the prompt, which is exactly the
+attention it gets in its own padded row, so the prompt is computed once per group instead of n
+times. Such units (a prompt and its responses) are spread over several short rows, since a dense
+mask costs the square of a row's length. With a varlen kernel (flash-attention on GPU) sequence
+boundaries come from the position ids alone, so everything goes into one row and each response
+keeps its own copy of the prompt.
 
 `head_log_probs` then computes the response tokens' log-probs and entropies from the final
 hidden states in chunks of positions, recomputing each chunk's logits in the backward pass, so
@@ -22,85 +24,131 @@ import torch
 
 
 @dataclass
-class PackedRow:
-    input_ids: torch.Tensor  # (1, N) real tokens only
-    position_ids: torch.Tensor  # (1, N)
-    attention_mask: torch.Tensor | None  # (1, 1, N, N) bool, or None for varlen kernels
-    keep: torch.Tensor  # (K,) positions whose hidden state predicts a response token
+class PackedRows:
+    input_ids: torch.Tensor  # (R, L) real tokens, right-padded to the longest row
+    position_ids: torch.Tensor  # (R, L)
+    attention_mask: torch.Tensor | None  # (R, 1, L, L) bool, or None for varlen kernels (R = 1)
+    keep: torch.Tensor  # (K,) flat positions in the R x L grid whose hidden state predicts a response token
     targets: torch.Tensor  # (K,) the response token each of them predicts
     rows: torch.Tensor  # (K,) where that prediction belongs in the (B, T) response grid
     cols: torch.Tensor  # (K,)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.shape[1]
+    num_tokens: int  # real tokens, padding excluded
 
 
-def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
-              share_prompts: bool, dense_mask: bool) -> PackedRow:
-    """Pack (B, prompt_len + T) padded rows into one row of real tokens (see the module doc).
+@dataclass
+class _Unit:
+    """A prompt and the responses packed after it (one response, or a whole group when shared)."""
 
-    Rows whose prompt tokens are identical share one prompt copy when `share_prompts` (needs
-    `dense_mask`); an empty response contributes no predictions.
-    """
-    if share_prompts and not dense_mask:
-        raise ValueError("Sharing prompts between responses needs a dense attention mask (SDPA).")
-    device = input_ids.device
-    ids, real = input_ids.cpu(), attention_mask.cpu().bool()
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    segment: list[int]  # 0 for the prompt, 1, 2, ... for each response
+    keep: list[int]  # offsets within the unit
+    targets: list[torch.Tensor]
+    rows: list[int]
+    cols: list[int]
+
+
+def _units(ids: torch.Tensor, real: torch.Tensor, prompt_len: int, share_prompts: bool) -> list[_Unit]:
     groups: dict[object, list[int]] = {}
     for b in range(ids.shape[0]):
         key = tuple(ids[b, :prompt_len][real[b, :prompt_len]].tolist()) if share_prompts else b
         groups.setdefault(key, []).append(b)
-
-    tokens, positions, segment, group_of, is_prompt = [], [], [], [], []
-    keep, targets, rows, cols = [], [], [], []
-    offset = segment_id = 0
-    for g, members in enumerate(groups.values()):
+    units = []
+    for members in groups.values():
         prompt = ids[members[0], :prompt_len][real[members[0], :prompt_len]]
         p = len(prompt)
-        tokens.append(prompt)
-        positions.append(torch.arange(p))
-        segment += [segment_id] * p
-        group_of += [g] * p
-        is_prompt += [True] * p
-        last_prompt = offset + p - 1
-        offset += p
-        segment_id += 1
+        unit = _Unit([prompt], [torch.arange(p)], [0] * p, [], [], [], [])
+        offset = p
         for b in members:
             response = ids[b, prompt_len:][real[b, prompt_len:]]
             r = len(response)
             if r == 0:
                 continue
-            tokens.append(response)
-            positions.append(torch.arange(p, p + r))
-            segment += [segment_id] * r
-            segment_id += 1
-            group_of += [g] * r
-            is_prompt += [False] * r
+            unit.tokens.append(response)
+            unit.positions.append(torch.arange(p, p + r))
+            unit.segment += [len(unit.targets) + 1] * r
             # Token t is predicted by the state before it: the prompt's last token, then the response's own.
-            keep += [last_prompt, *range(offset, offset + r - 1)]
-            targets.append(response)
-            rows += [b] * r
-            cols += range(r)
+            unit.keep += [p - 1, *range(offset, offset + r - 1)]
+            unit.targets.append(response)
+            unit.rows += [b] * r
+            unit.cols += range(r)
             offset += r
+        unit.tokens, unit.positions = torch.cat(unit.tokens), torch.cat(unit.positions)
+        units.append(unit)
+    return units
+
+
+def _rows_first_fit(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Unit indices per row: first-fit decreasing into rows of `capacity` tokens."""
+    rows: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        fit = next((r for r, load in enumerate(loads) if load + lengths[i] <= capacity), None)
+        if fit is None:
+            rows.append([i])
+            loads.append(lengths[i])
+        else:
+            rows[fit].append(i)
+            loads[fit] += lengths[i]
+    return rows
+
+
+def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
+              share_prompts: bool, dense_mask: bool) -> PackedRows:
+    """Pack (B, prompt_len + T) padded rows into rows of real tokens (see the module doc).
+
+    Rows whose prompt tokens are identical share one prompt copy when `share_prompts` (needs
+    `dense_mask`); an empty response contributes no predictions. With a dense mask, units (a
+    prompt and its responses) are placed first-fit into rows as long as the longest unit, because
+    the mask makes attention cost grow with the square of a row's length; a varlen kernel gets
+    everything in one row.
+    """
+    if share_prompts and not dense_mask:
+        raise ValueError("Sharing prompts between responses needs a dense attention mask (SDPA).")
+    device = input_ids.device
+    units = _units(input_ids.cpu(), attention_mask.cpu().bool(), prompt_len, share_prompts)
+    lengths = [len(u.tokens) for u in units]
+    rows = _rows_first_fit(lengths, max(lengths)) if dense_mask else [list(range(len(units)))]
+    width = max(sum(lengths[i] for i in row) for row in rows)
+
+    input_ids_out = torch.zeros(len(rows), width, dtype=torch.long)
+    positions = torch.zeros(len(rows), width, dtype=torch.long)
+    # Per token: a segment id unique in its row (each padding token gets its own, so that it
+    # attends to itself and stays finite), its unit, and whether it is a prompt token.
+    segment = -1 - torch.arange(width).repeat(len(rows), 1)
+    unit_of = segment.clone()
+    is_prompt = torch.zeros(len(rows), width, dtype=torch.bool)
+    keep, targets, out_rows, out_cols = [], [], [], []
+    for r, members in enumerate(rows):
+        offset = 0
+        for i in members:
+            unit, n = units[i], lengths[i]
+            span = slice(offset, offset + n)
+            input_ids_out[r, span] = unit.tokens
+            positions[r, span] = unit.positions
+            segment[r, span] = torch.tensor(unit.segment) + 2 * width * i
+            unit_of[r, span] = i
+            is_prompt[r, span] = torch.tensor(unit.segment) == 0
+            keep += [r * width + offset + k for k in unit.keep]
+            targets += unit.targets
+            out_rows += unit.rows
+            out_cols += unit.cols
+            offset += n
 
     mask = None
     if dense_mask:
-        seg = torch.tensor(segment)
-        grp = torch.tensor(group_of)
-        pos = torch.arange(offset)
-        causal = pos[None, :] <= pos[:, None]
-        shared_prompt = (grp[:, None] == grp[None, :]) & torch.tensor(is_prompt)[None, :]
-        mask = (causal & ((seg[:, None] == seg[None, :]) | shared_prompt))[None, None].to(device)
+        causal = torch.ones(width, width, dtype=torch.bool).tril()
+        same_segment = segment[:, :, None] == segment[:, None, :]
+        own_prompt = (unit_of[:, :, None] == unit_of[:, None, :]) & is_prompt[:, None, :]
+        mask = (causal & (same_segment | own_prompt))[:, None].to(device)
     as_long = lambda values: torch.as_tensor(values, dtype=torch.long, device=device)  # noqa: E731
-    return PackedRow(
-        input_ids=torch.cat(tokens)[None].to(device), position_ids=torch.cat(positions)[None].to(device),
-        attention_mask=mask, keep=as_long(keep),
-        targets=torch.cat(targets).to(device) if targets else as_long([]),
-        rows=as_long(rows), cols=as_long(cols))
+    return PackedRows(
+        input_ids=input_ids_out.to(device), position_ids=positions.to(device), attention_mask=mask,
+        keep=as_long(keep), targets=torch.cat(targets).to(device) if targets else as_long([]),
+        rows=as_long(out_rows), cols=as_long(out_cols), num_tokens=sum(lengths))
 
 
-def unpack(values: torch.Tensor, packed: PackedRow, shape: tuple[int, ...]) -> torch.Tensor:
+def unpack(values: torch.Tensor, packed: PackedRows, shape: tuple[int, ...]) -> torch.Tensor:
     """Scatter per-prediction values (K, ...) into a zero (B, T, ...) grid."""
     out = values.new_zeros(shape + values.shape[1:])
     out[packed.rows, packed.cols] = values
@@ -108,30 +156,34 @@ def unpack(values: torch.Tensor, packed: PackedRow, shape: tuple[int, ...]) -> t
 
 
 class _HeadLogProbs(torch.autograd.Function):
-    """log p(target) and entropy of softmax(h W^T / tau), chunk by chunk over positions.
+    """log p(target) and (optionally) entropy of softmax(h W^T / tau), chunk by chunk over
+    positions.
 
     With z = h W^T / tau, p = softmax(z) and H = logsumexp(z) - sum_v p_v z_v:
         d log p_y / dz = onehot(y) - p,        dH / dz = -p * (z - sum_v p_v z_v),
     and dz flows to h (dz W / tau) and W (dz^T h / tau). Only logsumexp per position is saved;
-    each chunk's logits are recomputed in backward.
+    each chunk's logits are recomputed in backward. Without entropy (log-prob-only passes) the
+    forward skips the pass over the vocabulary that entropy needs and returns zeros.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size, compute_dtype):
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, compute_dtype, with_entropy):
         log_probs = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
-        entropy = torch.empty_like(log_probs)
+        entropy = torch.zeros_like(log_probs)
         lse = torch.empty_like(log_probs)
         w = weight.to(compute_dtype)
         for start in range(0, hidden.shape[0], chunk_size):
             end = start + chunk_size
-            z = (hidden[start:end].to(compute_dtype) @ w.T).float() / temperature
+            z = _chunk_logits(hidden[start:end], w, compute_dtype, temperature)
             lse[start:end] = torch.logsumexp(z, dim=-1)
-            log_p = z - lse[start:end, None]
+            log_p = z.sub_(lse[start:end, None])  # z is a fresh float32 tensor: reuse it
             log_probs[start:end] = log_p.gather(-1, targets[start:end, None]).squeeze(-1)
-            # -sum p log p rather than lse - sum p z: no cancellation between two large terms.
-            entropy[start:end] = -(log_p.exp() * log_p).sum(-1)
+            if with_entropy:
+                # -sum p log p rather than lse - sum p z: no cancellation between two large terms.
+                entropy[start:end] = -(log_p.exp() * log_p).sum(-1)
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.temperature, ctx.chunk_size, ctx.compute_dtype = temperature, chunk_size, compute_dtype
+        ctx.with_entropy = with_entropy
         ctx.set_materialize_grads(False)
         return log_probs, entropy
 
@@ -139,13 +191,15 @@ class _HeadLogProbs(torch.autograd.Function):
     def backward(ctx, grad_log_probs, grad_entropy):
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
         tau, dtype = ctx.temperature, ctx.compute_dtype
+        if not ctx.with_entropy:
+            grad_entropy = None  # the zeros returned are constants
         w = weight.to(dtype)
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = start + ctx.chunk_size
             h = hidden[start:end].to(dtype)
-            z = (h @ w.T).float() / tau
+            z = _chunk_logits(h, w, dtype, tau)
             p = torch.exp(z - lse[start:end, None])
             grad_z = torch.zeros_like(z)
             if grad_log_probs is not None:
@@ -162,16 +216,23 @@ class _HeadLogProbs(torch.autograd.Function):
                 grad_weight += (grad_z.T @ h).float()
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, temperature: float) -> torch.Tensor:
+    z = (hidden.to(dtype) @ weight.T).float()
+    return z.div_(temperature) if temperature != 1.0 else z
 
 
 def head_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                   chunk_size: int, compute_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   chunk_size: int, compute_dtype: torch.dtype | None = None,
+                   with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of `targets` and entropies under the LM head `weight` for hidden states (..., H)
-    with targets (...); both float32 of the targets' shape."""
+    with targets (...); both float32 of the targets' shape (entropies zero unless `with_entropy`)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
     dtype = compute_dtype or hidden.dtype
-    log_probs, entropy = _HeadLogProbs.apply(flat, weight, targets.reshape(-1), temperature, chunk_size, dtype)
+    log_probs, entropy = _HeadLogProbs.apply(flat, weight, targets.reshape(-1), temperature, chunk_size, dtype,
+                                             with_entropy)
     return log_probs.view(targets.shape), entropy.view(targets.shape)
 
 
