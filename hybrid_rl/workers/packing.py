@@ -181,7 +181,9 @@ class _HeadLogProbs(torch.autograd.Function):
             if with_entropy:
                 # -sum p log p rather than lse - sum p z: no cancellation between two large terms.
                 entropy[start:end] = -(log_p.exp() * log_p).sum(-1)
-        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+        # The cast weight is kept for backward rather than cast again (one head's worth of memory).
+        ctx.save_for_backward(hidden, w, targets, lse, entropy)
+        ctx.weight_dtype = weight.dtype
         ctx.temperature, ctx.chunk_size, ctx.compute_dtype = temperature, chunk_size, compute_dtype
         ctx.with_entropy = with_entropy
         ctx.set_materialize_grads(False)
@@ -189,13 +191,12 @@ class _HeadLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy):
-        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        hidden, w, targets, lse, entropy = ctx.saved_tensors
         tau, dtype = ctx.temperature, ctx.compute_dtype
         if not ctx.with_entropy:
             grad_entropy = None  # the zeros returned are constants
-        w = weight.to(dtype)
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        grad_weight = None  # accumulated in float32 over chunks
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = start + ctx.chunk_size
             h = hidden[start:end].to(dtype)
@@ -212,10 +213,11 @@ class _HeadLogProbs(torch.autograd.Function):
             grad_z = (grad_z / tau).to(dtype)
             if grad_hidden is not None:
                 grad_hidden[start:end] = (grad_z @ w).to(hidden.dtype)
-            if grad_weight is not None:
-                grad_weight += (grad_z.T @ h).float()
+            if ctx.needs_input_grad[1]:
+                part = grad_z.T @ h
+                grad_weight = part.float() if grad_weight is None else grad_weight.add_(part)
         if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
+            grad_weight = grad_weight.to(ctx.weight_dtype)
         return grad_hidden, grad_weight, None, None, None, None, None
 
 

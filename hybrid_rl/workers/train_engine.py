@@ -2,7 +2,7 @@
 
 One instance holds one model (the actor, or the frozen reference). Every parameter is a DTensor
 sharded over the data-parallel mesh; each decoder layer is its own FSDP unit so only one layer
-is gathered at a time.
+is gathered at a time. A single CPU rank keeps a plain module (see `shard_model`).
 """
 
 from __future__ import annotations
@@ -71,7 +71,14 @@ def load_causal_lm(path: str, model_cfg: Any, device: torch.device, trainable: b
 
 def shard_model(model: torch.nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None,
                 reshard_after_forward: bool = True) -> torch.nn.Module:
-    """Apply `fully_shard` to every decoder layer, then to the root (embeddings, norm, head)."""
+    """Apply `fully_shard` to every decoder layer, then to the root (embeddings, norm, head).
+
+    With one rank and no parameter dtype to cast to (CPU, where bf16 compute is autocast), FSDP
+    would shard nothing and only copy every weight into, and every gradient out of, its flat
+    buffers (~15 % of a CPU update): the module stays a plain one.
+    """
+    if mesh.size() == 1 and param_dtype is None:
+        return model
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     layer_classes = tuple(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in layer_classes]

@@ -117,9 +117,9 @@ def main(argv=None) -> int:
         top_k=0,  # disabled, as hybrid-rl's top_k=-1
         learning_rate=s["lr"],
         lr_scheduler_type="constant",
-        # The same torch.optim.AdamW as hybrid-rl (the default here would be the fused one). TRL
+        # Fused torch.optim.AdamW, as hybrid-rl (and transformers' default with torch >= 2.8). TRL
         # exempts biases and norms from weight decay, hybrid-rl does not: no effect on speed.
-        optim="adamw_torch",
+        optim="adamw_torch_fused",
         weight_decay=s["weight_decay"],
         max_grad_norm=s["grad_clip"],
         # TRL's KL term is k3 = exp(ref - logp) - (ref - logp) - 1: hybrid-rl's low_var_kl without
