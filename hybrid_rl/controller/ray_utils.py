@@ -36,9 +36,10 @@ def init_ray(
         if runtime_env is not None:
             kwargs["runtime_env"] = runtime_env
         logger.info("init_ray: joining existing Ray cluster at %s", address)
-        ray.init(**kwargs)
+        ray.init(**kwargs, logging_level=logging.ERROR)
         return "cluster"
     n = num_cpus if num_cpus is not None else (os.cpu_count() or 1)
-    logger.info("init_ray: starting a local Ray instance with num_cpus=%s (no dashboard)", n)
-    ray.init(num_cpus=n, include_dashboard=False, runtime_env=runtime_env)
+    logger.debug("init_ray: starting a local Ray instance with num_cpus=%s (no dashboard)", n)
+    # ERROR: Ray's start-up notices (token file written, instance started) are not news to a user.
+    ray.init(num_cpus=n, include_dashboard=False, runtime_env=runtime_env, logging_level=logging.ERROR)
     return "local"

@@ -42,8 +42,7 @@ class ActorRolloutRefWorker(train_engine.ModelWorker):
         self.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.eos_token_ids = eos_ids(self.model_path, tok)
 
-        use_cuda = self.device.type == "cuda"
-        param_dtype = train_engine.DTYPES[cfg.actor_rollout_ref.actor.fsdp_config.dtype] if use_cuda else None
+        param_dtype = train_engine.param_dtype(cfg.actor_rollout_ref.actor.fsdp_config, self.device)
         model_cfg = cfg.actor_rollout_ref.model
         actor = train_engine.load_causal_lm(self.model_path, model_cfg, self.device, trainable=True)
         self.actor = train_engine.shard_model(
@@ -60,6 +59,7 @@ class ActorRolloutRefWorker(train_engine.ModelWorker):
         if rollout_cfg.name == "vllm":
             max_len = rollout_cfg.prompt_length + rollout_cfg.response_length
             self.rollout = VLLMRollout(self.model_path, rollout_cfg, self.device, max_len, self.eos_token_ids)
+            sync_weights(self.actor, self.rollout)  # the engine starts with random weights
         else:
             self.rollout = HFRollout(self.actor, self.pad_token_id, self.eos_token_ids)
         self.skipped_steps = 0
@@ -97,6 +97,12 @@ class ActorRolloutRefWorker(train_engine.ModelWorker):
     def save_checkpoint(self, folder: str) -> None:
         train_engine.save_sharded(self.actor, self.optimizer, self.scheduler, folder, self.rank,
                                   {"skipped_steps": self.skipped_steps})
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def save_hf_model(self, folder: str) -> None:
+        """The actor's weights and config as a Hugging Face folder (rank 0 writes)."""
+        config = train_engine.model_config(self.model_path, self.cfg.actor_rollout_ref.model)
+        train_engine.save_hf_model(self.actor, config, folder, self.rank)
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, folder: str) -> None:

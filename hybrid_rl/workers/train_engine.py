@@ -104,10 +104,22 @@ class ForwardOptions:
     autocast_dtype: torch.dtype | None = None  # CPU mixed precision (fp32 weights stay the masters)
 
 
+def compute_dtype(fsdp_cfg: Any, device: torch.device) -> torch.dtype:
+    """`fsdp_config.dtype` (`auto` as `hybrid_rl.hardware` resolves it for this device)."""
+    from hybrid_rl.hardware import resolve_dtype
+
+    return DTYPES[resolve_dtype(fsdp_cfg.get("dtype", "auto"), device.type, "train").dtype]
+
+
+def param_dtype(fsdp_cfg: Any, device: torch.device) -> torch.dtype | None:
+    """FSDP2's parameter dtype: the compute dtype on GPU; None on CPU, where it is autocast."""
+    return compute_dtype(fsdp_cfg, device) if device.type == "cuda" else None
+
+
 def forward_options(model_cfg: Any, fsdp_cfg: Any, device: torch.device) -> ForwardOptions:
     """`model.use_remove_padding`, `model.share_prompt_prefix` and `model.head_chunk_size`,
     plus the compute dtype: on GPU FSDP2 casts the weights itself, on CPU it is autocast."""
-    dtype = DTYPES[fsdp_cfg.get("dtype", "fp32")]
+    dtype = compute_dtype(fsdp_cfg, device)
     dense = attn_implementation(device) != "flash_attention_2"
     remove_padding = bool(model_cfg.get("use_remove_padding", False))
     return ForwardOptions(
@@ -284,6 +296,9 @@ class ModelWorker(Worker):
 
     def __init__(self, config: dict, model_path: str, total_steps: int):
         super().__init__()
+        from hybrid_rl.console import quiet_third_party_output
+
+        quiet_third_party_output()
         self.cfg = OmegaConf.create(config)
         self.model_path = model_path
         self.total_steps = total_steps
@@ -391,6 +406,18 @@ def token_share(mask: torch.Tensor, agg_kwargs: dict) -> float:
     """Weight of a micro-batch's per-token means in the exact mini-batch mean (see
     `mini_batch_updates`)."""
     return float(mask.sum()) / max(agg_kwargs["global_num_tokens"], 1.0) * agg_kwargs["dp_size"]
+
+
+def save_hf_model(model, config, folder: str, rank: int, role: str = "actor") -> None:
+    """The whole trained model as a Hugging Face folder (float32 safetensors + `config`), written
+    by rank 0. Every rank must call it: gathering the full tensors is a collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from hybrid_rl.export import save_hf_weights
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        save_hf_weights(state, config, folder, role=role)
 
 
 def save_sharded(model, optimizer, scheduler, folder: str, rank: int, extra: dict | None = None) -> None:

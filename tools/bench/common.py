@@ -22,24 +22,25 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine() -> str:
     import torch
+
+    from hybrid_rl.hardware import cpu_model
 
     text = f"{platform.node()}, {cpu_model()}, {os.cpu_count()} cores"
     if torch.cuda.is_available():
         text += f", {torch.cuda.get_device_name(0)}"
     return text
+
+
+def cpu_description() -> dict:
+    """The CPU model, the SIMD flags that decide matmul speed (bf16 above all) and what
+    `dtype: auto` resolves to here: every figure depends on them."""
+    from hybrid_rl.hardware import cpu_flags, cpu_model, resolve_dtype, simd_summary
+
+    flags = cpu_flags()
+    return {"model": cpu_model(), "simd_flags": simd_summary(flags),
+            "auto_dtype": resolve_dtype("auto", "cpu", flags=flags).dtype}
 
 
 def package_version(name: str) -> str | None:
@@ -58,6 +59,7 @@ def header(settings: dict, packages: tuple[str, ...] = ("torch", "vllm", "transf
         "command": " ".join([os.path.relpath(sys.argv[0], REPO_ROOT), *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "machine": machine(),
+        "cpu": cpu_description(),
         "python": platform.python_version(),
         "versions": {name: package_version(name) for name in packages},
         # 1/5/15-minute load when the result is written: other work on the machine slows every figure.

@@ -1,0 +1,130 @@
+"""Stopping a run with SIGINT (Ctrl-C) or SIGTERM (`kill`, SLURM's `scancel`), through the real
+command line: the first signal lets the step in progress finish, writes a checkpoint, shuts the
+workers and Ray down and exits with 128 + the signal's number; a second one abandons the step at
+once. No process of the run may remain, and a stopped run resumes exactly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from hybrid_rl.checkpoint import CheckpointManager
+from hybrid_rl.export import export_checkpoint
+from hybrid_rl.main import REPO_ROOT
+from tests.test_resume import STEPS, command, model_tensors, run, step_metrics
+
+pytestmark = pytest.mark.slow
+
+
+def session_processes(sid: int) -> list[str]:
+    """Names of the live processes in session `sid` (the driver's children stay in its session)."""
+    names = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        if int(fields[3]) == sid and fields[0] != "Z":  # field 6 of stat: session id
+            names.append(name)
+    return names
+
+
+def start(cmd, run_dir: Path) -> tuple[subprocess.Popen, Path]:
+    log = run_dir.parent / f"{run_dir.name}.log"  # a file: an unread pipe could fill and stall the run
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    return proc, log
+
+
+def wait_for_step(proc: subprocess.Popen, run_dir: Path, log: Path, step: int) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.is_file() and f'"step": {step},' in metrics.read_text():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the run never logged step {step}: {log.read_text()[-3000:]}")
+
+
+def stop_run(proc: subprocess.Popen, log: Path, signals: list[int]) -> str:
+    """Send `signals` to the driver alone (as `kill` and `scancel` do), 0.1 s apart (signals sent
+    closer together may reach Python's handler as one); returns the run's output."""
+    assert "raylet" in session_processes(proc.pid), "Ray should be running under the driver"
+    for signum in signals:
+        os.kill(proc.pid, signum)
+        time.sleep(0.1)
+    try:
+        proc.wait(timeout=120)  # a hang detector, not a speed claim: docs/benchmarks.md has the times
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"the run ignored {signals}: {log.read_text()[-3000:]}")
+    deadline = time.time() + 10  # Ray's daemons exit right after the driver's shutdown call returns
+    while session_processes(proc.pid) and time.time() < deadline:
+        time.sleep(0.2)
+    assert session_processes(proc.pid) == [], f"processes left behind: {session_processes(proc.pid)}"
+    return log.read_text()
+
+
+def test_sigterm_finishes_the_step_saves_and_resumes_exactly(tiny_model_dir, arithmetic_files, tmp_path):
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    run(command(tiny_model_dir, arithmetic_files, straight, "vllm"))
+    # Checkpoints every 100 steps: only the stop writes one.
+    cmd = command(tiny_model_dir, arithmetic_files, stopped, "vllm") + ["trainer.save_freq=100"]
+    proc, log = start(cmd, stopped)
+    wait_for_step(proc, stopped, log, 1)
+    output = stop_run(proc, log, [signal.SIGTERM])
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert "stopped by SIGTERM" in output
+    last = max(step_metrics(stopped))
+    assert 1 <= last < STEPS
+    assert CheckpointManager(str(stopped)).latest().name == f"global_step_{last}"
+
+    run(cmd)  # the same command resumes from the stop's checkpoint and finishes
+    expected, got = step_metrics(straight), step_metrics(stopped)
+    assert sorted(got) == sorted(expected)
+    for step, row in expected.items():
+        # The stopped step skipped its validation (to stop sooner); everything else is equal.
+        skipped = {key for key in row if key.startswith("val") and step == last}
+        assert got[step].keys() == row.keys() - skipped, step
+        for key, value in got[step].items():
+            assert value == pytest.approx(row[key], rel=1e-6, abs=1e-6), (step, key)
+    a, b = model_tensors(straight / f"global_step_{STEPS}"), model_tensors(stopped / f"global_step_{STEPS}")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+
+
+def test_sigint_checkpoint_loads(tiny_model_dir, arithmetic_files, tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = command(tiny_model_dir, arithmetic_files, run_dir, "vllm") + [
+        "trainer.save_freq=100", "trainer.total_training_steps=200"]
+    proc, log = start(cmd, run_dir)
+    wait_for_step(proc, run_dir, log, 1)
+    output = stop_run(proc, log, [signal.SIGINT])
+    assert proc.returncode == 128 + signal.SIGINT, output[-3000:]
+    checkpoint = CheckpointManager(str(run_dir)).latest()
+    assert checkpoint.name == f"global_step_{max(step_metrics(run_dir))}"
+    exported = export_checkpoint(str(run_dir), str(tmp_path / "exported"))
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(exported)
+    assert model.num_parameters() > 0
+
+
+def test_second_sigint_abandons_the_step(tiny_model_dir, arithmetic_files, tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = command(tiny_model_dir, arithmetic_files, run_dir, "vllm") + [
+        "trainer.save_freq=100", "trainer.total_training_steps=200"]
+    proc, log = start(cmd, run_dir)
+    wait_for_step(proc, run_dir, log, 1)
+    output = stop_run(proc, log, [signal.SIGINT, signal.SIGINT])
+    assert proc.returncode == 128 + signal.SIGINT, output[-3000:]
+    assert "Stopped by SIGINT" in output
+    # Abandoned, not half-written: no checkpoint and no temporary folder left.
+    assert list(run_dir.glob("global_step_*")) == [] and list(run_dir.glob(".tmp_*")) == []
