@@ -100,13 +100,17 @@ def test_sigterm_finishes_the_step_saves_and_resumes_exactly(tiny_model_dir, ari
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
 
 
-def test_sigint_checkpoint_loads(tiny_model_dir, arithmetic_files, tmp_path):
-    run_dir = tmp_path / "run"
-    cmd = command(tiny_model_dir, arithmetic_files, run_dir, "vllm") + [
-        "trainer.save_freq=100", "trainer.total_training_steps=200"]
+def run_until_signalled(model_dir, files, run_dir: Path, signals: list[int]) -> tuple[subprocess.Popen, str]:
+    """A 200-step run that checkpoints every 100 steps, sent `signals` once step 1 is logged."""
+    cmd = command(model_dir, files, run_dir, "vllm") + ["trainer.save_freq=100", "trainer.total_training_steps=200"]
     proc, log = start(cmd, run_dir)
     wait_for_step(proc, run_dir, log, 1)
-    output = stop_run(proc, log, [signal.SIGINT])
+    return proc, stop_run(proc, log, signals)
+
+
+def test_sigint_checkpoint_loads(tiny_model_dir, arithmetic_files, tmp_path):
+    run_dir = tmp_path / "run"
+    proc, output = run_until_signalled(tiny_model_dir, arithmetic_files, run_dir, [signal.SIGINT])
     assert proc.returncode == 128 + signal.SIGINT, output[-3000:]
     checkpoint = CheckpointManager(str(run_dir)).latest()
     assert checkpoint.name == f"global_step_{max(step_metrics(run_dir))}"
@@ -119,11 +123,7 @@ def test_sigint_checkpoint_loads(tiny_model_dir, arithmetic_files, tmp_path):
 
 def test_second_sigint_abandons_the_step(tiny_model_dir, arithmetic_files, tmp_path):
     run_dir = tmp_path / "run"
-    cmd = command(tiny_model_dir, arithmetic_files, run_dir, "vllm") + [
-        "trainer.save_freq=100", "trainer.total_training_steps=200"]
-    proc, log = start(cmd, run_dir)
-    wait_for_step(proc, run_dir, log, 1)
-    output = stop_run(proc, log, [signal.SIGINT, signal.SIGINT])
+    proc, output = run_until_signalled(tiny_model_dir, arithmetic_files, run_dir, [signal.SIGINT, signal.SIGINT])
     assert proc.returncode == 128 + signal.SIGINT, output[-3000:]
     assert "Stopped by SIGINT" in output
     # Abandoned, not half-written: no checkpoint and no temporary folder left.

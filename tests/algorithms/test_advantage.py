@@ -54,7 +54,7 @@ def test_grpo_registry_entry_reads_config_and_accepts_extras():
 def test_grpo_index_types_and_no_grad():
     rewards, mask, index = _batch(8)
     rewards = rewards.float().requires_grad_()
-    ints = torch.tensor([hash(g) % 1000 for g in index])
+    ints = torch.tensor([sorted(set(index)).index(g) * 7 + 3 for g in index])  # distinct ids (hash() % N may collide)
     adv_str, _ = compute_grpo_outcome_advantage(rewards, mask.float(), index)
     adv_int, _ = compute_grpo_outcome_advantage(rewards, mask.float(), ints)
     adv_list, _ = compute_grpo_outcome_advantage(rewards, mask.float(), list(index))

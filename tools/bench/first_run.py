@@ -2,8 +2,8 @@
 """The default job as a user starts it: time to the first finished step, with cold and warm
 caches, and the run's step breakdown.
 
-    python tools/bench/first_run.py [--runs cold,warm] [--engine eager|compiled] [--json out.json]
-                                    [dotted overrides ...]
+    python tools/bench/first_run.py [--runs cold,warm] [--engine eager|compiled] [--stop-after STEP]
+                                    [--signal INT|TERM] [--json out.json] [dotted overrides ...]
 
 Each run is `python -m hybrid_rl.main` in a fresh process (its own run folder); every figure is
 the time at which a line of its output appeared, counted from the process start:
@@ -15,9 +15,13 @@ the time at which a line of its output appeared, counted from the process start:
 
 `cold` starts with empty caches in a fresh temporary folder: hybrid-rl's (the GGUF model is
 converted, the data set written), vLLM's and inductor's; `warm` runs again on the caches the cold
-run filled. The OS page cache is not dropped (that needs the host), so `cold` still finds the
+run filled (a `warm` with no `cold` before it uses the user's own caches). The OS page cache is not dropped (that needs the host), so `cold` still finds the
 Python packages in memory. From `metrics.jsonl` come the median of each phase over the steps
 after the first, and the validation scores.
+
+`--stop-after STEP` sends SIGINT (or `--signal TERM`) to the driver as soon as step STEP is logged
+and reports `stop_s`, the time from the signal to the process's exit (the step in progress, a
+checkpoint when `trainer.save_freq > 0`, and the shutdown).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -38,16 +43,19 @@ import common  # noqa: E402
 MARKS = {"driver_ready_s": "compute dtype ", "first_validation_s": "step 0: ", "first_step_s": "step 1: "}
 
 
-def timed_run(overrides: list[str], cache_root: str, run_dir: str) -> dict:
-    env = dict(os.environ, HYBRID_RL_CACHE=os.path.join(cache_root, "hybrid_rl"),
-               VLLM_CACHE_ROOT=os.path.join(cache_root, "vllm"),
-               TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_root, "inductor"))
+def timed_run(overrides: list[str], cache_root: str | None, run_dir: str, stop_after: int | None = None,
+              signum: int = signal.SIGINT) -> dict:
+    env = dict(os.environ)
+    if cache_root is not None:
+        env.update(HYBRID_RL_CACHE=os.path.join(cache_root, "hybrid_rl"), VLLM_CACHE_ROOT=os.path.join(cache_root, "vllm"),
+                   TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_root, "inductor"))
     cmd = [sys.executable, "-m", "hybrid_rl.main", f"trainer.default_local_dir={run_dir}", *overrides]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=common.REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, bufsize=1)
     marks: dict[str, float] = {}
     lines: list[str] = []
+    stop_mark = f"step {stop_after}: " if stop_after is not None else None
 
     def read() -> None:
         for line in proc.stdout:
@@ -55,14 +63,20 @@ def timed_run(overrides: list[str], cache_root: str, run_dir: str) -> dict:
             for key, text in MARKS.items():
                 if key not in marks and text in line:
                     marks[key] = time.perf_counter() - start
+            if stop_mark and "signal_s" not in marks and stop_mark in line:
+                marks["signal_s"] = time.perf_counter() - start
+                proc.send_signal(signum)
 
     reader = threading.Thread(target=read)
     reader.start()
     proc.wait()
     reader.join()
+    total = time.perf_counter() - start
     result = {"returncode": proc.returncode, **{k: round(v, 1) for k, v in marks.items()},
-              "total_s": round(time.perf_counter() - start, 1), "output_lines": len(lines)}
-    if proc.returncode != 0:
+              "total_s": round(total, 1), "output_lines": len(lines)}
+    if "signal_s" in marks:
+        result["stop_s"] = round(total - marks["signal_s"], 1)
+    if proc.returncode != (128 + signum if stop_after is not None else 0):
         result["output_tail"] = lines[-30:]
         return result
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
@@ -82,26 +96,32 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", default="cold,warm", help="comma-separated: cold (fresh caches), warm (reuse them)")
     ap.add_argument("--engine", choices=("default", "eager", "compiled"), default="default",
                     help="rollout.enforce_eager: the default (eager on CPU), true or false")
+    ap.add_argument("--stop-after", type=int, help="signal the driver once this step is logged")
+    ap.add_argument("--signal", choices=("INT", "TERM"), default="INT", help="the signal --stop-after sends")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides, as for hybrid_rl.main")
     args = ap.parse_args(argv)
     overrides = list(args.overrides)
     if args.engine != "default":
         overrides.append(f"actor_rollout_ref.rollout.enforce_eager={args.engine == 'eager'}")
-    result = common.header({"runs": args.runs, "engine": args.engine, "overrides": overrides})
+    signum = getattr(signal, f"SIG{args.signal}")
+    result = common.header({"runs": args.runs, "engine": args.engine, "overrides": overrides,
+                            "stop_after": args.stop_after, "signal": args.signal})
     result["runs"] = []
     with tempfile.TemporaryDirectory(prefix="first_run_") as tmp:
+        cache_root = None  # the user's caches, until a cold run asks for fresh ones
         for i, kind in enumerate(args.runs.split(",")):
-            cache_root = os.path.join(tmp, "cache")
-            if kind == "cold" and os.path.isdir(cache_root):
+            if kind == "cold":
                 cache_root = os.path.join(tmp, f"cache{i}")
-            run = {"kind": kind, **timed_run(overrides, cache_root, os.path.join(tmp, f"run{i}"))}
+            run = {"kind": kind, **timed_run(overrides, cache_root, os.path.join(tmp, f"run{i}"), args.stop_after,
+                                             signum)}
             result["runs"].append(run)
             print(json.dumps({k: v for k, v in run.items() if k != "summary"}))
             for line in run.get("summary", []):
                 print("   ", line)
     common.write_json(args.json, result)
-    return 0 if all(r["returncode"] == 0 for r in result["runs"]) else 1
+    expected = 128 + signum if args.stop_after is not None else 0
+    return 0 if all(r["returncode"] == expected for r in result["runs"]) else 1
 
 
 if __name__ == "__main__":
