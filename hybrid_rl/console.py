@@ -95,8 +95,10 @@ class RunSummary:
             out.append(f"  final model: {self.final_model} (Hugging Face folder; serve: vllm serve "
                        f"{self.final_model})")
         elif not self.checkpoint:
-            out.append("  no model was saved (trainer.final_model_dir=null and no checkpoint; set "
-                       "trainer.save_freq or trainer.final_model_dir to keep one)")
+            why = ("the run stopped before its last step" if self.stopped_by or last < self.total_steps
+                   else "trainer.final_model_dir=null")
+            out.append(f"  no model was saved: {why} and checkpointing is off (set trainer.save_freq to keep "
+                       "checkpoints)")
         return out
 
 

@@ -196,7 +196,8 @@ class Trainer:
                 self.summary.add_validation(step, val_metrics)
                 metrics.update(val_metrics)
             save_freq = cfg.trainer.save_freq
-            if save_freq > 0 and (is_last or step % save_freq == 0 or self.stop_requested):
+            saved = save_freq > 0 and (is_last or step % save_freq == 0 or bool(self.stop_requested))
+            if saved:
                 start = time.perf_counter()
                 self.save_checkpoint()
                 metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
@@ -204,6 +205,8 @@ class Trainer:
             tracker.log(metrics, step=step)
             tracker.advance(metrics["critic/score/mean"])
             if self.stop_requested:
+                if save_freq > 0 and not saved:  # the signal came while this step was being logged
+                    self.save_checkpoint()
                 self.summary.stopped_by = self.stop_requested
                 return
         if cfg.trainer.final_model_dir:

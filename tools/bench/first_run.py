@@ -19,9 +19,10 @@ run filled (a `warm` with no `cold` before it uses the user's own caches). The O
 Python packages in memory. From `metrics.jsonl` come the median of each phase over the steps
 after the first, and the validation scores.
 
-`--stop-after STEP` sends SIGINT (or `--signal TERM`) to the driver as soon as step STEP is logged
-and reports `stop_s`, the time from the signal to the process's exit (the step in progress, a
-checkpoint when `trainer.save_freq > 0`, and the shutdown).
+`--stop-after STEP` sends SIGINT (or `--signal TERM`) to the driver `--stop-delay` seconds (1 by
+default, so the next step has begun) after step STEP is logged, and reports `stop_s`, the time
+from the signal to the process's exit: the rest of the step in progress, a checkpoint when
+`trainer.save_freq > 0`, and the shutdown.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ MARKS = {"driver_ready_s": "compute dtype ", "first_validation_s": "step 0: ", "
 
 
 def timed_run(overrides: list[str], cache_root: str | None, run_dir: str, stop_after: int | None = None,
-              signum: int = signal.SIGINT) -> dict:
+              signum: int = signal.SIGINT, stop_delay: float = 1.0) -> dict:
     env = dict(os.environ)
     if cache_root is not None:
         env.update(HYBRID_RL_CACHE=os.path.join(cache_root, "hybrid_rl"), VLLM_CACHE_ROOT=os.path.join(cache_root, "vllm"),
@@ -63,14 +64,22 @@ def timed_run(overrides: list[str], cache_root: str | None, run_dir: str, stop_a
             for key, text in MARKS.items():
                 if key not in marks and text in line:
                     marks[key] = time.perf_counter() - start
-            if stop_mark and "signal_s" not in marks and stop_mark in line:
-                marks["signal_s"] = time.perf_counter() - start
-                proc.send_signal(signum)
+            if stop_mark and stop_mark in line and not stopper_started:
+                stopper_started.append(True)
+                stopper.start()
+
+    def stop() -> None:
+        marks["signal_s"] = time.perf_counter() - start
+        proc.send_signal(signum)
+
+    stopper, stopper_started = threading.Timer(stop_delay, stop), []
 
     reader = threading.Thread(target=read)
     reader.start()
     proc.wait()
     reader.join()
+    if stopper_started:
+        stopper.join()
     total = time.perf_counter() - start
     result = {"returncode": proc.returncode, **{k: round(v, 1) for k, v in marks.items()},
               "total_s": round(total, 1), "output_lines": len(lines)}
@@ -98,6 +107,7 @@ def main(argv=None) -> int:
                     help="rollout.enforce_eager: the default (eager on CPU), true or false")
     ap.add_argument("--stop-after", type=int, help="signal the driver once this step is logged")
     ap.add_argument("--signal", choices=("INT", "TERM"), default="INT", help="the signal --stop-after sends")
+    ap.add_argument("--stop-delay", type=float, default=1.0, help="seconds between the step's line and the signal")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides, as for hybrid_rl.main")
     args = ap.parse_args(argv)
@@ -106,7 +116,7 @@ def main(argv=None) -> int:
         overrides.append(f"actor_rollout_ref.rollout.enforce_eager={args.engine == 'eager'}")
     signum = getattr(signal, f"SIG{args.signal}")
     result = common.header({"runs": args.runs, "engine": args.engine, "overrides": overrides,
-                            "stop_after": args.stop_after, "signal": args.signal})
+                            "stop_after": args.stop_after, "signal": args.signal, "stop_delay": args.stop_delay})
     result["runs"] = []
     with tempfile.TemporaryDirectory(prefix="first_run_") as tmp:
         cache_root = None  # the user's caches, until a cold run asks for fresh ones
@@ -114,7 +124,7 @@ def main(argv=None) -> int:
             if kind == "cold":
                 cache_root = os.path.join(tmp, f"cache{i}")
             run = {"kind": kind, **timed_run(overrides, cache_root, os.path.join(tmp, f"run{i}"), args.stop_after,
-                                             signum)}
+                                             signum, args.stop_delay)}
             result["runs"].append(run)
             print(json.dumps({k: v for k, v in run.items() if k != "summary"}))
             for line in run.get("summary", []):
