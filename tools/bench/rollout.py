@@ -66,13 +66,20 @@ def measure_ours(cfg_dict: dict, model_path: str, batch, eos_ids: list[int], dev
     import torch
     from omegaconf import OmegaConf
 
+    from hybrid_rl.workers import train_engine
     from hybrid_rl.workers.rollout import VLLMRollout, sampling_settings
+    from hybrid_rl.workers.weight_sync import sync_weights
 
     common.init_single_rank(device_type)
-    rollout_cfg = OmegaConf.create(cfg_dict).actor_rollout_ref.rollout
+    cfg = OmegaConf.create(cfg_dict)
+    rollout_cfg = cfg.actor_rollout_ref.rollout
     max_len = rollout_cfg.prompt_length + rollout_cfg.response_length  # as ActorRolloutRefWorker
+    device = torch.device(device_type)
     start = time.perf_counter()
-    rollout = VLLMRollout(model_path, rollout_cfg, torch.device(device_type), max_len, eos_ids)
+    rollout = VLLMRollout(model_path, rollout_cfg, device, max_len, eos_ids)
+    # As ActorRolloutRefWorker: the engine starts with random weights and gets the model's pushed.
+    sync_weights(train_engine.load_causal_lm(model_path, cfg.actor_rollout_ref.model, device, trainable=False),
+                 rollout)
     build_s = time.perf_counter() - start
     settings = sampling_settings(rollout_cfg, validate=False)
     result = time_calls(lambda: rollout.generate(batch, settings, rollout_cfg.response_length)[0],

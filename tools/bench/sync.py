@@ -114,7 +114,7 @@ def measure(cfg_dict: dict, path: str, device_type: str, pushes: int) -> dict:
     mesh = init_device_mesh(device_type, (1,))
     # As ActorRolloutRefWorker.init_model: fp32 master weights, bf16 compute only on GPU.
     fsdp = cfg.actor_rollout_ref.actor.fsdp_config
-    param_dtype = train_engine.DTYPES[fsdp.dtype] if device_type == "cuda" else None
+    param_dtype = train_engine.param_dtype(fsdp, device)
     model = train_engine.load_causal_lm(path, cfg.actor_rollout_ref.model, device, trainable=True)
     model = train_engine.shard_model(model, mesh, param_dtype, fsdp.reshard_after_forward)
     params = sum(p.numel() for p in model.parameters())
