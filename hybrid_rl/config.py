@@ -11,6 +11,7 @@ import os
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hybrid_rl.algorithms import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_RS_MODES
+from hybrid_rl.workers.rollout import resolve_enforce_eager
 from hybrid_rl.workers.train_engine import DTYPES
 
 logger = logging.getLogger(__name__)
@@ -178,11 +179,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
         if actor.strategy == "fsdp":
             actor.strategy = "fsdp2"
         resolve_dtypes(cfg)
-        if rollout.enforce_eager is None:
-            # CPU: vLLM-CPU's compiled model generates ~1.25x faster in float32 on AVX2 (1.6x in
-            # bf16 on AMX) but adds ~120 s to a first run and ~16 s to later ones
-            # (docs/benchmarks.md): eager starts a user's first run soonest. GPU: CUDA graphs.
-            rollout.enforce_eager = trainer.device == "cpu"
+        rollout.enforce_eager = resolve_enforce_eager(rollout.enforce_eager, trainer.device)
     return cfg
 
 
@@ -194,9 +191,10 @@ def resolve_dtypes(cfg: DictConfig) -> None:
     device = cfg.trainer.device
     fsdp_configs = [cfg.actor_rollout_ref.actor.fsdp_config, cfg.actor_rollout_ref.ref.fsdp_config,
                     cfg.critic.fsdp_config]
-    choices = {"trainer": resolve_dtype(fsdp_configs[0].dtype, device, "train")}
-    for fsdp in fsdp_configs:
-        fsdp.dtype = resolve_dtype(fsdp.dtype, device, "train").dtype
+    train_choices = [resolve_dtype(fsdp.dtype, device, "train") for fsdp in fsdp_configs]
+    for fsdp, choice in zip(fsdp_configs, train_choices):
+        fsdp.dtype = choice.dtype
+    choices = {"trainer": train_choices[0]}  # the reference and critic follow the actor by default
     if cfg.actor_rollout_ref.rollout.name == "vllm":
         choices["rollout engine"] = resolve_dtype(cfg.actor_rollout_ref.rollout.dtype, device, "engine")
         cfg.actor_rollout_ref.rollout.dtype = choices["rollout engine"].dtype

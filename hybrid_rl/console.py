@@ -50,7 +50,6 @@ class RunSummary:
     phase_s: dict[str, float] = field(default_factory=dict)  # timing_s/<phase> summed over steps
     val_scores: list[tuple[int, float]] = field(default_factory=list)  # (step, val/score/mean)
     stopped_by: str | None = None  # "SIGINT" / "SIGTERM" when a signal ended the run early
-    run_dir: str = ""
     metrics_file: str | None = None
     checkpoint: str | None = None  # the newest complete checkpoint
     final_model: str | None = None

@@ -247,7 +247,20 @@ def _copy_hf_files(hf_dir: Path, out: Path) -> list[str]:
     return copied
 
 
-def install_folder(tmp: Path, out: Path, overwrite: bool) -> None:
+def write_folder(out: Path, write, overwrite: bool) -> None:
+    """`write(tmp)` fills a temporary sibling of `out`, which then replaces `out` by renames
+    (`_install`): `out` never holds a half-written folder."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".tmp_{out.name}_{uuid.uuid4().hex[:8]}")
+    try:
+        write(tmp)
+        _install(tmp, out, overwrite)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _install(tmp: Path, out: Path, overwrite: bool) -> None:
     """Move the finished temporary folder to `out` with renames only."""
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         if not overwrite:
@@ -284,15 +297,12 @@ def export_checkpoint(checkpoint: str, out_dir: str, role: str = "actor", dtype:
 
     config, trust = _role_config(step, role)
     state = read_model_state(role_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".tmp_{out.name}_{uuid.uuid4().hex[:8]}")
-    try:
+
+    def write(tmp: Path) -> None:
         save_hf_weights(state, config, tmp, role=role, dtype=torch_dtype, trust_remote_code=trust, source=role_dir)
         _copy_hf_files(step / HF_DIR, tmp)
-        install_folder(tmp, out, overwrite)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+
+    write_folder(out, write, overwrite)
     logger.info("Exported %s of %s to %s (%s)", role, step, out, dtype)
     return str(out)
 

@@ -219,12 +219,11 @@ class GracefulStop:
         return 128 + (self.signum or signal.SIGINT)
 
 
-def run(cfg: DictConfig, stop: GracefulStop | None = None):
+def run(cfg: DictConfig, stop: GracefulStop):
     """Train; after a worker failure, restart the workers from the last checkpoint up to
     `trainer.max_restarts` times. Returns the run's `RunSummary`."""
     from hybrid_rl.trainer import WorkerFailure
 
-    stop = stop or GracefulStop()
     trainer = checked_trainer(cfg)
     restarts = 0
     try:

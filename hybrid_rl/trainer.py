@@ -158,7 +158,7 @@ class Trainer:
         cfg = self.cfg
         tracker = Tracker(cfg.trainer.logger, cfg.trainer.default_local_dir, self.total_steps,
                           cfg.trainer.progress_bar)
-        self.summary = RunSummary(total_steps=self.total_steps, run_dir=cfg.trainer.default_local_dir,
+        self.summary = RunSummary(total_steps=self.total_steps,
                                   metrics_file=tracker.jsonl.name if tracker.jsonl else None)
         start = time.perf_counter()
         try:
@@ -224,17 +224,14 @@ class Trainer:
         at `out_dir` only when complete (an earlier one there is replaced)."""
         from pathlib import Path
 
-        from hybrid_rl.export import install_folder
+        from hybrid_rl.export import write_folder
 
-        out = Path(os.path.expanduser(out_dir)).absolute()
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".tmp_{out.name}_{uuid.uuid4().hex[:8]}")
-        try:
+        def write(tmp: Path) -> None:
             self.workers.save_hf_model(str(tmp))
             self.write_hf_files(str(tmp))
-            install_folder(tmp, out, overwrite=True)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+
+        out = Path(os.path.expanduser(out_dir)).absolute()
+        write_folder(out, write, overwrite=True)
         logger.info("Saved the final model to %s", out)
         return str(out)
 
