@@ -11,6 +11,7 @@ import os
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hybrid_rl.algorithms import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_RS_MODES
+from hybrid_rl.config_keys import check_verl_keys
 from hybrid_rl.workers.rollout import resolve_enforce_eager
 from hybrid_rl.workers.train_engine import DTYPES
 
@@ -68,7 +69,13 @@ def validate_config(cfg: DictConfig) -> DictConfig:
                       ("critic", cfg.critic.fsdp_config)):
         _choice(fsdp.dtype, ("auto", *DTYPES), f"{key}.fsdp_config.dtype")
     _choice(rollout.enforce_eager, (None, True, False), "actor_rollout_ref.rollout.enforce_eager")
-    _choice(actor.strategy, TRAIN_STRATEGIES, "actor_rollout_ref.actor.strategy")
+    for key, strategy in (("actor_rollout_ref.actor.strategy", actor.strategy),
+                          ("actor_rollout_ref.ref.strategy", cfg.actor_rollout_ref.ref.strategy),
+                          ("critic.strategy", cfg.critic.strategy)):
+        if strategy == "megatron":
+            raise ConfigError(f"{key}=megatron is not supported yet (the Megatron engine is not built; use "
+                              "--config-name=ppo_trainer, or strategy=fsdp2, with the same overrides otherwise)")
+        _choice(strategy, TRAIN_STRATEGIES, key)
     _choice(trainer.device, DEVICES, "trainer.device")
     _choice(data.truncation, ("error", "left", "right", "middle"), "data.truncation")
     loggers = [trainer.logger] if isinstance(trainer.logger, str) else list(trainer.logger)
@@ -180,6 +187,9 @@ def validate_config(cfg: DictConfig) -> DictConfig:
             actor.strategy = "fsdp2"
         resolve_dtypes(cfg)
         rollout.enforce_eager = resolve_enforce_eager(rollout.enforce_eager, trainer.device)
+    unsupported = check_verl_keys(cfg, trainer.device)
+    if unsupported:
+        raise ConfigError("\nerror: ".join(unsupported))
     return cfg
 
 

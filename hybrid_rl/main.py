@@ -24,12 +24,12 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONF_DIR = os.path.join(REPO_ROOT, "conf")
 
 
-def compose_config(overrides=()) -> DictConfig:
+def compose_config(overrides=(), config_name: str = "ppo_trainer") -> DictConfig:
     """The resolved config for these dotted overrides, as the command line would build it."""
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name="ppo_trainer", overrides=list(overrides))
+        cfg = compose(config_name=config_name, overrides=list(overrides))
     OmegaConf.resolve(cfg)
     return cfg
 

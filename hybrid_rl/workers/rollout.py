@@ -126,7 +126,7 @@ class VLLMRollout:
             logprobs_mode="processed_logprobs",
             seed=int(cfg.get("seed", 0)) + rank,
             enable_sleep_mode=self.sleep_between_rollouts,
-            **(cfg.get("engine_kwargs") or {}),
+            **cfg.engine_kwargs.vllm,
         )
         self.dtype = self.llm.llm_engine.model_config.dtype
         # Rotary cos/sin caches are not checkpoint weights: vLLM restores its own after every

@@ -1,0 +1,329 @@
+"""What each of verl's config keys does here: works, has no effect, or is not supported yet.
+
+`conf/verl/` holds every leaf key of verl's trainer configs with verl's defaults (written by
+`tools/verl_keys.py`), so any verl command line composes. A key our own groups in `conf/` set is
+read by the code and works unless a rule below says otherwise. Every other key needs a rule here
+(a test checks that), so nothing verl accepts is silently ignored here:
+
+- `works`: it does what it does in verl;
+- `no effect`: it has no meaning in this system (the note says why); any value is accepted and
+  a value other than verl's default is reported once at start;
+- `not supported yet`: verl's default is accepted; any other value stops the run at start with
+  `<key>=<value> is not supported yet (<note>)`.
+
+Rules are fnmatch patterns over dotted keys; the first match wins. `docs/config.md` is generated
+from this module by `python tools/config_table.py`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+logger = logging.getLogger(__name__)
+
+WORKS, NO_EFFECT, NOT_YET = "works", "no effect", "not supported yet"
+# Offloading to host memory means nothing when the model already lives there.
+NO_EFFECT_ON_CPU = "no effect on CPU; not supported yet on GPU"
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+VERL_KEY_FILES = ("ppo_trainer.yaml", "ppo_megatron_trainer.yaml")
+
+
+@dataclass(frozen=True)
+class Rule:
+    pattern: str
+    status: str
+    note: str
+
+
+def _rules(status: str, note: str, *patterns: str) -> list[Rule]:
+    return [Rule(p, status, note) for p in patterns]
+
+
+RULES: tuple[Rule, ...] = tuple([
+    # --- verl keys our own groups do not set but the code reads
+    *_rules(WORKS, "", "actor_rollout_ref.ref.strategy", "actor_rollout_ref.rollout.engine_kwargs.vllm"),
+    *_rules(NO_EFFECT, "verl's copy of actor_rollout_ref.model.use_remove_padding, which is the key read",
+            "actor_rollout_ref.actor.use_remove_padding"),
+    # --- training engine (FSDP) knobs
+    *_rules(NO_EFFECT_ON_CPU, "offloading to host memory; on CPU the model is already there",
+            *(f"actor_rollout_ref.{r}.fsdp_config.{k}" for r in ("actor", "ref")
+              for k in ("param_offload", "optimizer_offload", "offload_policy")),
+            *(f"critic.fsdp.{k}" for k in ("param_offload", "optimizer_offload", "offload_policy"))),
+    *_rules(NOT_YET, "the critic's FSDP settings are read from critic.fsdp_config here", "critic.fsdp.dtype",
+            "critic.fsdp.reshard_after_forward", "critic.fsdp.model_dtype", "critic.fsdp.fsdp_size"),
+    *_rules(NOT_YET, "weights are kept in float32; fsdp_config.dtype sets the compute dtype", "*.model_dtype"),
+    *_rules(NO_EFFECT, "the critic scores the actor's token ids; it has no tokenizer of its own",
+            "critic.model.tokenizer_path", "critic.model.custom_chat_template"),
+    *_rules(NOT_YET, "the critic runs padded batches (same values, more compute)", "critic.model.use_remove_padding"),
+    *_rules(NOT_YET, "LoRA is not built yet", "critic.model.lora.rank", "critic.model.lora.adapter_path"),
+    *_rules(NO_EFFECT, "read only with LoRA, which is not supported yet", "critic.model.lora.*"),
+    *_rules(NOT_YET, "multi-token prediction is not built yet", "critic.model.mtp.enable"),
+    *_rules(NO_EFFECT, "read only with mtp.enable, which is not supported yet", "critic.model.mtp.*"),
+    *_rules(NO_EFFECT, "every decoder layer is its own FSDP unit; this policy is not consulted",
+            "*.fsdp_config.wrap_policy.*", "critic.fsdp.wrap_policy.*"),
+    *_rules(NO_EFFECT, "FSDP2 prefetches and keeps original parameters by design",
+            "*.fsdp_config.forward_prefetch", "*.fsdp_config.use_orig_params",
+            "*.fsdp_config.use_no_sync_for_gradient_accumulation", "*.fsdp_config.forward_only",
+            "*.fsdp_config.strategy", "critic.fsdp.forward_prefetch", "critic.fsdp.use_orig_params",
+            "critic.fsdp.use_no_sync_for_gradient_accumulation", "critic.fsdp.forward_only", "critic.fsdp.strategy"),
+    *_rules(NO_EFFECT, "seeding comes from trainer.seed", "*.fsdp_config.seed", "critic.fsdp.seed",
+            "*.data_loader_seed"),
+    *_rules(NO_EFFECT, "log-probs and entropies are always computed in chunks over the vocabulary "
+            "(model.head_chunk_size), never from full logits",
+            "*.entropy_from_logits_with_chunking", "*.entropy_from_logits_chunk_size", "*.entropy_checkpointing",
+            "*.use_fused_kernels", "*.model.fused_kernel_options.*"),
+    *_rules(NO_EFFECT, "padding-free micro-batches are packed to their real length",
+            "*.pad_to_length", "*.pad_to_length_bucket"),
+    *_rules(NO_EFFECT, "verl compiles its entropy helper with it; nothing here is compiled for training",
+            "*.use_torch_compile"),
+    *_rules(NO_EFFECT, "settings of verl's experimental FSDP 'turbo' plan, which does not exist here",
+            "*.fsdp_config.turbo_config.*", "critic.fsdp.turbo_config.*"),
+    *_rules(NOT_YET, "use fsdp_config.fsdp_size=-1 (shard over all ranks)", "*.fsdp_config.fsdp_size"),
+    *_rules(NOT_YET, "bit-exact determinism switches are not built; runs are seeded (trainer.seed)",
+            "*.full_determinism"),
+    *_rules(NOT_YET, "sequence parallelism is not built; use 1", "*.ulysses_sequence_parallel_size"),
+    *_rules(NOT_YET, "quantisation-aware training is not built", "*.qat.enable"),
+    *_rules(NO_EFFECT, "verl copies the actor's qat settings here", "actor_rollout_ref.rollout.qat"),
+    *_rules(NO_EFFECT, "read only with qat.enable=true, which is not supported yet", "*.qat.*"),
+    *_rules(NOT_YET, "the Megatron engine is not built yet (strategy=megatron)", "*.megatron.*",
+            "*.checkpoint.mbridge_config", "critic.nccl_timeout"),
+    # --- optimiser
+    *_rules(NOT_YET, "only torch.optim AdamW is built", "*.optim.optimizer", "*.optim.optimizer_impl",
+            "*.optim.override_optimizer_config"),
+    *_rules(NO_EFFECT, "the schedule length comes from the trainer (trainer.total_training_steps)",
+            "*.optim.total_training_steps"),
+    *_rules(NOT_YET, "gradient clipping is set by actor.grad_clip / critic.grad_clip", "*.optim.clip_grad"),
+    *_rules(NOT_YET, "the scheduler counts steps from 0 as verl's default does", "*.optim.zero_indexed_step"),
+    *_rules(NOT_YET, "use optim.lr_scheduler_type (constant or cosine)", "*.optim.warmup_style"),
+    *_rules(NOT_YET, "Megatron optimiser settings; the Megatron engine is not built yet",
+            "*.optim.lr_warmup_init", "*.optim.lr_decay_steps", "*.optim.lr_decay_style", "*.optim.min_lr",
+            "*.optim.weight_decay_incr_style", "*.optim.lr_wsd_*", "*.optim.use_checkpoint_opt_param_scheduler",
+            "*.optim.use_precision_aware_optimizer", "*.optim.main_grads_dtype", "*.optim.exp_avg*_dtype",
+            "*.optim.use_layer_wise_distributed_optimizer", "*.optim.muon_*"),
+    # --- actor / critic
+    *_rules(NO_EFFECT, "verl copies rollout.n here for its own bookkeeping", "*.rollout_n"),
+    *_rules(NOT_YET, "use the *_micro_batch_size_per_gpu key (the global form is deprecated in verl too)",
+            "*.ppo_micro_batch_size", "*.log_prob_micro_batch_size", "critic.forward_micro_batch_size"),
+    *_rules(NOT_YET, "vision-language models are not supported yet", "*.freeze_vision_tower"),
+    *_rules(NOT_YET, "not built yet", "actor_rollout_ref.actor.policy_loss.dro_beta",
+            "actor_rollout_ref.actor.calculate_sum_pi_squared", "actor_rollout_ref.actor.use_prefix_grouper",
+            "critic.loss_scale_factor"),
+    *_rules(NO_EFFECT, "entropy is always computed and logged (actor/entropy)",
+            "actor_rollout_ref.actor.calculate_entropy"),
+    *_rules(NOT_YET, "checkpoints always hold model, optimizer and trainer state; for a Hugging Face "
+            "folder use tools/export_hf.py or trainer.final_model_dir", "*.checkpoint.save_contents",
+            "*.checkpoint.load_contents"),
+    *_rules(NOT_YET, "checkpoints are written synchronously", "*.checkpoint.async_save"),
+    *_rules(NOT_YET, "checkpoints always load strictly", "*.checkpoint.strict"),
+    # --- model
+    *_rules(NOT_YET, "LoRA is not built yet", "actor_rollout_ref.model.lora_rank", "*.model.lora_adapter_path",
+            "actor_rollout_ref.model.lora.rank", "actor_rollout_ref.model.lora.adapter_path", "*.model.lora_rank"),
+    *_rules(NO_EFFECT, "read only with LoRA, which is not supported yet", "*.model.lora_alpha",
+            "*.model.target_modules", "*.model.exclude_modules", "actor_rollout_ref.model.lora.*"),
+    *_rules(NOT_YET, "not built yet", "*.model.hf_config_path", "*.model.external_lib",
+            "*.model.enable_activation_offload", "*.model.use_liger", "*.model.tiled_mlp.enabled",
+            "actor_rollout_ref.model.mtp.enable"),
+    *_rules(NO_EFFECT, "read only with the feature above it enabled, which is not supported yet",
+            "*.model.tiled_mlp.num_shards", "actor_rollout_ref.model.mtp.*", "actor_rollout_ref.rollout.mtp"),
+    *_rules(NO_EFFECT, "models are read from local folders; there is no shared-memory copy", "*.use_shm"),
+    # --- rollout
+    *_rules(NO_EFFECT, "single-turn generation is the same in both modes: one in-process engine per rank",
+            "actor_rollout_ref.rollout.mode"),
+    *_rules(NOT_YET, "not built yet", "actor_rollout_ref.rollout.nnodes", "actor_rollout_ref.rollout.ignore_eos",
+            "actor_rollout_ref.rollout.cudagraph_capture_sizes", "actor_rollout_ref.rollout.data_parallel_size",
+            "actor_rollout_ref.rollout.expert_parallel_size", "actor_rollout_ref.rollout.pipeline_model_parallel_size",
+            "actor_rollout_ref.rollout.max_model_len", "actor_rollout_ref.rollout.enable_chunked_prefill",
+            "actor_rollout_ref.rollout.logprobs_mode", "actor_rollout_ref.rollout.scheduling_policy",
+            "actor_rollout_ref.rollout.over_sample_rate", "actor_rollout_ref.rollout.router_config_path",
+            "actor_rollout_ref.rollout.enable_rollout_routing_replay", "actor_rollout_ref.rollout.quantization",
+            "actor_rollout_ref.rollout.quantization_config_file", "actor_rollout_ref.rollout.disaggregation.enabled",
+            "actor_rollout_ref.rollout.prometheus.enable", "actor_rollout_ref.rollout.trace.backend",
+            "actor_rollout_ref.rollout.checkpoint_engine.backend",
+            "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module"),
+    *_rules(NO_EFFECT, "the rollout uses all of trainer.n_gpus_per_node", "actor_rollout_ref.rollout.n_gpus_per_node"),
+    *_rules(NO_EFFECT, "the engine starts with dummy weights and receives the actor's in memory",
+            "actor_rollout_ref.rollout.load_format", "actor_rollout_ref.rollout.layered_summon",
+            "actor_rollout_ref.rollout.multi_stage_wake_up", "actor_rollout_ref.rollout.checkpoint_engine.*"),
+    *_rules(NO_EFFECT, "vLLM's statistics log and tokenizer are not used (token ids in, token ids out)",
+            "actor_rollout_ref.rollout.disable_log_stats", "actor_rollout_ref.rollout.skip_tokenizer_init"),
+    *_rules(NO_EFFECT, "the sampled tokens' log-probs are always returned", "actor_rollout_ref.rollout.calculate_log_probs"),
+    *_rules(NO_EFFECT, "MoE routing metrics; no MoE model runs here", "actor_rollout_ref.rollout.moe_load_balance_metrics_interval"),
+    *_rules(NOT_YET, "only engine_kwargs.vllm is passed on (name=vllm)", "actor_rollout_ref.rollout.engine_kwargs.sglang",
+            "actor_rollout_ref.rollout.engine_kwargs.trtllm"),
+    *_rules(NOT_YET, "multi-turn rollouts are not built yet", "actor_rollout_ref.rollout.multi_turn.enable",
+            "actor_rollout_ref.rollout.agent.default_agent_loop", "actor_rollout_ref.rollout.agent.agent_loop_config_path",
+            "actor_rollout_ref.rollout.agent.custom_async_server.*"),
+    *_rules(NO_EFFECT, "read only by multi-turn or agent-loop rollouts, which are not supported yet",
+            "actor_rollout_ref.rollout.multi_turn.*", "actor_rollout_ref.rollout.agent.*",
+            "data.tool_config_path", "data.function_tool_path"),
+    *_rules(NO_EFFECT, "read only with a tracing backend, which is not supported yet",
+            "actor_rollout_ref.rollout.trace.*"),
+    *_rules(NO_EFFECT, "read only with the feature above it enabled, which is not supported yet",
+            "actor_rollout_ref.rollout.prometheus.*", "actor_rollout_ref.rollout.disaggregation.*"),
+    # --- data
+    *_rules(NOT_YET, "the tokenizer comes from actor_rollout_ref.model.tokenizer_path (or the model folder)",
+            "data.tokenizer"),
+    *_rules(NOT_YET, "not built yet", "data.gen_batch_size", "data.validation_shuffle", "data.custom_cls.path",
+            "data.trust_remote_code"),
+    *_rules(NO_EFFECT, "read only with data.custom_cls.path, which is not supported yet", "data.custom_cls.name"),
+    *_rules(NO_EFFECT, "the validation set is generated as one batch, split over the ranks", "data.val_batch_size"),
+    *_rules(NO_EFFECT, "the driver applies the chat template and sends token ids; raw chats and prompts are "
+            "not passed on", "data.return_raw_input_ids", "data.return_raw_chat", "data.return_full_prompt"),
+    *_rules(NO_EFFECT, "data sets are read into memory at start; there are no loader workers",
+            "data.dataloader_num_workers", "data.filter_overlong_prompts_workers"),
+    *_rules(NO_EFFECT, "multimodal columns are read only for vision-language models, which are not supported yet",
+            "data.image_*", "data.video_key", "data.audio_key", "data.return_multi_modal_inputs",
+            "data.mm_processor_kwargs"),
+    # --- rewards
+    *_rules(NOT_YET, "reward models are not built yet; score with a function (custom_reward_function.path)",
+            "reward.reward_model.enable", "reward_model.model.path"),
+    *_rules(NO_EFFECT, "read only by a reward model, which is not supported yet", "reward.reward_model.*",
+            "reward_model.rollout.*", "reward_model.model.*", "reward_model.num_workers",
+            "reward_model.enable_resource_pool", "reward_model.n_gpus_per_node", "reward_model.nnodes",
+            "reward_model.reward_loop_*"),
+    *_rules(NOT_YET, "use custom_reward_function.path / name (the legacy keys)",
+            "reward.custom_reward_function.path", "reward.custom_reward_function.name"),
+    *_rules(NOT_YET, "only the naive reward manager is built", "reward.reward_manager.*"),
+    *_rules(NO_EFFECT, "rewards are scored in the driver process", "reward.num_workers"),
+    *_rules(NOT_YET, "sandboxed code execution is not built yet", "sandbox_fusion.url", "reward.sandbox_fusion.url"),
+    *_rules(NO_EFFECT, "read only with a sandbox url, which is not supported yet", "sandbox_fusion.*",
+            "reward.sandbox_fusion.*"),
+    # --- algorithm
+    *_rules(NOT_YET, "not built yet", "algorithm.filter_groups.enable", "algorithm.use_pf_ppo",
+            "algorithm.rollout_correction.bypass_mode", "algorithm.rollout_correction.loss_type"),
+    *_rules(NO_EFFECT, "read only with the switch next to it on, which is not supported yet",
+            "algorithm.filter_groups.*", "algorithm.pf_ppo.*"),
+    # --- trainer
+    *_rules(NOT_YET, "not built yet", "trainer.rollout_data_dir", "trainer.validation_data_dir",
+            "trainer.checkpoint_callback_class", "trainer.critic_warmup", "trainer.default_hdfs_dir",
+            "trainer.del_local_ckpt_after_load", "trainer.max_critic_ckpt_to_keep", "trainer.esi_redundant_time",
+            "trainer.v1.trainer_mode", "trainer.v1.sampler.custom_sampler.path"),
+    *_rules(NO_EFFECT, "verl's choice between its own trainer implementations", "trainer.use_v1",
+            "trainer.ray_wait_register_center_timeout"),
+    *_rules(NO_EFFECT, "read only by verl's asynchronous trainer modes, which are not supported yet", "trainer.v1.*"),
+    *_rules(NOT_YET, "not built yet", "ray_kwargs.*"),
+    # --- verl subsystems not built here
+    *_rules(NOT_YET, "profiling is not built yet", "global_profiler.tool", "*.profiler.enable", "*.profiler.tool",
+            "global_profiler.steps", "*.profiler.all_ranks", "*.profiler.ranks"),
+    *_rules(NO_EFFECT, "read only by a profiler, which is not supported yet", "global_profiler.*", "*.profiler.*"),
+    *_rules(NOT_YET, "distillation is not built yet", "distillation.enabled"),
+    *_rules(NO_EFFECT, "read only with distillation.enabled, which is not supported yet", "distillation.*"),
+    *_rules(NOT_YET, "verl's transfer queue is not built", "transfer_queue.enable"),
+    *_rules(NO_EFFECT, "read only with transfer_queue.enable, which is not supported yet", "transfer_queue.*"),
+    *_rules(NOT_YET, "rollout caching for debugging is not built", "skip.*.enable"),
+    *_rules(NO_EFFECT, "read only with the enable switch next to it, which is not supported yet", "skip.*"),
+])
+
+
+def rule_for(key: str) -> Rule | None:
+    return next((r for r in RULES if fnmatch.fnmatchcase(key, r.pattern)), None)
+
+
+def status_of(key: str) -> tuple[str, str]:
+    """(status, note) of a key that exists in our tree."""
+    rule = rule_for(key)
+    return (rule.status, rule.note) if rule else (WORKS, "")
+
+
+def leaves(tree, prefix: str = "") -> dict:
+    """{dotted key: value} for every leaf of a nested mapping; an empty mapping is a leaf."""
+    out = {}
+    for key, value in tree.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict) and value:
+            out.update(leaves(value, path))
+        else:
+            out[path] = value
+    return out
+
+
+@lru_cache(maxsize=1)
+def verl_defaults() -> dict:
+    """{key: verl's default} over both of verl's trees (ppo_trainer's default where they differ)."""
+    out: dict = {}
+    for name in VERL_KEY_FILES:
+        node = OmegaConf.load(CONF_DIR / "verl" / name)
+        for key, value in leaves(OmegaConf.to_container(node, resolve=False)).items():
+            out.setdefault(key, value)
+    return out
+
+
+def _plain(value):
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
+def check_verl_keys(cfg: DictConfig, device: str) -> list[str]:
+    """Errors for every not-supported key set to something other than verl's default; logs the
+    keys with no effect here that were set. `device` is the resolved trainer.device."""
+    errors, ignored = [], []
+    absent = object()
+    probe = None  # a copy of cfg to resolve verl's interpolated defaults in, made when first needed
+    for key, raw in verl_defaults().items():
+        status, note = status_of(key)
+        if status == WORKS:
+            continue
+        if status == NO_EFFECT_ON_CPU:
+            status = NO_EFFECT if device == "cpu" else NOT_YET
+        value = OmegaConf.select(cfg, key, default=absent, throw_on_missing=False)
+        if value is absent:  # a Megatron-only key under --config-name=ppo_trainer
+            continue
+        value, default = _plain(value), raw
+        if isinstance(raw, str) and "${" in raw:
+            probe = probe or OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+            OmegaConf.update(probe, key, raw, force_add=True)
+            default = _plain(OmegaConf.select(probe, key))
+        if value == default:
+            continue
+        if status == NOT_YET:
+            errors.append(f"{key}={value!r} is not supported yet ({note})")
+        else:
+            ignored.append(f"{key}={value!r} ({note})")
+    if ignored:
+        more = f"; and {len(ignored) - 5} more" if len(ignored) > 5 else ""
+        logger.info("no effect here (docs/config.md): %s%s", "; ".join(ignored[:5]), more)
+    return errors
+
+
+def _deviations(reason: str, *keys: str) -> dict:
+    return dict.fromkeys(keys, reason)
+
+
+# Keys whose default here is not verl's, and why (docs/config.md lists them; a test holds every
+# other key to verl's default).
+DEVIATIONS: dict[str, str] = {
+    **_deviations("sized for the default job: a short GRPO run on a 2-core CPU with the 135M default model",
+                  "actor_rollout_ref.actor.optim.lr", "actor_rollout_ref.actor.ppo_mini_batch_size",
+                  "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.actor.use_dynamic_bsz",
+                  "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "actor_rollout_ref.actor.use_kl_loss",
+                  "actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.n",
+                  "actor_rollout_ref.rollout.tensor_model_parallel_size",
+                  "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+                  "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+                  "actor_rollout_ref.model.enable_gradient_checkpointing", "critic.model.enable_gradient_checkpointing", "data.val_max_samples",
+                  "data.max_prompt_length", "data.max_response_length", "data.train_batch_size",
+                  "critic.ppo_max_token_len_per_gpu", "algorithm.adv_estimator", "trainer.total_epochs",
+                  "trainer.total_training_steps", "trainer.log_val_generations", "trainer.n_gpus_per_node",
+                  "trainer.test_freq", "actor_rollout_ref.rollout.seed", "data.seed"),
+    **_deviations("follows the actor's value (verl's own interpolation falls back to a fixed number)",
+                  "critic.ppo_micro_batch_size_per_gpu", "critic.forward_micro_batch_size_per_gpu"),
+    **_deviations("auto: chosen from the hardware at start (hybrid_rl/hardware.py)",
+                  "actor_rollout_ref.actor.fsdp_config.dtype", "actor_rollout_ref.ref.fsdp_config.dtype",
+                  "actor_rollout_ref.rollout.dtype",
+                  "actor_rollout_ref.rollout.enforce_eager", "trainer.device"),
+    **_deviations("null: the built-in default model and arithmetic data set",
+                  "actor_rollout_ref.model.path", "critic.model.path", "data.train_files", "data.val_files"),
+    **_deviations("FSDP2 is the FSDP engine here; fsdp is accepted as the same",
+                  "actor_rollout_ref.actor.strategy", "critic.strategy"),
+    **_deviations("verl leaves it required; vllm is the engine here", "actor_rollout_ref.rollout.name"),
+    **_deviations("the same behaviour as verl's null", "custom_reward_function.name",
+                  "reward_model.reward_manager", "reward_model.enable"),
+    **_deviations("this project's run names and folder", "trainer.project_name", "trainer.experiment_name",
+                  "trainer.default_local_dir"),
+    **_deviations("works offline with nothing to install; add wandb or tensorboard", "trainer.logger"),
+}

@@ -1,0 +1,172 @@
+"""verl's whole config tree composes here, and each key works, has no effect, or refuses a
+non-default value at start (hybrid_rl/config_keys.py)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+from omegaconf import OmegaConf
+
+from hybrid_rl.config import ConfigError, validate_config
+from hybrid_rl.config_keys import (
+    DEVIATIONS, NO_EFFECT, NO_EFFECT_ON_CPU, NOT_YET, WORKS, check_verl_keys, leaves, rule_for, status_of,
+    verl_defaults,
+)
+from hybrid_rl.main import CONF_DIR, compose_config
+
+VERL_TREES = {name: leaves(OmegaConf.to_container(OmegaConf.load(f"{CONF_DIR}/verl/{name}.yaml")))
+              for name in ("ppo_trainer", "ppo_megatron_trainer")}
+
+
+def override_value(value) -> str:
+    """A value written as Hydra's command-line grammar reads it back."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    if isinstance(value, list):
+        return "[" + ",".join(override_value(v) for v in value) + "]"
+    return "{" + ",".join(f"{k}:{override_value(v)}" for k, v in value.items()) + "}"
+
+
+def changed(value):
+    """Some value other than `value`, of a kind the key accepts."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 3
+    if isinstance(value, str):
+        return value + "_other"
+    if isinstance(value, list):
+        return [] if value else ["other"]
+    if isinstance(value, dict):
+        return {"other": 1}
+    return "other"
+
+
+def plain(value):
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
+def default_in(cfg, key: str, raw):
+    if not (isinstance(raw, str) and "${" in raw):
+        return raw
+    probe = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    OmegaConf.update(probe, key, raw, force_add=True)
+    return plain(OmegaConf.select(probe, key))
+
+
+@pytest.mark.parametrize("name", ["ppo_trainer", "ppo_megatron_trainer"])
+def test_every_verl_key_composes_from_the_command_line_with_its_default(name):
+    # ppo_megatron_trainer's file holds only what differs, on top of ppo_trainer's keys.
+    keys = {**VERL_TREES["ppo_trainer"], **VERL_TREES[name]}
+    keys = {k: v for k, v in keys.items() if v != "???"}  # verl's "required": no default to pass
+    cfg = compose_config([f"{k}={override_value(v)}" for k, v in keys.items()], config_name=name)
+    for key, value in keys.items():
+        assert plain(OmegaConf.select(cfg, key)) == default_in(cfg, key, value), key
+
+
+def test_every_key_has_verls_default_unless_the_change_is_listed():
+    cfg = compose_config([])
+    undeclared = [k for k, raw in VERL_TREES["ppo_trainer"].items() if raw != "???"
+                  and plain(OmegaConf.select(cfg, k)) != default_in(cfg, k, raw) and k not in DEVIATIONS]
+    assert undeclared == []
+    assert [k for k in DEVIATIONS if k not in verl_defaults()] == []
+
+
+def test_every_key_our_own_groups_lack_is_ruled(tmp_path):
+    """A verl key that only the generated layer provides is read by nothing here, so it must say
+    so (no effect) or refuse other values (not supported yet); `works` needs our own group."""
+    from hydra import compose, initialize_config_dir
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF_DIR, conf)
+    primary = conf / "ppo_trainer.yaml"
+    primary.write_text("\n".join(line for line in primary.read_text().splitlines()
+                                 if line.strip() != "- verl/ppo_trainer"))
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        ours = leaves(OmegaConf.to_container(compose(config_name="ppo_trainer")))
+    unruled = [k for k in verl_defaults() if k not in ours and rule_for(k) is None]
+    assert unruled == []
+    # ... and every rule is used by some key.
+    from hybrid_rl.config_keys import RULES
+    import fnmatch
+    unused = [r.pattern for r in RULES if not any(fnmatch.fnmatchcase(k, r.pattern) for k in verl_defaults())]
+    assert unused == []
+
+
+def with_values(cfg, values: dict):
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg))
+    for key, value in values.items():
+        OmegaConf.update(cfg, key, value, force_add=False)
+    return cfg
+
+
+def keys_with(status: str, cfg) -> dict:
+    present = leaves(OmegaConf.to_container(cfg))
+    return {k: raw for k, raw in verl_defaults().items() if k in present and status_of(k)[0] == status}
+
+
+def test_each_unsupported_key_refuses_any_other_value():
+    base = compose_config([])
+    unsupported = keys_with(NOT_YET, base)
+    assert len(unsupported) > 50
+    # Keys whose default copies another key are changed one at a time; the rest all at once.
+    copies = {k: raw for k, raw in unsupported.items() if isinstance(raw, str) and "${" in raw}
+    plain_keys = {k: raw for k, raw in unsupported.items() if k not in copies}
+    errors = check_verl_keys(with_values(base, {k: changed(raw) for k, raw in plain_keys.items()}), "cpu")
+    refused = {e.split("=", 1)[0] for e in errors}
+    assert set(plain_keys) <= refused and refused - set(plain_keys) <= set(copies)
+    assert all(" is not supported yet (" in e for e in errors)
+    for key, raw in copies.items():
+        cfg = with_values(base, {key: changed(default_in(base, key, raw))})
+        assert [e.split("=", 1)[0] for e in check_verl_keys(cfg, "cpu")] == [key]
+
+
+def test_unsupported_keys_at_verls_default_pass_and_the_run_says_why_it_stops(caplog):
+    assert check_verl_keys(compose_config([]), "cpu") == []
+    cfg = compose_config(["trainer.critic_warmup=2", "actor_rollout_ref.model.lora_rank=8"])
+    with pytest.raises(ConfigError) as info:
+        validate_config(cfg)
+    lines = f"error: {info.value}".splitlines()
+    assert lines == ["error: actor_rollout_ref.model.lora_rank=8 is not supported yet (LoRA is not built yet)",
+                     "error: trainer.critic_warmup=2 is not supported yet (not built yet)"]
+
+
+def test_keys_with_no_effect_accept_any_value_and_are_reported(caplog):
+    base = compose_config([])
+    no_effect = keys_with(NO_EFFECT, base)
+    assert len(no_effect) > 100
+    cfg = with_values(base, {k: changed(default_in(base, k, raw)) for k, raw in no_effect.items()})
+    with caplog.at_level(logging.INFO, logger="hybrid_rl.config_keys"):
+        assert check_verl_keys(cfg, "cpu") == []
+    assert "no effect here (docs/config.md): " in caplog.text and " more" in caplog.text
+
+
+def test_offload_has_no_effect_on_cpu_and_is_refused_on_gpu():
+    key = "actor_rollout_ref.actor.fsdp_config.param_offload"
+    assert status_of(key)[0] == NO_EFFECT_ON_CPU
+    cfg = compose_config([f"{key}=true"])
+    assert check_verl_keys(cfg, "cpu") == []
+    assert check_verl_keys(cfg, "cuda") == [f"{key}=True is not supported yet (offloading to host memory; on CPU "
+                                            "the model is already there)"]
+
+
+def test_our_own_keys_work():
+    assert status_of("actor_rollout_ref.actor.clip_ratio")[0] == WORKS
+    assert status_of("actor_rollout_ref.rollout.engine_kwargs.vllm")[0] == WORKS
+
+
+def test_megatron_config_composes_and_stops_at_start_with_what_to_use():
+    cfg = compose_config(["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"],
+                         config_name="ppo_megatron_trainer")
+    assert cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size == 2
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.strategy=megatron is not supported yet "
+                                          r"\(the Megatron engine is not built; use --config-name=ppo_trainer"):
+        validate_config(cfg)
