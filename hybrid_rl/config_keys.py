@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 
 logger = logging.getLogger(__name__)
@@ -225,6 +226,7 @@ def rule_for(key: str) -> Rule | None:
     return next((r for r in RULES if fnmatch.fnmatchcase(key, r.pattern)), None)
 
 
+@lru_cache(maxsize=None)
 def status_of(key: str) -> tuple[str, str]:
     """(status, note) of a key that exists in our tree."""
     rule = rule_for(key)
@@ -248,14 +250,32 @@ def verl_defaults() -> dict:
     """{key: verl's default} over both of verl's trees (ppo_trainer's default where they differ)."""
     out: dict = {}
     for name in VERL_KEY_FILES:
-        node = OmegaConf.load(CONF_DIR / "verl" / name)
-        for key, value in leaves(OmegaConf.to_container(node, resolve=False)).items():
+        with open(CONF_DIR / "verl" / name) as f:  # plain YAML: interpolations stay as written
+            tree = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        for key, value in leaves(tree).items():
             out.setdefault(key, value)
     return out
 
 
-def _plain(value):
+def plain(value):
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
+def default_in(probe: DictConfig, key: str, raw):
+    """verl's default `raw` for `key`, an interpolation resolved against `probe`, an unresolved
+    copy of the config (the key is set to `raw` there)."""
+    if not (isinstance(raw, str) and "${" in raw):
+        return raw
+    OmegaConf.update(probe, key, raw, force_add=True)
+    return plain(OmegaConf.select(probe, key))
+
+
+def _lookup(tree: dict, key: str, absent):
+    for part in key.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return absent
+        tree = tree[part]
+    return tree
 
 
 def check_verl_keys(cfg: DictConfig, device: str) -> list[str]:
@@ -263,22 +283,18 @@ def check_verl_keys(cfg: DictConfig, device: str) -> list[str]:
     keys with no effect here that were set. `device` is the resolved trainer.device."""
     errors, ignored = [], []
     absent = object()
-    probe = None  # a copy of cfg to resolve verl's interpolated defaults in, made when first needed
+    values = OmegaConf.to_container(cfg, resolve=True)
+    probe = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
     for key, raw in verl_defaults().items():
         status, note = status_of(key)
         if status == WORKS:
             continue
         if status == NO_EFFECT_ON_CPU:
             status = NO_EFFECT if device == "cpu" else NOT_YET
-        value = OmegaConf.select(cfg, key, default=absent, throw_on_missing=False)
+        value = _lookup(values, key, absent)
         if value is absent:  # a Megatron-only key under --config-name=ppo_trainer
             continue
-        value, default = _plain(value), raw
-        if isinstance(raw, str) and "${" in raw:
-            probe = probe or OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
-            OmegaConf.update(probe, key, raw, force_add=True)
-            default = _plain(OmegaConf.select(probe, key))
-        if value == default:
+        if value == default_in(probe, key, raw):
             continue
         if status == NOT_YET:
             errors.append(f"{key}={value!r} is not supported yet ({note})")

@@ -11,10 +11,10 @@ from omegaconf import OmegaConf
 
 from hybrid_rl.config import ConfigError, validate_config
 from hybrid_rl.config_keys import (
-    DEVIATIONS, NO_EFFECT, NO_EFFECT_ON_CPU, NOT_YET, WORKS, check_verl_keys, leaves, rule_for, status_of,
-    verl_defaults,
+    CONF_DIR, DEVIATIONS, NO_EFFECT, NO_EFFECT_ON_CPU, NOT_YET, WORKS, check_verl_keys, default_in, leaves, plain, rule_for,
+    status_of, verl_defaults,
 )
-from hybrid_rl.main import CONF_DIR, compose_config
+from hybrid_rl.main import compose_config
 
 VERL_TREES = {name: leaves(OmegaConf.to_container(OmegaConf.load(f"{CONF_DIR}/verl/{name}.yaml")))
               for name in ("ppo_trainer", "ppo_megatron_trainer")}
@@ -50,16 +50,9 @@ def changed(value):
     return "other"
 
 
-def plain(value):
-    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-
-
-def default_in(cfg, key: str, raw):
-    if not (isinstance(raw, str) and "${" in raw):
-        return raw
-    probe = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
-    OmegaConf.update(probe, key, raw, force_add=True)
-    return plain(OmegaConf.select(probe, key))
+def verl_default(cfg, key: str, raw):
+    """verl's default for `key` in this config, on a fresh copy so `cfg` stays as it is."""
+    return default_in(OmegaConf.create(OmegaConf.to_container(cfg, resolve=False)), key, raw)
 
 
 @pytest.mark.parametrize("name", ["ppo_trainer", "ppo_megatron_trainer"])
@@ -69,13 +62,13 @@ def test_every_verl_key_composes_from_the_command_line_with_its_default(name):
     keys = {k: v for k, v in keys.items() if v != "???"}  # verl's "required": no default to pass
     cfg = compose_config([f"{k}={override_value(v)}" for k, v in keys.items()], config_name=name)
     for key, value in keys.items():
-        assert plain(OmegaConf.select(cfg, key)) == default_in(cfg, key, value), key
+        assert plain(OmegaConf.select(cfg, key)) == verl_default(cfg, key, value), key
 
 
 def test_every_key_has_verls_default_unless_the_change_is_listed():
     cfg = compose_config([])
     undeclared = [k for k, raw in VERL_TREES["ppo_trainer"].items() if raw != "???"
-                  and plain(OmegaConf.select(cfg, k)) != default_in(cfg, k, raw) and k not in DEVIATIONS]
+                  and plain(OmegaConf.select(cfg, k)) != verl_default(cfg, k, raw) and k not in DEVIATIONS]
     assert undeclared == []
     assert [k for k in DEVIATIONS if k not in verl_defaults()] == []
 
@@ -125,7 +118,7 @@ def test_each_unsupported_key_refuses_any_other_value():
     assert set(plain_keys) <= refused and refused - set(plain_keys) <= set(copies)
     assert all(" is not supported yet (" in e for e in errors)
     for key, raw in copies.items():
-        cfg = with_values(base, {key: changed(default_in(base, key, raw))})
+        cfg = with_values(base, {key: changed(verl_default(base, key, raw))})
         assert [e.split("=", 1)[0] for e in check_verl_keys(cfg, "cpu")] == [key]
 
 
@@ -143,7 +136,7 @@ def test_keys_with_no_effect_accept_any_value_and_are_reported(caplog):
     base = compose_config([])
     no_effect = keys_with(NO_EFFECT, base)
     assert len(no_effect) > 100
-    cfg = with_values(base, {k: changed(default_in(base, k, raw)) for k, raw in no_effect.items()})
+    cfg = with_values(base, {k: changed(verl_default(base, k, raw)) for k, raw in no_effect.items()})
     with caplog.at_level(logging.INFO, logger="hybrid_rl.config_keys"):
         assert check_verl_keys(cfg, "cpu") == []
     assert "no effect here (docs/config.md): " in caplog.text and " more" in caplog.text

@@ -26,7 +26,11 @@ import zipfile
 import yaml
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OUT_DIR = os.path.join(REPO_ROOT, "conf", "verl")
+sys.path.insert(0, REPO_ROOT)
+
+from hybrid_rl.config_keys import CONF_DIR, leaves  # noqa: E402
+
+OUT_DIR = os.path.join(CONF_DIR, "verl")
 GENERATED = "verl/trainer/config/_generated_{}.yaml"
 
 
@@ -40,18 +44,9 @@ def read_generated(source: str, name: str) -> dict:
         return yaml.safe_load(f)
 
 
-def leaves(tree: dict, prefix: str = "") -> dict:
-    """{dotted key: default} for every leaf; an empty mapping is a leaf of its own."""
-    out = {}
-    for key, value in tree.items():
-        path = f"{prefix}.{key}" if prefix else key
-        if key == "_target_":
-            continue
-        if isinstance(value, dict) and value:
-            out.update(leaves(value, path))
-        else:
-            out[path] = value
-    return out
+def verl_leaves(tree: dict) -> dict:
+    """{dotted key: default} for every leaf but verl's `_target_` class names."""
+    return {k: v for k, v in leaves(tree).items() if k.rsplit(".", 1)[-1] != "_target_"}
 
 
 def nest(flat: dict) -> dict:
@@ -83,8 +78,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("source", help="verl's wheel, or a folder that holds the verl package")
     args = ap.parse_args(argv)
-    fsdp = leaves(read_generated(args.source, "ppo_trainer"))
-    megatron = leaves(read_generated(args.source, "ppo_megatron_trainer"))
+    fsdp = verl_leaves(read_generated(args.source, "ppo_trainer"))
+    megatron = verl_leaves(read_generated(args.source, "ppo_megatron_trainer"))
     delta = {k: v for k, v in megatron.items() if k not in fsdp or fsdp[k] != v}
     version = version_of(args.source)
     os.makedirs(OUT_DIR, exist_ok=True)
