@@ -5,6 +5,7 @@ Every error names the offending keys, their values and what to change.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 
@@ -12,14 +13,21 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hybrid_rl.algorithms import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_RS_MODES
 from hybrid_rl.config_keys import check_verl_keys
+from hybrid_rl.tracking import LOGGERS, OPTIONAL_LOGGERS, VERL_ONLY_LOGGERS
 from hybrid_rl.workers.rollout import resolve_enforce_eager
 from hybrid_rl.workers.train_engine import DTYPES
 
 logger = logging.getLogger(__name__)
 
 ROLLOUT_ENGINES = ("vllm", "hf")
+# verl's names that are not built here, and what to use instead.
+VERL_ONLY_ROLLOUT_ENGINES = {name: "use vllm (or hf)" for name in ("sglang", "trtllm")}
+VERL_ONLY_ADV_ESTIMATORS = {
+    **{name: "needs actor.calculate_sum_pi_squared, which is not built; use grpo or rloo"
+       for name in ("optimal_token_baseline", "tir_optimal_token_baseline")},
+    "grpo_vectorized": "use grpo", "rloo_vectorized": "use rloo",
+}
 TRAIN_STRATEGIES = ("fsdp", "fsdp2")
-LOGGERS = ("console", "jsonl", "tensorboard")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -37,10 +45,21 @@ def needs_critic(cfg: DictConfig) -> bool:
     return cfg.algorithm.adv_estimator == "gae" if enable is None else bool(enable)
 
 
-def _choice(value, valid, key: str) -> None:
+def _choice(value, valid, key: str, verl_only: dict | None = None) -> None:
+    """`value` must be one of `valid`; one of verl's names that is not built here (`verl_only`:
+    name -> what to use instead) is refused as not supported yet."""
+    if verl_only and value in verl_only:
+        raise ConfigError(f"{key}={value} is not supported yet ({verl_only[value]})")
     if value not in valid:
         names = sorted("null" if v is None else str(v) for v in valid)
         raise ConfigError(f"{key}={value!r} is not valid. Valid choices: {', '.join(names)}.")
+
+
+def _check_logger(name: str) -> None:
+    _choice(name, LOGGERS, "trainer.logger", {n: f"use any of {', '.join(LOGGERS)}" for n in VERL_ONLY_LOGGERS})
+    if name in OPTIONAL_LOGGERS and importlib.util.find_spec(name) is None:
+        raise ConfigError(f"trainer.logger={name} needs the {name} package, which is not installed: "
+                          f"pip install 'hybrid-rl[{name}]' (or bash tools/install.sh --{name}).")
 
 
 def resolve_device(cfg: DictConfig) -> str:
@@ -58,12 +77,12 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     data = cfg.data
     trainer = cfg.trainer
 
-    _choice(cfg.algorithm.adv_estimator, ADV_ESTIMATORS.names(), "algorithm.adv_estimator")
+    _choice(cfg.algorithm.adv_estimator, ADV_ESTIMATORS.names(), "algorithm.adv_estimator", VERL_ONLY_ADV_ESTIMATORS)
     _choice(actor.policy_loss.loss_mode, POLICY_LOSSES.names(), "actor_rollout_ref.actor.policy_loss.loss_mode")
     _choice(actor.kl_loss_type, KL_ESTIMATORS.names(), "actor_rollout_ref.actor.kl_loss_type")
     _choice(cfg.algorithm.kl_penalty, KL_ESTIMATORS.names(), "algorithm.kl_penalty")
     _choice(actor.loss_agg_mode, LOSS_AGG_MODES.names(), "actor_rollout_ref.actor.loss_agg_mode")
-    _choice(rollout.name, ROLLOUT_ENGINES, "actor_rollout_ref.rollout.name")
+    _choice(rollout.name, ROLLOUT_ENGINES, "actor_rollout_ref.rollout.name", VERL_ONLY_ROLLOUT_ENGINES)
     _choice(rollout.dtype, ("auto", "float32", "bfloat16", "float16"), "actor_rollout_ref.rollout.dtype")
     for key, fsdp in (("actor_rollout_ref.actor", actor.fsdp_config), ("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.fsdp_config),
                       ("critic", cfg.critic.fsdp_config)):
@@ -76,11 +95,11 @@ def validate_config(cfg: DictConfig) -> DictConfig:
             raise ConfigError(f"{key}=megatron is not supported yet (the Megatron engine is not built; use "
                               "--config-name=ppo_trainer, or strategy=fsdp2, with the same overrides otherwise)")
         _choice(strategy, TRAIN_STRATEGIES, key)
-    _choice(trainer.device, DEVICES, "trainer.device")
+    _choice(trainer.device, DEVICES, "trainer.device", {"npu": "Ascend NPUs are not supported; use cuda or cpu"})
     _choice(data.truncation, ("error", "left", "right", "middle"), "data.truncation")
     loggers = [trainer.logger] if isinstance(trainer.logger, str) else list(trainer.logger)
     for name in loggers:
-        _choice(name, LOGGERS, "trainer.logger")
+        _check_logger(name)
     algo = cfg.algorithm
     if algo.adv_estimator == "gae" and cfg.critic.enable is False:
         raise ConfigError("algorithm.adv_estimator=gae needs a critic, but critic.enable=false. Set "
@@ -102,10 +121,9 @@ def validate_config(cfg: DictConfig) -> DictConfig:
         if mode.strip():
             _choice(mode.strip(), ROLLOUT_RS_MODES, "algorithm.rollout_correction.rollout_rs")
 
+    _positive(trainer.nnodes, "trainer.nnodes")
+    _positive(trainer.n_gpus_per_node, "trainer.n_gpus_per_node")
     world = trainer.nnodes * trainer.n_gpus_per_node
-    if trainer.nnodes < 1 or trainer.n_gpus_per_node < 1:
-        raise ConfigError(f"trainer.nnodes={trainer.nnodes} and trainer.n_gpus_per_node="
-                          f"{trainer.n_gpus_per_node} must both be at least 1.")
     _positive(data.train_batch_size, "data.train_batch_size")
     _positive(rollout.n, "actor_rollout_ref.rollout.n")
     _positive(actor.ppo_mini_batch_size, "actor_rollout_ref.actor.ppo_mini_batch_size")
@@ -219,7 +237,7 @@ def resolve_dtypes(cfg: DictConfig) -> None:
 
 
 def _positive(value, key: str) -> None:
-    if value is None or value <= 0:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ConfigError(f"{key}={value} must be a positive integer.")
 
 

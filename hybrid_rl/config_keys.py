@@ -32,7 +32,7 @@ WORKS, NO_EFFECT, NOT_YET = "works", "no effect", "not supported yet"
 # Offloading to host memory means nothing when the model already lives there.
 NO_EFFECT_ON_CPU = "no effect on CPU; not supported yet on GPU"
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-VERL_KEY_FILES = ("ppo_trainer.yaml", "ppo_megatron_trainer.yaml")
+VERL_KEY_FILES = ("ppo_trainer.yaml", "ppo_megatron_trainer.yaml", "legacy.yaml", "legacy_megatron.yaml")
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,8 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NO_EFFECT_ON_CPU, "offloading to host memory; on CPU the model is already there",
             *(f"actor_rollout_ref.{r}.fsdp_config.{k}" for r in ("actor", "ref")
               for k in ("param_offload", "optimizer_offload", "offload_policy")),
-            *(f"critic.fsdp.{k}" for k in ("param_offload", "optimizer_offload", "offload_policy"))),
+            *(f"critic.{section}.{k}" for section in ("fsdp", "model.fsdp_config")
+              for k in ("param_offload", "optimizer_offload", "offload_policy"))),
     *_rules(NOT_YET, "the critic's FSDP settings are read from critic.fsdp_config here", "critic.fsdp.dtype",
             "critic.fsdp.reshard_after_forward", "critic.fsdp.model_dtype", "critic.fsdp.fsdp_size"),
     *_rules(NOT_YET, "weights are kept in float32; fsdp_config.dtype sets the compute dtype", "*.model_dtype"),
@@ -139,7 +140,7 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NOT_YET, "not built yet", "actor_rollout_ref.rollout.nnodes", "actor_rollout_ref.rollout.ignore_eos",
             "actor_rollout_ref.rollout.cudagraph_capture_sizes", "actor_rollout_ref.rollout.data_parallel_size",
             "actor_rollout_ref.rollout.expert_parallel_size", "actor_rollout_ref.rollout.pipeline_model_parallel_size",
-            "actor_rollout_ref.rollout.max_model_len", "actor_rollout_ref.rollout.enable_chunked_prefill",
+            "actor_rollout_ref.rollout.max_model_len",
             "actor_rollout_ref.rollout.logprobs_mode", "actor_rollout_ref.rollout.scheduling_policy",
             "actor_rollout_ref.rollout.over_sample_rate", "actor_rollout_ref.rollout.router_config_path",
             "actor_rollout_ref.rollout.enable_rollout_routing_replay", "actor_rollout_ref.rollout.quantization",
@@ -219,6 +220,43 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NO_EFFECT, "read only with transfer_queue.enable, which is not supported yet", "transfer_queue.*"),
     *_rules(NOT_YET, "rollout caching for debugging is not built", "skip.*.enable"),
     *_rules(NO_EFFECT, "read only with the enable switch next to it, which is not supported yet", "skip.*"),
+    # --- keys of verl 0.7-0.8 that 0.9.1 dropped (conf/verl/legacy.yaml)
+    *_rules(NO_EFFECT, "verl's choice between its worker implementations; there is one here",
+            "trainer.use_legacy_worker_impl"),
+    *_rules(NOT_YET, "verl 0.7's place for the critic's FSDP settings; use critic.fsdp_config.<same key>",
+            "critic.model.fsdp_config.dtype", "critic.model.fsdp_config.reshard_after_forward"),
+    *_rules(NOT_YET, "weights are always loaded from model.path", "*.load_weight"),
+    *_rules(NOT_YET, "MoE router replay is not built", "*.router_replay.mode"),
+    *_rules(NO_EFFECT, "read only with router_replay.mode, which is not supported yet", "*.router_replay.*"),
+    *_rules(NO_EFFECT, "read only with actor.calculate_sum_pi_squared, which is not supported yet",
+            "actor_rollout_ref.actor.sum_pi_squared_checkpointing"),
+    *_rules(NO_EFFECT, "vLLM loads the pushed weights by their Hugging Face names; no layer map is consulted",
+            "actor_rollout_ref.rollout.layer_name_map.*"),
+    *_rules(NOT_YET, "rollout caching for debugging is not built", "actor_rollout_ref.rollout.skip.enable",
+            "actor_rollout_ref.rollout.skip_rollout"),
+    *_rules(NO_EFFECT, "read only with the rollout cache switch, which is not supported yet",
+            "actor_rollout_ref.rollout.skip.*", "actor_rollout_ref.rollout.skip_dump_dir"),
+    *_rules(NO_EFFECT, "weights are pushed to vLLM in memory, one tensor at a time",
+            "actor_rollout_ref.rollout.update_weights_bucket_megabytes"),
+    *_rules(NOT_YET, "verl 0.7's rejection-sampling bounds; use algorithm.rollout_correction.rollout_rs_threshold",
+            "algorithm.rollout_correction.rollout_rs_threshold_lower",
+            "algorithm.rollout_correction.rollout_token_veto_threshold"),
+    *_rules(NOT_YET, "dynamic data generation and custom samplers are not built", "data.datagen.path",
+            "data.sampler.class_path"),
+    *_rules(NO_EFFECT, "read only with the path next to it, which is not supported yet", "data.datagen.name",
+            "data.sampler.class_name"),
+    *_rules(NO_EFFECT, "verl 0.7's copy of reward_model.reward_manager, the key read here", "reward_manager.name"),
+    *_rules(NOT_YET, "only the built-in reward manager is available", "reward_manager.source",
+            "reward_manager.module.path"),
+    *_rules(NO_EFFECT, "read only with reward_manager.module.path, which is not supported yet",
+            "reward_manager.module.name"),
+    *_rules(NOT_YET, "sandboxed code execution is not built yet", "reward_model.sandbox_fusion.url"),
+    *_rules(NO_EFFECT, "read only with a sandbox url, which is not supported yet", "reward_model.sandbox_fusion.*"),
+    *_rules(NO_EFFECT, "rewards are scored in the driver process", "reward_model.use_reward_loop",
+            "reward_model.launch_reward_fn_async"),
+    *_rules(NO_EFFECT, "read only by a reward model, which is not supported yet", "reward_model.strategy",
+            "reward_model.forward_max_token_len_per_gpu", "reward_model.max_length", "reward_model.micro_batch_size*",
+            "reward_model.nccl_timeout", "reward_model.use_dynamic_bsz"),
 ])
 
 
@@ -341,5 +379,5 @@ DEVIATIONS: dict[str, str] = {
                   "reward_model.reward_manager", "reward_model.enable"),
     **_deviations("this project's run names and folder", "trainer.project_name", "trainer.experiment_name",
                   "trainer.default_local_dir"),
-    **_deviations("works offline with nothing to install; add wandb or tensorboard", "trainer.logger"),
+    **_deviations("a run needs no account or network; add wandb, mlflow or tensorboard", "trainer.logger"),
 }

@@ -1,13 +1,33 @@
-"""Metric loggers: console, a JSON Lines file in the run folder, and TensorBoard."""
+"""Metric loggers: console, a JSON Lines file in the run folder, TensorBoard, Weights & Biases and MLflow.
+
+`trainer.logger` takes verl's names. wandb runs online when a W&B server is reachable and an API key
+is configured, otherwise offline into the run folder (upload later with `wandb sync`); `WANDB_MODE`
+overrides that choice. MLflow logs to `MLFLOW_TRACKING_URI` when set, else to a SQLite store in the
+run folder (`mlflow ui --backend-store-uri sqlite:///<run folder>/mlflow.db`).
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import re
+import socket
 import time
+from urllib.parse import urlparse
 
 from tqdm import tqdm
+
+from hybrid_rl.config_keys import leaves
+
+logger = logging.getLogger(__name__)
+
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+# verl's other logger names, refused with a pointer to the ones above.
+VERL_ONLY_LOGGERS = ("swanlab", "vemlp_wandb", "clearml", "trackio", "file")
+# Loggers whose package is an optional extra of hybrid-rl (pip install 'hybrid-rl[<name>]').
+OPTIONAL_LOGGERS = ("mlflow",)
 
 # Shown on the console line of each step (every metric goes to the files).
 CONSOLE_KEYS = (
@@ -17,7 +37,8 @@ CONSOLE_KEYS = (
 
 
 class Tracker:
-    def __init__(self, loggers: list[str], run_dir: str, total_steps: int, progress_bar: bool = True):
+    def __init__(self, loggers: list[str], run_dir: str, total_steps: int, progress_bar: bool = True,
+                 project: str = "hybrid_rl", experiment: str = "run", config: dict | None = None):
         self.loggers = set(loggers)
         self.run_dir = run_dir
         os.makedirs(run_dir, exist_ok=True)
@@ -27,6 +48,8 @@ class Tracker:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        self.wandb = _start_wandb(project, experiment, run_dir, config) if "wandb" in self.loggers else None
+        self.mlflow = _start_mlflow(project, experiment, run_dir, config) if "mlflow" in self.loggers else None
         self.bar = tqdm(total=total_steps, desc="GRPO", unit="step", dynamic_ncols=True,
                         disable=not progress_bar)
 
@@ -38,6 +61,10 @@ class Tracker:
             for key, value in metrics.items():
                 self.tb.add_scalar(key, value, step)
             self.tb.flush()
+        if self.wandb:
+            self.wandb.log(metrics, step=step)
+        if self.mlflow:
+            self.mlflow.log_metrics({mlflow_name(k): v for k, v in metrics.items()}, step=step)
         if "console" in self.loggers:
             keys = [k for k in CONSOLE_KEYS if k in metrics] + sorted(k for k in metrics if k.startswith("val"))
             tqdm.write(f"step {step}: " + " | ".join(f"{k}={_fmt(metrics[k])}" for k in keys))
@@ -57,6 +84,52 @@ class Tracker:
             self.jsonl.close()
         if self.tb:
             self.tb.close()
+        if self.wandb:
+            self.wandb.finish()
+        if self.mlflow:
+            self.mlflow.end_run()
+
+
+def _start_wandb(project: str, experiment: str, run_dir: str, config: dict | None):
+    import wandb
+
+    mode = os.environ.get("WANDB_MODE")
+    if not mode:
+        mode = "online" if _reachable(wandb.Settings().base_url) and wandb.login(prompt=False, verify=False) \
+            else "offline"
+    run = wandb.init(project=project, name=experiment, dir=run_dir, config=config, mode=mode)
+    if run.settings.mode == "offline":
+        logger.info("wandb runs offline (no W&B server reachable or no API key; WANDB_MODE=online forces "
+                    "it); upload it later with: wandb sync %s", os.path.dirname(run.dir))
+    return run
+
+
+def _reachable(url: str, timeout_s: float = 3.0) -> bool:
+    parsed = urlparse(url)
+    try:
+        socket.create_connection((parsed.hostname, parsed.port or (443 if parsed.scheme == "https" else 80)),
+                                 timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def _start_mlflow(project: str, experiment: str, run_dir: str, config: dict | None):
+    import mlflow
+
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.abspath(run_dir)}/mlflow.db"
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_experiment(project)
+    mlflow.start_run(run_name=experiment)
+    if config:
+        mlflow.log_params({mlflow_name(k): v for k, v in leaves(config).items()})
+    logger.info("mlflow logs to %s (experiment %s, run %s)", uri, project, experiment)
+    return mlflow
+
+
+def mlflow_name(key: str) -> str:
+    """MLflow names allow letters, digits and `_-. :/` only: `val-core/x/acc/mean@4` -> `..._at_4`."""
+    return re.sub(r"[^\w\-. :/]", "_", key.replace("@", "_at_"))
 
 
 def _fmt(value: float) -> str:

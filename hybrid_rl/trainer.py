@@ -16,7 +16,7 @@ from collections import defaultdict
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig
 
 from hybrid_rl.algorithms import (
@@ -157,7 +157,8 @@ class Trainer:
         `WorkerFailure`. Returns what was done, for the closing summary."""
         cfg = self.cfg
         tracker = Tracker(cfg.trainer.logger, cfg.trainer.default_local_dir, self.total_steps,
-                          cfg.trainer.progress_bar)
+                          cfg.trainer.progress_bar, project=cfg.trainer.project_name,
+                          experiment=cfg.trainer.experiment_name, config=OmegaConf.to_container(cfg, resolve=True))
         self.summary = RunSummary(total_steps=self.total_steps,
                                   metrics_file=tracker.jsonl.name if tracker.jsonl else None)
         start = time.perf_counter()

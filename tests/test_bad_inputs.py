@@ -144,7 +144,7 @@ CONFIG_CASES = [
     case("kl-penalty-full-in-reward", ["algorithm.kl_penalty=full", "algorithm.use_kl_in_reward=true"],
          ConfigError, "algorithm.kl_penalty=full is not available", "use_kl_loss=true", "kl_loss_type=full"),
     case("nnodes-zero", ["trainer.nnodes=0"], ConfigError,
-         "trainer.nnodes=0", "must both be at least 1"),
+         "trainer.nnodes=0", "must be a positive integer"),
     case("train-batch-size-zero", ["data.train_batch_size=0"], ConfigError,
          "data.train_batch_size=0 must be a positive integer"),
     case("total-training-steps-zero", ["trainer.total_training_steps=0"], ConfigError,

@@ -28,7 +28,7 @@ VERL_GRPO_LINE = [
     "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "actor_rollout_ref.rollout.name=vllm",
     "actor_rollout_ref.rollout.gpu_memory_utilization=0.6", "actor_rollout_ref.rollout.n=5",
     "algorithm.use_kl_in_reward=False", "trainer.val_before_train=True",
-    "trainer.logger=[console,tensorboard]", "trainer.project_name=verl_grpo_example_gsm8k",
+    "trainer.logger=[console,wandb]", "trainer.project_name=verl_grpo_example_gsm8k",
     "trainer.experiment_name=qwen2_5_0_5b", "trainer.n_gpus_per_node=2", "trainer.nnodes=1",
     "trainer.save_freq=20", "trainer.test_freq=5", "trainer.total_epochs=15",
 ]
@@ -60,8 +60,11 @@ def test_unknown_key_is_rejected_by_hydra():
     ("actor_rollout_ref.actor.kl_loss_type=k5", ["kl_loss_type", "low_var_kl", "k3"]),
     ("actor_rollout_ref.actor.loss_agg_mode=mean", ["loss_agg_mode", "token-mean", "seq-mean-token-sum-norm"]),
     ("actor_rollout_ref.actor.policy_loss.loss_mode=ppo2", ["loss_mode", "vanilla"]),
-    ("actor_rollout_ref.rollout.name=sglang", ["rollout.name", "vllm", "hf"]),
-    ("trainer.logger=[console,wandbx]", ["trainer.logger", "tensorboard"]),
+    ("actor_rollout_ref.rollout.name=sglang", ["rollout.name=sglang is not supported yet (use vllm (or hf))"]),
+    ("actor_rollout_ref.rollout.name=sglangx", ["rollout.name='sglangx' is not valid", "vllm", "hf"]),
+    ("algorithm.adv_estimator=optimal_token_baseline", ["optimal_token_baseline is not supported yet", "grpo"]),
+    ("trainer.logger=[console,wandbx]", ["trainer.logger='wandbx'", "tensorboard", "wandb", "mlflow"]),
+    ("trainer.logger=[console,swanlab]", ["trainer.logger=swanlab is not supported yet", "jsonl", "mlflow"]),
     ("actor_rollout_ref.actor.optim.lr=0", ["optim.lr=0", "positive"]),
     ("actor_rollout_ref.actor.optim.lr=-1e-5", ["optim.lr", "positive"]),
     ("actor_rollout_ref.actor.clip_ratio_c=0.5", ["clip_ratio_c", "> 1"]),
@@ -111,3 +114,20 @@ def test_cli_prints_config_and_reports_errors_without_traceback():
     assert bad.returncode == 2
     assert bad.stderr.strip().startswith("error: algorithm.adv_estimator='nope' is not valid")
     assert "Traceback" not in bad.stderr
+
+
+def test_misspelt_keys_fail_with_the_nearest_real_key():
+    from hybrid_rl.main import unknown_override_keys
+
+    assert unknown_override_keys(["actor_rollout_ref.actor.ppo_mini_batch_size=4", "+my.own_key=1",
+                                  "trainer.final_model_dir=null"]) == []  # verl's, our own, and a new key
+    errors = unknown_override_keys(["--config-name", "ppo_megatron_trainer", "trainer.totl_epochs=2",
+                                    "actor_rollout_ref.actor.megatron.tensor_model_paralel_size=2"])
+    assert errors == [
+        "trainer.totl_epochs is not a config key; did you mean trainer.total_epochs? (A key of your own "
+        "needs a leading +.)",
+        "actor_rollout_ref.actor.megatron.tensor_model_paralel_size is not a config key; did you mean "
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size? (A key of your own needs a leading +.)"]
+    cli = subprocess.run([sys.executable, "-m", "hybrid_rl.main", "data.train_batchsize=4"], cwd=REPO_ROOT,
+                         capture_output=True, text=True)
+    assert cli.returncode == 2 and "did you mean data.train_batch_size?" in cli.stderr

@@ -17,7 +17,7 @@ from hybrid_rl.config_keys import (
 from hybrid_rl.main import compose_config
 
 VERL_TREES = {name: leaves(OmegaConf.to_container(OmegaConf.load(f"{CONF_DIR}/verl/{name}.yaml")))
-              for name in ("ppo_trainer", "ppo_megatron_trainer")}
+              for name in ("ppo_trainer", "ppo_megatron_trainer", "legacy", "legacy_megatron")}
 
 
 def override_value(value) -> str:
@@ -51,14 +51,20 @@ def changed(value):
 
 
 def verl_default(cfg, key: str, raw):
-    """verl's default for `key` in this config, on a fresh copy so `cfg` stays as it is."""
+    """verl's default for `key` in this config; an interpolation is resolved on a fresh copy, so
+    `cfg` stays as it is."""
+    if not (isinstance(raw, str) and "${" in raw):
+        return raw
     return default_in(OmegaConf.create(OmegaConf.to_container(cfg, resolve=False)), key, raw)
 
 
 @pytest.mark.parametrize("name", ["ppo_trainer", "ppo_megatron_trainer"])
 def test_every_verl_key_composes_from_the_command_line_with_its_default(name):
-    # ppo_megatron_trainer's file holds only what differs, on top of ppo_trainer's keys.
-    keys = {**VERL_TREES["ppo_trainer"], **VERL_TREES[name]}
+    # ppo_megatron_trainer's file holds only what differs, on top of ppo_trainer's keys; both
+    # configs also take the keys older verl releases had (legacy).
+    keys = {**VERL_TREES["legacy"], **VERL_TREES["ppo_trainer"], **VERL_TREES[name]}
+    if name == "ppo_megatron_trainer":
+        keys.update(VERL_TREES["legacy_megatron"])
     keys = {k: v for k, v in keys.items() if v != "???"}  # verl's "required": no default to pass
     cfg = compose_config([f"{k}={override_value(v)}" for k, v in keys.items()], config_name=name)
     for key, value in keys.items():
@@ -67,7 +73,7 @@ def test_every_verl_key_composes_from_the_command_line_with_its_default(name):
 
 def test_every_key_has_verls_default_unless_the_change_is_listed():
     cfg = compose_config([])
-    undeclared = [k for k, raw in VERL_TREES["ppo_trainer"].items() if raw != "???"
+    undeclared = [k for k, raw in {**VERL_TREES["legacy"], **VERL_TREES["ppo_trainer"]}.items() if raw != "???"
                   and plain(OmegaConf.select(cfg, k)) != verl_default(cfg, k, raw) and k not in DEVIATIONS]
     assert undeclared == []
     assert [k for k in DEVIATIONS if k not in verl_defaults()] == []
@@ -82,7 +88,7 @@ def test_every_key_our_own_groups_lack_is_ruled(tmp_path):
     shutil.copytree(CONF_DIR, conf)
     primary = conf / "ppo_trainer.yaml"
     primary.write_text("\n".join(line for line in primary.read_text().splitlines()
-                                 if line.strip() != "- verl/ppo_trainer"))
+                                 if not line.strip().startswith("- verl/")))
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         ours = leaves(OmegaConf.to_container(compose(config_name="ppo_trainer")))
     unruled = [k for k in verl_defaults() if k not in ours and rule_for(k) is None]

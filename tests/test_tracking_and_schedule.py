@@ -29,6 +29,39 @@ def test_jsonl_tensorboard_and_console(tmp_path, capsys):
     assert [(e.step, e.value) for e in events.Scalars("critic/score/mean")] == [(1, 0.25), (2, 0.5)]
 
 
+def test_wandb_offline_run_in_the_run_folder(tmp_path, monkeypatch):
+    """With no API key, wandb writes an offline run under the run folder that `wandb sync` can upload."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no_netrc"))
+    tracker = Tracker(["wandb"], str(tmp_path), total_steps=2, progress_bar=False, project="p", experiment="e",
+                      config={"trainer": {"project_name": "p"}})
+    assert tracker.wandb.settings.mode == "offline"
+    tracker.log({"critic/score/mean": 0.25, "val-core/arith/acc/mean@1": 0.5}, step=1)
+    tracker.close()
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    records = run_file.read_bytes()
+    assert b"critic/score/mean" in records and b"val-core/arith/acc/mean@1" in records
+
+
+def test_mlflow_logs_to_a_store_in_the_run_folder(tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    tracker = Tracker(["mlflow"], str(tmp_path), total_steps=2, progress_bar=False, project="p", experiment="e",
+                      config={"actor_rollout_ref": {"actor": {"ppo_epochs": 1}}})
+    run_id = mlflow.active_run().info.run_id
+    tracker.log({"critic/score/mean": 0.25, "val-core/arith/acc/mean@1": 0.5}, step=1)
+    tracker.log({"critic/score/mean": 0.5}, step=2)
+    tracker.close()
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run = client.get_run(run_id)
+    assert run.data.params == {"actor_rollout_ref.actor.ppo_epochs": "1"} and run.info.run_name == "e"
+    history = client.get_metric_history(run_id, "critic/score/mean")
+    assert [(m.step, m.value) for m in history] == [(1, 0.25), (2, 0.5)]
+    assert run.data.metrics["val-core/arith/acc/mean_at_1"] == 0.5
+
+
 def optim(**kw):
     base = dict(lr=1.0, lr_warmup_steps=-1, lr_warmup_steps_ratio=0.0, lr_scheduler_type="constant",
                 min_lr_ratio=0.0, num_cycles=0.5)

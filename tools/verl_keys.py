@@ -1,15 +1,21 @@
 #!/usr/bin/env python
 """Write verl's config key list (every leaf key with verl's default) into conf/verl/.
 
-    pip download --no-deps verl==0.9.1 -d /tmp/verl      # a wheel; nothing is installed
-    python tools/verl_keys.py /tmp/verl/verl-0.9.1-py3-none-any.whl
+    pip download --no-deps verl==0.9.1 verl==0.8.0 verl==0.7.1 verl==0.7.0 -d /tmp/verl  # nothing is installed
+    python tools/verl_keys.py /tmp/verl/verl-0.9.1-py3-none-any.whl \
+        --older /tmp/verl/verl-0.{7.0,7.1,8.0}-py3-none-any.whl
 
 verl generates one flat file per trainer config (`trainer/config/_generated_<name>.yaml`). This
 reads the two we follow and writes, as data only (no comment or text of verl's):
 
 - `conf/verl/ppo_trainer.yaml`: every leaf of verl's `ppo_trainer` with its default;
 - `conf/verl/ppo_megatron_trainer.yaml`: the leaves of `ppo_megatron_trainer` that are not in
-  the first or have another default there.
+  the first or have another default there;
+- `conf/verl/legacy.yaml` and `legacy_megatron.yaml` (with `--older`): the keys of older releases'
+  two trainer configs that the newest release dropped (`critic.model.fsdp_config.*`,
+  `trainer.use_legacy_worker_impl`, ...), with the default of the last release that had them, so
+  command lines written for those releases compose too.
+  A dropped key whose path the newest tree now uses for a section (or the reverse) is left out.
 
 `_target_` leaves are left out: they name verl's Python config classes, which nothing here uses
 and no user sets. `conf/ppo_trainer.yaml` puts our own groups over the first file, so every verl
@@ -74,9 +80,21 @@ def version_of(source: str) -> str:
     return parts[1] if base.endswith(".whl") and len(parts) > 1 else "(from a folder)"
 
 
+def dropped_keys(older: list[str], name: str, current: dict) -> dict:
+    """{key: default} of the keys trainer config `name` had in the `older` releases and `current` lacks
+    (the default of the last release that had the key)."""
+    sections = {k.rsplit(".", i)[0] for k in current for i in range(1, k.count(".") + 1)}
+    dropped: dict = {}
+    for source in sorted(older, key=lambda s: tuple(int(p) for p in version_of(s).split(".") if p.isdigit())):
+        dropped.update(verl_leaves(read_generated(source, name)))
+    return {k: v for k, v in sorted(dropped.items()) if k not in current and k not in sections
+            and not any(k.rsplit(".", i)[0] in current for i in range(1, k.count(".") + 1))}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("source", help="verl's wheel, or a folder that holds the verl package")
+    ap.add_argument("--older", nargs="*", default=[], help="wheels of older verl releases (conf/verl/legacy.yaml)")
     args = ap.parse_args(argv)
     fsdp = verl_leaves(read_generated(args.source, "ppo_trainer"))
     megatron = verl_leaves(read_generated(args.source, "ppo_megatron_trainer"))
@@ -86,6 +104,18 @@ def main(argv=None) -> int:
     write(os.path.join(OUT_DIR, "ppo_trainer.yaml"), version, "every leaf of ppo_trainer", fsdp)
     write(os.path.join(OUT_DIR, "ppo_megatron_trainer.yaml"), version,
           "the leaves of ppo_megatron_trainer that ppo_trainer lacks or sets otherwise", delta)
+    if args.older:
+        current = {**fsdp, **megatron}
+        dropped = dropped_keys(args.older, "ppo_trainer", current)
+        dropped_megatron = {k: v for k, v in dropped_keys(args.older, "ppo_megatron_trainer", current).items()
+                            if k not in dropped}
+        versions = ", ".join(sorted(version_of(s) for s in args.older))
+        write(os.path.join(OUT_DIR, "legacy.yaml"), versions,
+              f"the keys their ppo_trainer had and {version} dropped", dropped)
+        write(os.path.join(OUT_DIR, "legacy_megatron.yaml"), versions,
+              f"the keys only their ppo_megatron_trainer had and {version} dropped", dropped_megatron)
+        print(f"legacy: {len(dropped)} + {len(dropped_megatron)} (Megatron) keys of verl {versions} that "
+              f"{version} dropped")
     print(f"ppo_trainer: {len(fsdp)} keys; ppo_megatron_trainer: {len(megatron)} keys, {len(delta)} of them "
           f"new or with another default -> {os.path.relpath(OUT_DIR, REPO_ROOT)}/")
     return 0

@@ -122,6 +122,7 @@ class VLLMRollout:
             max_num_seqs=cfg.get("max_num_seqs", 256),
             max_num_batched_tokens=max(cfg.get("max_num_batched_tokens", 8192), max_model_len),
             enable_prefix_caching=cfg.get("enable_prefix_caching", True),
+            enable_chunked_prefill=cfg.get("enable_chunked_prefill", True),
             # Log-probs of the distribution actually sampled from (after temperature/top-k/top-p).
             logprobs_mode="processed_logprobs",
             seed=int(cfg.get("seed", 0)) + rank,

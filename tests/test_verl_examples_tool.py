@@ -1,0 +1,42 @@
+"""tools/verl_examples.py reads a verl-style launch script as bash expands it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+
+import verl_examples  # noqa: E402
+
+SCRIPT = """set -xeuo pipefail
+eval "$(conda shell.bash hook)"
+source /opt/cluster/set_env.sh
+NNODES=${SLURM_JOB_NUM_NODES}
+train_files="['$HOME/data/gsm8k/train.parquet']"
+python3 -c "import ray; print(ray.cluster_resources())"
+srun --nodes=${NNODES} python3 -m verl.trainer.main_ppo --config-path=config \\
+    --config-name='ppo_megatron_trainer' \\
+    data.train_files="$train_files" \\
+    trainer.logger='["console","wandb"]' \\
+    trainer.nnodes=$NNODES $@
+"""
+
+
+def test_the_launch_line_is_recorded_as_bash_expands_it(tmp_path):
+    script = tmp_path / "run.sh"
+    script.write_text(SCRIPT)
+    argv = verl_examples.recorded_command(script, tmp_path)
+    config_path, config_name, overrides = verl_examples.split_command(argv)
+    assert (config_path, config_name) == ("config", "ppo_megatron_trainer")
+    assert overrides == [f"data.train_files=['{tmp_path}/home/data/gsm8k/train.parquet']",
+                         'trainer.logger=["console","wandb"]', "trainer.nnodes=1"]
+
+
+def test_cluster_sizes_models_and_data_are_substituted_for_the_one_step_run(tmp_path):
+    kept = verl_examples.substituted(["actor_rollout_ref.model.path=Qwen/Qwen2-7B", "data.train_batch_size=1024",
+                                      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40",
+                                      "algorithm.adv_estimator=rloo", "+x.y=1"], tmp_path)
+    assert kept[:2] == ["algorithm.adv_estimator=rloo", "+x.y=1"]
+    assert "trainer.total_training_steps=1" in kept and f"trainer.default_local_dir={tmp_path}" in kept
+    assert not any(o.startswith(("actor_rollout_ref.model.path", "data.train_batch_size")) for o in kept)

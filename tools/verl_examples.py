@@ -1,0 +1,270 @@
+"""Try verl's own example scripts against hybrid-rl, as a verl user would.
+
+    python tools/verl_examples.py <verl checkout, or its git directory> [--run [GLOB ...]] [--only GLOB]
+
+Each `examples/*_trainer/*.sh` that starts `verl.trainer.main_ppo` is run by bash, with `python` and
+`python3` on PATH replaced by a recorder, so the shell expands its variables exactly as it would for
+a user (HOME is a scratch folder; the cluster's launchers and tools are stand-ins, CLUSTER_STANDINS).
+The recorded command line is then taken through three stages:
+
+1. compose: Hydra builds the config from its overrides (as `python -m hybrid_rl.main --cfg job`);
+2. start: the config is validated as a run validates it; the keys refused as "not supported yet"
+   are listed;
+3. step (with --run, for the scripts that pass 2, or those of them matching its globs): the
+   script's overrides run one training step on this machine, with the default model and data in
+   place of the hub model and data files, and CPU-sized batches and lengths (SUBSTITUTED below).
+
+Writes docs/verl_examples.md (figures and per-script results) and prints a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import fnmatch
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# Overrides replaced for the one-step run: models and data from the hub or a GPU cluster's disks,
+# sizes for a cluster of GPUs, and the run's length and outputs.
+SUBSTITUTED = (
+    "*.model.path", "*.tokenizer_path", "data.train_files", "data.val_files", "data.train_batch_size",
+    "data.val_batch_size", "data.max_prompt_length", "data.max_response_length", "*ppo_mini_batch_size",
+    "*micro_batch_size*", "*max_token_len*", "actor_rollout_ref.rollout.n", "*tensor_model_parallel_size",
+    "*gpu_memory_utilization", "*max_num_batched_tokens", "*max_model_len", "trainer.n_gpus_per_node",
+    "trainer.nnodes", "trainer.total_epochs", "trainer.total_training_steps", "trainer.val_before_train",
+    "trainer.test_freq", "trainer.save_freq", "trainer.default_local_dir", "trainer.resume_mode",
+    "trainer.resume_from_path", "trainer.final_model_dir", "trainer.progress_bar",
+)
+ONE_STEP = ("trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.test_freq=-1",
+            "trainer.save_freq=-1", "trainer.final_model_dir=null", "trainer.progress_bar=false",
+            "trainer.resume_mode=disable")
+
+# Read by bash before the script: tools of the script author's cluster (conda, nvidia-smi, ray,
+# Ascend's set_env.sh) are absent here, and stand-ins that do nothing let the script reach its
+# main_ppo line as it would there.
+CLUSTER_STANDINS = r"""
+# A missing launcher (srun, ray job submit, torchrun) runs the python command it wraps.
+command_not_found_handle() {
+  while [ $# -gt 0 ]; do case "$1" in python|python3) "$@"; return 0 ;; esac; shift; done; return 0
+}
+source() { if [ -f "$1" ]; then builtin source "$@"; fi; }
+# As in a one-node SLURM allocation; other cluster variables are unset here, so -e and -u, which
+# would stop the script early, are dropped.
+export SLURM_JOB_NUM_NODES=1 SLURM_NNODES=1
+set() { local a args=(); for a in "$@"; do [[ $a == -* && $a != -- ]] && { a=${a//[eu]/}; [[ $a == - ]] && continue; }; args+=("$a"); done; builtin set "${args[@]}"; }
+"""
+
+# Hydra's parse errors: the override text itself is malformed, whichever config it is applied to.
+HYDRA_GRAMMAR_ERRORS = ("LexerNoViableAltException", "Error parsing override")
+
+RECORDER = """#!/bin/sh
+# Stands in for python: records its arguments (NUL-separated, one command a line) and succeeds.
+for arg in "$@"; do printf '%s\\0' "$arg"; done >> "$VERL_EXAMPLES_LOG"
+printf '\\n' >> "$VERL_EXAMPLES_LOG"
+"""
+
+
+def example_scripts(verl: Path, scratch: Path) -> dict[str, str]:
+    """{path under examples/: script text} for every examples/*_trainer/*.sh."""
+    if not (verl / "examples").is_dir():  # a git directory without a work tree
+        subprocess.run(f"git --git-dir={shlex.quote(str(verl))} archive HEAD examples | tar -x -C "
+                       f"{shlex.quote(str(scratch))}", shell=True, check=True)
+        verl = scratch
+    return {str(p.relative_to(verl)): p.read_text() for p in sorted(verl.glob("examples/*_trainer/*.sh"))}
+
+
+def recorded_command(script: Path, scratch: Path) -> list[str] | None:
+    """The argv (after python) of the script's verl.trainer.main_ppo call, as bash expands it."""
+    bin_dir, home, log = scratch / "bin", scratch / "home", scratch / "argv.log"
+    bin_dir.mkdir(exist_ok=True)
+    home.mkdir(exist_ok=True)
+    for name in ("python", "python3"):
+        (bin_dir / name).write_text(RECORDER)
+        (bin_dir / name).chmod(0o755)
+    log.write_bytes(b"")
+    (scratch / "standins.sh").write_text(CLUSTER_STANDINS)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(home), "VERL_EXAMPLES_LOG": str(log),
+           "BASH_ENV": str(scratch / "standins.sh")}
+    try:
+        subprocess.run(["bash", str(script)], cwd=home, env=env, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, timeout=60)
+    except subprocess.TimeoutExpired:  # e.g. waits for a cluster; keep what it recorded
+        pass
+    for line in log.read_bytes().split(b"\n"):
+        argv = [a.decode() for a in line.split(b"\0")[:-1]]
+        if any(a.endswith("main_ppo") or a.endswith("main_ppo.py") for a in argv[:3]):
+            return argv[argv.index(next(a for a in argv if "main_ppo" in a)) + 1:]
+    return None
+
+
+def split_command(argv: list[str]) -> tuple[str | None, str, list[str]]:
+    """(--config-path, --config-name, overrides) of a Hydra command line."""
+    config_path, config_name, overrides = None, "ppo_trainer", []
+    args = iter(argv)
+    for arg in args:
+        flag, _, value = arg.partition("=")
+        if flag in ("--config-path", "-cp", "--config-name", "-cn"):
+            value = value or next(args)
+            if flag in ("--config-path", "-cp"):
+                config_path = value
+            else:
+                config_name = value.removesuffix(".yaml")
+        elif arg.startswith("-"):
+            continue
+        else:
+            overrides.append(arg)
+    return config_path, config_name, overrides
+
+
+def override_key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def substituted(overrides: list[str], run_dir: Path) -> list[str]:
+    kept = [o for o in overrides if not any(fnmatch.fnmatchcase(override_key(o), p) for p in SUBSTITUTED)]
+    return kept + list(ONE_STEP) + [f"trainer.default_local_dir={run_dir}"]
+
+
+def check(name: str, argv: list[str]) -> dict:
+    """Compose and validate one recorded command line."""
+    from hybrid_rl.config import ConfigError, validate_config
+    from hybrid_rl.config_keys import check_verl_keys
+    from hybrid_rl.main import compose_config
+
+    config_path, config_name, overrides = split_command(argv)
+    result = {"script": name, "config_name": config_name, "overrides": overrides}
+    # A relative --config-path is relative to main_ppo's folder: verl's own trainer config.
+    if config_path not in (None, "config", "./config", "pkg://verl.trainer.config"):
+        result["compose"] = f"own Hydra config folder {config_path} (not verl's trainer config)"
+        return result
+    try:
+        cfg = compose_config(overrides, config_name)
+    except Exception as exc:  # Hydra's errors, reported as they are
+        result["compose"] = str(exc).splitlines()[0]
+        return result
+    result["compose"] = "ok"
+    result["not_supported"] = sorted(re.findall(r"^(\S+?)=\S.* is not supported yet", "\n".join(
+        check_verl_keys(cfg.copy(), "cpu")), flags=re.M))
+    try:
+        validate_config(cfg)
+        result["start"] = "ok"
+    except ConfigError as exc:
+        result["start"] = str(exc).strip()
+    except Exception as exc:  # a bug here, recorded rather than stopping the survey
+        result["start"] = f"crashed: {type(exc).__name__}: {exc}"
+    return result
+
+
+def one_step(result: dict, scratch: Path, timeout_s: int) -> None:
+    run_dir = scratch / "runs" / result["script"].replace("/", "_")
+    overrides = substituted(result["overrides"], run_dir)
+    cmd = [sys.executable, "-m", "hybrid_rl.main", f"--config-name={result['config_name']}", *overrides]
+    env = {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "offline")}
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+        rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")] if (run_dir / "metrics.jsonl").is_file() else []
+        trained = proc.returncode == 0 and any(row.get("step") == 1 and "actor/pg_loss" in row for row in rows)
+        result["step"] = "ok" if trained else (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+    except subprocess.TimeoutExpired:
+        result["step"] = f"did not finish within {timeout_s} s"
+    result["step_s"] = round(time.perf_counter() - start, 1)
+    result["step_overrides"] = overrides
+
+
+def report(results: list[dict], source: str, ran: bool) -> str:
+    composed = [r for r in results if r.get("compose") == "ok"]
+    started = [r for r in composed if r.get("start") == "ok"]
+    refused = [r for r in composed if r.get("start") != "ok"]
+    key_counts = collections.Counter(k for r in composed for k in r["not_supported"])
+    stepped = [r for r in started if r.get("step") == "ok"]
+    lines = [
+        "# verl's example scripts, run against hybrid-rl",
+        "",
+        f"Generated by `python tools/verl_examples.py <verl>{' --run ...' if ran else ''}` on {time.strftime('%Y-%m-%d')}, "
+        f"from {source}. Every `examples/*_trainer/*.sh` that calls `verl.trainer.main_ppo` was run by bash "
+        "with a recorder in place of python (only the shell's own expansion, `$HOME` a scratch folder, "
+        "stand-ins for the cluster's launchers, conda and a one-node SLURM allocation), "
+        "and its command line taken through: **compose** (Hydra builds the config, as `--cfg job`), "
+        "**start** (the run's config checks; keys refused as not supported yet are listed) and, with "
+        "`--run`, **step** (one training step on this machine with the default model and data and "
+        "CPU-sized batches, the substitutions listed at the end).",
+        "",
+        "| stage | scripts |",
+        "|---|---|",
+        f"| example scripts calling main_ppo | {len(results)} |",
+        f"| compose | {len(composed)} |",
+        f"| start (no key refused) | {len(started)} |",
+        f"| stop at start with an error | {len(refused)} |",
+    ]
+    if ran:
+        tried = [r for r in started if "step" in r]
+        lines.append(f"| train one step on CPU | {len(stepped)} of the {len(tried)} run "
+                     f"({len(started) - len(tried)} of those that start not run this time) |")
+    lines += ["", "## Keys that stop scripts at start (not supported yet)", "", "| key | scripts |", "|---|---|"]
+    lines += [f"| `{key}` | {n} |" for key, n in key_counts.most_common()]
+    lines += ["", "## Per script", "", "| script | compose | start | step |", "|---|---|---|---|"]
+    for r in results:
+        start = r.get("start", "")
+        if start not in ("", "ok"):
+            start = "refused: " + ", ".join(f"`{k}`" for k in r["not_supported"]) if r["not_supported"] \
+                else start.splitlines()[0]
+        step = r.get("step", "")
+        if step:
+            step = f"{step} ({r['step_s']} s)"
+        compose = r["compose"]
+        if compose.startswith(HYDRA_GRAMMAR_ERRORS):
+            compose += " (the script's own text: Hydra's grammar, the same in verl, rejects it)"
+        lines.append(f"| {r['script']} | {compose} | {start} | {step} |".replace("\n", " "))
+    lines += ["", "Substituted for the one-step runs (the script's own value dropped): "
+              + ", ".join(f"`{p}`" for p in SUBSTITUTED) + "; then " + ", ".join(f"`{o}`" for o in ONE_STEP)
+              + ". wandb logs offline (`WANDB_MODE=offline`).", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("verl", type=Path, help="verl checkout, or its git directory")
+    parser.add_argument("--run", nargs="*", metavar="GLOB",
+                        help="train one step for each script that starts (only those matching GLOBs, if given)")
+    parser.add_argument("--only", default="*", help="glob over script paths (examples/grpo_trainer/*)")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds per one-step run")
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "verl_examples.md")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp)
+        scripts = example_scripts(args.verl.resolve(), scratch)
+        results = []
+        for name, text in scripts.items():
+            if not fnmatch.fnmatchcase(name, args.only) or "main_ppo" not in text:
+                continue
+            script = scratch / "script.sh"
+            script.write_text(text)
+            argv = recorded_command(script, scratch)
+            result = check(name, argv) if argv is not None else {"script": name, "compose": "no main_ppo call recorded"}
+            if args.run is not None and result.get("start") == "ok" and (
+                    not args.run or any(fnmatch.fnmatchcase(name, g) for g in args.run)):
+                one_step(result, scratch, args.timeout)
+            print(json.dumps({k: v for k, v in result.items() if "overrides" not in k}), flush=True)
+            results.append(result)
+    commit = subprocess.run(["git", f"--git-dir={args.verl / '.git' if (args.verl / '.git').exists() else args.verl}",
+                             "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    args.out.write_text(report(results, f"verl commit {commit[:12]}" if commit else str(args.verl),
+                               args.run is not None))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
