@@ -28,6 +28,8 @@ VERL_ONLY_ADV_ESTIMATORS = {
     "grpo_vectorized": "use grpo", "rloo_vectorized": "use rloo",
 }
 TRAIN_STRATEGIES = ("fsdp", "fsdp2")
+VERL_ONLY_TRAIN_STRATEGIES = {"megatron": "the Megatron engine is not built; use --config-name=ppo_trainer, or "
+                                          "strategy=fsdp2, with the same overrides otherwise"}
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -91,10 +93,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     for key, strategy in (("actor_rollout_ref.actor.strategy", actor.strategy),
                           ("actor_rollout_ref.ref.strategy", cfg.actor_rollout_ref.ref.strategy),
                           ("critic.strategy", cfg.critic.strategy)):
-        if strategy == "megatron":
-            raise ConfigError(f"{key}=megatron is not supported yet (the Megatron engine is not built; use "
-                              "--config-name=ppo_trainer, or strategy=fsdp2, with the same overrides otherwise)")
-        _choice(strategy, TRAIN_STRATEGIES, key)
+        _choice(strategy, TRAIN_STRATEGIES, key, VERL_ONLY_TRAIN_STRATEGIES)
     _choice(trainer.device, DEVICES, "trainer.device", {"npu": "Ascend NPUs are not supported; use cuda or cpu"})
     _choice(data.truncation, ("error", "left", "right", "middle"), "data.truncation")
     loggers = [trainer.logger] if isinstance(trainer.logger, str) else list(trainer.logger)

@@ -16,7 +16,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from hybrid_rl.config import ConfigError, check_model_limits, validate_config
-from hybrid_rl.config_keys import CONF_DIR, leaves
+from hybrid_rl.config_keys import CONF_DIR, leaves, verl_defaults
 from hybrid_rl.console import quiet_third_party_output
 from hybrid_rl.models import ModelPathError, cache_dir, resolve_model_path
 
@@ -289,20 +289,28 @@ def shutdown_ray() -> None:
         ray.shutdown()
 
 
-def unknown_override_keys(argv: list[str]) -> list[str]:
-    """Errors for command-line overrides of keys the config lacks, each with the nearest real key
-    (Hydra itself only says "Could not override"). Keys verl knows are taken without composing."""
-    from hybrid_rl.config_keys import verl_defaults
-
-    config_name, keys, args = "ppo_trainer", [], iter(argv)
+def split_command_line(argv: list[str]) -> tuple[str | None, str, list[str]]:
+    """(--config-path or --config-dir, --config-name, overrides) of a Hydra command line."""
+    config_path, config_name, overrides = None, "ppo_trainer", []
+    args = iter(argv)
     for arg in args:
         flag, _, value = arg.partition("=")
         if flag in ("--config-path", "-cp", "--config-dir", "-cd"):
-            return []  # another config tree: Hydra's own check applies
-        if flag in ("--config-name", "-cn"):
+            config_path = value or next(args, "")
+        elif flag in ("--config-name", "-cn"):
             config_name = (value or next(args, "")).removesuffix(".yaml")
-        elif "=" in arg and not arg.startswith(("-", "+", "~", "hydra.")):
-            keys.append(flag)
+        elif not arg.startswith("-"):
+            overrides.append(arg)
+    return config_path, config_name, overrides
+
+
+def unknown_override_keys(argv: list[str]) -> list[str]:
+    """Errors for command-line overrides of keys the config lacks, each with the nearest real key
+    (Hydra itself only says "Could not override"). Keys verl knows are taken without composing."""
+    config_path, config_name, overrides = split_command_line(argv)
+    if config_path is not None:
+        return []  # another config tree: Hydra's own check applies
+    keys = [o.partition("=")[0] for o in overrides if "=" in o and not o.startswith(("+", "~", "hydra."))]
     keys = [k for k in keys if k not in verl_defaults()]
     if not keys:
         return []
@@ -311,12 +319,11 @@ def unknown_override_keys(argv: list[str]) -> list[str]:
     except Exception:  # a bad --config-name: Hydra reports it
         return []
     absent = object()
-    known = [".".join(parts[:i]) for k in leaves(OmegaConf.to_container(cfg)) for parts in [k.split(".")]
-             for i in range(1, len(parts) + 1)]
+    known = sorted({k.rsplit(".", i)[0] for k in leaves(OmegaConf.to_container(cfg)) for i in range(k.count(".") + 1)})
     errors = []
     for key in keys:
         if OmegaConf.select(cfg, key, default=absent, throw_on_resolution_failure=False) is absent:
-            near = difflib.get_close_matches(key, sorted(set(known)), n=1, cutoff=0.6)
+            near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
             hint = f"did you mean {near[0]}?" if near else "docs/config.md lists every key."
             errors.append(f"{key} is not a config key; {hint} (A key of your own needs a leading +.)")
     return errors

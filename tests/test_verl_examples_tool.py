@@ -27,7 +27,9 @@ def test_the_launch_line_is_recorded_as_bash_expands_it(tmp_path):
     script = tmp_path / "run.sh"
     script.write_text(SCRIPT)
     argv = verl_examples.recorded_command(script, tmp_path)
-    config_path, config_name, overrides = verl_examples.split_command(argv)
+    from hybrid_rl.main import split_command_line
+
+    config_path, config_name, overrides = split_command_line(argv)
     assert (config_path, config_name) == ("config", "ppo_megatron_trainer")
     assert overrides == [f"data.train_files=['{tmp_path}/home/data/gsm8k/train.parquet']",
                          'trainer.logger=["console","wandb"]', "trainer.nnodes=1"]

@@ -108,25 +108,6 @@ def recorded_command(script: Path, scratch: Path) -> list[str] | None:
     return None
 
 
-def split_command(argv: list[str]) -> tuple[str | None, str, list[str]]:
-    """(--config-path, --config-name, overrides) of a Hydra command line."""
-    config_path, config_name, overrides = None, "ppo_trainer", []
-    args = iter(argv)
-    for arg in args:
-        flag, _, value = arg.partition("=")
-        if flag in ("--config-path", "-cp", "--config-name", "-cn"):
-            value = value or next(args)
-            if flag in ("--config-path", "-cp"):
-                config_path = value
-            else:
-                config_name = value.removesuffix(".yaml")
-        elif arg.startswith("-"):
-            continue
-        else:
-            overrides.append(arg)
-    return config_path, config_name, overrides
-
-
 def override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
@@ -140,9 +121,9 @@ def check(name: str, argv: list[str]) -> dict:
     """Compose and validate one recorded command line."""
     from hybrid_rl.config import ConfigError, validate_config
     from hybrid_rl.config_keys import check_verl_keys
-    from hybrid_rl.main import compose_config
+    from hybrid_rl.main import compose_config, split_command_line
 
-    config_path, config_name, overrides = split_command(argv)
+    config_path, config_name, overrides = split_command_line(argv)
     result = {"script": name, "config_name": config_name, "overrides": overrides}
     # A relative --config-path is relative to main_ppo's folder: verl's own trainer config.
     if config_path not in (None, "config", "./config", "pkg://verl.trainer.config"):
@@ -155,7 +136,7 @@ def check(name: str, argv: list[str]) -> dict:
         return result
     result["compose"] = "ok"
     result["not_supported"] = sorted(re.findall(r"^(\S+?)=\S.* is not supported yet", "\n".join(
-        check_verl_keys(cfg.copy(), "cpu")), flags=re.M))
+        check_verl_keys(cfg, "cpu")), flags=re.M))
     try:
         validate_config(cfg)
         result["start"] = "ok"
