@@ -11,7 +11,7 @@ import os
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from hybrid_rl.algorithms import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_RS_MODES
+from hybrid_rl.algorithms import ADV_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_RS_MODES
 from hybrid_rl.config_keys import check_verl_keys
 from hybrid_rl.tracking import LOGGERS, OPTIONAL_LOGGERS, VERL_ONLY_LOGGERS
 from hybrid_rl.workers.rollout import resolve_enforce_eager
@@ -31,14 +31,13 @@ TRAIN_STRATEGIES = ("fsdp", "fsdp2")
 VERL_ONLY_TRAIN_STRATEGIES = {"megatron": "the Megatron engine is not built; use --config-name=ppo_trainer, or "
                                           "strategy=fsdp2, with the same overrides otherwise"}
 DEVICES = ("auto", "cpu", "cuda")
+# What a checkpoint holds (verl's names): the first three always, a Hugging Face copy on request.
+CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 
 
 class ConfigError(ValueError):
     pass
 
-
-# Estimators that compare the n responses of a prompt with each other.
-GROUP_ESTIMATORS = ("grpo", "rloo", "grpo_passk", "opo", "gpg", "reinforce_plus_plus_baseline", "grpo_process")
 
 
 def needs_critic(cfg: DictConfig) -> bool:
@@ -135,6 +134,11 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     _positive(cfg.actor_rollout_ref.model.head_chunk_size, "actor_rollout_ref.model.head_chunk_size")
     _positive(data.max_prompt_length, "data.max_prompt_length")
     _positive(data.max_response_length, "data.max_response_length")
+    check_lengths(cfg)
+    if not isinstance(trainer.critic_warmup, int) or trainer.critic_warmup < 0:
+        raise ConfigError(f"trainer.critic_warmup={trainer.critic_warmup} must be a whole number of steps >= 0 "
+                          "(the actor is updated from that step on; 0: from the first).")
+    check_save_contents(actor.checkpoint.save_contents)
 
     sequences = data.train_batch_size * rollout.n
     if sequences % world:
@@ -235,6 +239,54 @@ def resolve_dtypes(cfg: DictConfig) -> None:
         logger.warning(choice.warning())
 
 
+def check_lengths(cfg: DictConfig) -> None:
+    """The engine's context (`rollout.max_model_len`, else `rollout.prompt_length` +
+    `response_length`) must hold the longest prompt the data keeps and the responses asked for."""
+    data, rollout = cfg.data, cfg.actor_rollout_ref.rollout
+    _positive(rollout.prompt_length, "actor_rollout_ref.rollout.prompt_length")
+    _positive(rollout.response_length, "actor_rollout_ref.rollout.response_length")
+    if rollout.prompt_length < data.max_prompt_length:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.prompt_length ({rollout.prompt_length}) is shorter than "
+            f"data.max_prompt_length ({data.max_prompt_length}), the longest prompt the data keeps. Leave "
+            "rollout.prompt_length unset (it follows data.max_prompt_length) or raise it.")
+    needed = rollout.prompt_length + rollout.response_length
+    if rollout.max_model_len is not None:
+        _positive(rollout.max_model_len, "actor_rollout_ref.rollout.max_model_len")
+        if rollout.max_model_len < needed:
+            raise ConfigError(
+                f"actor_rollout_ref.rollout.max_model_len ({rollout.max_model_len}) is shorter than "
+                f"rollout.prompt_length + rollout.response_length = {needed}. Raise it to at least {needed} "
+                "or leave it null (the engine is sized to exactly that).")
+
+
+def check_save_contents(contents) -> None:
+    """Checkpoints here always hold what an exact resume needs (a list without it gets a warning);
+    `hf_model` adds a Hugging Face copy."""
+    key = "actor_rollout_ref.actor.checkpoint.save_contents"
+    contents = list(contents or [])
+    for item in contents:
+        _choice(item, CHECKPOINT_CONTENTS, key)
+    missing = [item for item in CHECKPOINT_CONTENTS[:3] if item not in contents]
+    if missing:
+        logger.warning("%s=%s: checkpoints hold %s as well, because resuming needs them (a checkpoint of "
+                       "weights alone cannot be resumed from exactly).", key, contents, ", ".join(missing))
+
+
+def custom_reward_function(cfg: DictConfig) -> tuple[str, DictConfig]:
+    """(key prefix, section) of the reward function to load: verl's legacy top-level
+    `custom_reward_function`, or the newer `reward.custom_reward_function` (path and name);
+    verl 0.9 lets the legacy section win when both are set, and so do we."""
+    legacy, new = cfg.custom_reward_function, cfg.reward.custom_reward_function
+    if new.path and not legacy.path:
+        section = OmegaConf.create({"path": new.path, "name": new.name, "reward_kwargs": legacy.reward_kwargs})
+        return "reward.custom_reward_function", section
+    if new.path and new.path != legacy.path:
+        logger.warning("Both custom_reward_function.path=%s and reward.custom_reward_function.path=%s are set; "
+                       "the first is used, as verl does.", legacy.path, new.path)
+    return "custom_reward_function", legacy
+
+
 def _positive(value, key: str) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ConfigError(f"{key}={value} must be a positive integer.")
@@ -255,13 +307,16 @@ def check_model_limits(cfg: DictConfig, model_path: str) -> None:
             f"{reason}). Point actor_rollout_ref.model.path at a Hugging Face model folder with a valid "
             "config.json (including its model_type).") from exc
     limit = getattr(model_config, "max_position_embeddings", None)
-    total = cfg.data.max_prompt_length + cfg.data.max_response_length
+    rollout = cfg.actor_rollout_ref.rollout
+    total = rollout.max_model_len or rollout.prompt_length + rollout.response_length
     if limit is not None and total > limit:
+        what = (f"actor_rollout_ref.rollout.max_model_len ({total})" if rollout.max_model_len else
+                f"The prompt length ({rollout.prompt_length}) + response length ({rollout.response_length}) "
+                f"= {total}")
         raise ConfigError(
-            f"data.max_prompt_length ({cfg.data.max_prompt_length}) + data.max_response_length "
-            f"({cfg.data.max_response_length}) = {total} exceeds the model's context window "
-            f"({limit} tokens, max_position_embeddings in {os.path.join(model_path, 'config.json')}). "
-            "Shorten one of them.")
+            f"{what} exceeds the model's context window ({limit} tokens, max_position_embeddings in "
+            f"{os.path.join(model_path, 'config.json')}). Shorten data.max_prompt_length or "
+            "data.max_response_length (the rollout's lengths follow them).")
 
 
 def to_container(cfg: DictConfig) -> dict:

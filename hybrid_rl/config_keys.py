@@ -48,7 +48,22 @@ def _rules(status: str, note: str, *patterns: str) -> list[Rule]:
 
 RULES: tuple[Rule, ...] = tuple([
     # --- verl keys our own groups do not set but the code reads
-    *_rules(WORKS, "", "actor_rollout_ref.ref.strategy", "actor_rollout_ref.rollout.engine_kwargs.vllm"),
+    *_rules(WORKS, "", "actor_rollout_ref.ref.strategy", "actor_rollout_ref.rollout.engine_kwargs.vllm",
+            "actor_rollout_ref.rollout.max_model_len", "ray_kwargs.ray_init.num_cpus",
+            "ray_kwargs.ray_init.runtime_env.py_executable", "ray_kwargs.timeline_json_file",
+            "trainer.rollout_data_dir", "trainer.validation_data_dir"),
+    *_rules(WORKS, "the steps before it update only the critic", "trainer.critic_warmup"),
+    *_rules(WORKS, "the tokenizer may run code shipped with it (so may actor_rollout_ref.model.trust_remote_code)",
+            "data.trust_remote_code"),
+    *_rules(WORKS, "read when the legacy custom_reward_function.path is null (verl 0.9 lets the legacy one win)",
+            "reward.custom_reward_function.path", "reward.custom_reward_function.name"),
+    *_rules(WORKS, "hf_model adds a Hugging Face copy in global_step_<N>/huggingface; model, optimizer and "
+            "extra are always saved (an exact resume needs them; a list without them is warned about)",
+            "actor_rollout_ref.actor.checkpoint.save_contents"),
+    *_rules(NOT_YET, "actor, reference and rollout engine always share one worker process here",
+            "actor_rollout_ref.hybrid_engine"),
+    *_rules(NO_EFFECT, "verl reads nothing from it either; the tokenizer comes from "
+            "actor_rollout_ref.model.tokenizer_path (or the model folder)", "data.tokenizer"),
     *_rules(NO_EFFECT, "verl's copy of actor_rollout_ref.model.use_remove_padding, which is the key read",
             "actor_rollout_ref.actor.use_remove_padding"),
     # --- training engine (FSDP) knobs
@@ -140,7 +155,6 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NOT_YET, "not built yet", "actor_rollout_ref.rollout.nnodes", "actor_rollout_ref.rollout.ignore_eos",
             "actor_rollout_ref.rollout.cudagraph_capture_sizes", "actor_rollout_ref.rollout.data_parallel_size",
             "actor_rollout_ref.rollout.expert_parallel_size", "actor_rollout_ref.rollout.pipeline_model_parallel_size",
-            "actor_rollout_ref.rollout.max_model_len",
             "actor_rollout_ref.rollout.logprobs_mode", "actor_rollout_ref.rollout.scheduling_policy",
             "actor_rollout_ref.rollout.over_sample_rate", "actor_rollout_ref.rollout.router_config_path",
             "actor_rollout_ref.rollout.enable_rollout_routing_replay", "actor_rollout_ref.rollout.quantization",
@@ -169,10 +183,7 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NO_EFFECT, "read only with the feature above it enabled, which is not supported yet",
             "actor_rollout_ref.rollout.prometheus.*", "actor_rollout_ref.rollout.disaggregation.*"),
     # --- data
-    *_rules(NOT_YET, "the tokenizer comes from actor_rollout_ref.model.tokenizer_path (or the model folder)",
-            "data.tokenizer"),
-    *_rules(NOT_YET, "not built yet", "data.gen_batch_size", "data.validation_shuffle", "data.custom_cls.path",
-            "data.trust_remote_code"),
+    *_rules(NOT_YET, "not built yet", "data.gen_batch_size", "data.validation_shuffle", "data.custom_cls.path"),
     *_rules(NO_EFFECT, "read only with data.custom_cls.path, which is not supported yet", "data.custom_cls.name"),
     *_rules(NO_EFFECT, "the validation set is generated as one batch, split over the ranks", "data.val_batch_size"),
     *_rules(NO_EFFECT, "the driver applies the chat template and sends token ids; raw chats and prompts are "
@@ -189,8 +200,6 @@ RULES: tuple[Rule, ...] = tuple([
             "reward_model.rollout.*", "reward_model.model.*", "reward_model.num_workers",
             "reward_model.enable_resource_pool", "reward_model.n_gpus_per_node", "reward_model.nnodes",
             "reward_model.reward_loop_*"),
-    *_rules(NOT_YET, "use custom_reward_function.path / name (the legacy keys)",
-            "reward.custom_reward_function.path", "reward.custom_reward_function.name"),
     *_rules(NOT_YET, "only the naive reward manager is built", "reward.reward_manager.*"),
     *_rules(NO_EFFECT, "rewards are scored in the driver process", "reward.num_workers"),
     *_rules(NOT_YET, "sandboxed code execution is not built yet", "sandbox_fusion.url", "reward.sandbox_fusion.url"),
@@ -202,14 +211,12 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NO_EFFECT, "read only with the switch next to it on, which is not supported yet",
             "algorithm.filter_groups.*", "algorithm.pf_ppo.*"),
     # --- trainer
-    *_rules(NOT_YET, "not built yet", "trainer.rollout_data_dir", "trainer.validation_data_dir",
-            "trainer.checkpoint_callback_class", "trainer.critic_warmup", "trainer.default_hdfs_dir",
+    *_rules(NOT_YET, "not built yet", "trainer.checkpoint_callback_class", "trainer.default_hdfs_dir",
             "trainer.del_local_ckpt_after_load", "trainer.max_critic_ckpt_to_keep", "trainer.esi_redundant_time",
             "trainer.v1.trainer_mode", "trainer.v1.sampler.custom_sampler.path"),
     *_rules(NO_EFFECT, "verl's choice between its own trainer implementations", "trainer.use_v1",
             "trainer.ray_wait_register_center_timeout"),
     *_rules(NO_EFFECT, "read only by verl's asynchronous trainer modes, which are not supported yet", "trainer.v1.*"),
-    *_rules(NOT_YET, "not built yet", "ray_kwargs.*"),
     # --- verl subsystems not built here
     *_rules(NOT_YET, "profiling is not built yet", "global_profiler.tool", "*.profiler.enable", "*.profiler.tool",
             "global_profiler.steps", "*.profiler.all_ranks", "*.profiler.ranks"),

@@ -166,6 +166,8 @@ def read_model_state(role_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
 def _role_config(step: Path, role: str):
     """The model config the role was trained with: huggingface/config.json plus the run's
     override_config (and the value head's settings for the critic), as the workers build it."""
+    from omegaconf import OmegaConf
+
     from hybrid_rl.workers.train_engine import model_config
 
     try:
@@ -173,10 +175,12 @@ def _role_config(step: Path, role: str):
     except (OSError, json.JSONDecodeError) as exc:
         raise ExportError(f"Cannot read {step / STATE} ({exc}); the checkpoint is corrupt. "
                           "Export an earlier global_step_<N> folder.") from exc
-    model_cfg = ((run_cfg.get("critic") or {}) if role == "critic"
-                 else (run_cfg.get("actor_rollout_ref") or {})).get("model") or {}
+    stored = ((run_cfg.get("critic") or {}) if role == "critic"
+              else (run_cfg.get("actor_rollout_ref") or {})).get("model") or {}
+    # A checkpoint's config may come from a version without these keys: their defaults then.
+    model_cfg = OmegaConf.create({"trust_remote_code": False, "override_config": {}, **stored})
     config = model_config(str(step / HF_DIR), model_cfg, value_head=role == "critic")
-    return config, bool(model_cfg.get("trust_remote_code", False))
+    return config, bool(model_cfg.trust_remote_code)
 
 
 def _build_empty_model(config, role: str, trust: bool):

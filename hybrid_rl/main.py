@@ -15,10 +15,10 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from hybrid_rl.config import ConfigError, check_model_limits, validate_config
+from hybrid_rl.config import ConfigError, check_model_limits, custom_reward_function, validate_config
 from hybrid_rl.config_keys import CONF_DIR, leaves, verl_defaults
 from hybrid_rl.console import quiet_third_party_output
-from hybrid_rl.models import ModelPathError, cache_dir, resolve_model_path
+from hybrid_rl.models import ModelPathError, cache_dir, load_tokenizer, resolve_model_path
 
 quiet_third_party_output()  # before transformers, vLLM or Ray are imported
 logger = logging.getLogger("hybrid_rl")
@@ -47,19 +47,6 @@ def default_data_files() -> tuple[str, str]:
     return str(train), str(test)
 
 
-def load_tokenizer(cfg: DictConfig, model_path: str):
-    from transformers import AutoTokenizer
-
-    model_cfg = cfg.actor_rollout_ref.model
-    tokenizer = AutoTokenizer.from_pretrained(model_cfg.tokenizer_path or model_path,
-                                              trust_remote_code=model_cfg.trust_remote_code)
-    if model_cfg.custom_chat_template:
-        tokenizer.chat_template = model_cfg.custom_chat_template
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
 def prepare(cfg: DictConfig):
     """Everything the run needs before workers start; raises on bad input."""
     from hybrid_rl.config import needs_critic
@@ -85,8 +72,8 @@ def prepare(cfg: DictConfig):
     val_dataset = (RLDataset(val_files, tokenizer, max_samples=cfg.data.val_max_samples, **data_kwargs)
                    if val_files else None)
 
-    custom = cfg.custom_reward_function
-    compute_score = load_custom_reward_fn(custom.path, custom.name, custom.reward_kwargs)
+    key, custom = custom_reward_function(cfg)
+    compute_score = load_custom_reward_fn(custom.path, custom.name, custom.reward_kwargs, key=key)
     if len(train_dataset) < cfg.data.train_batch_size:
         raise ConfigError(
             f"data.train_files has {len(train_dataset)} usable prompts, fewer than data.train_batch_size="
@@ -187,7 +174,11 @@ def start_ray(cfg: DictConfig) -> None:
 
     # Workers must import hybrid_rl even when it runs from a source checkout.
     pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
-    init_ray(address=cfg.trainer.ray_address, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
+    ray_init = cfg.ray_kwargs.ray_init
+    runtime_env = {"env_vars": {"PYTHONPATH": pythonpath}}
+    if ray_init.runtime_env.py_executable:
+        runtime_env["py_executable"] = ray_init.runtime_env.py_executable
+    init_ray(address=cfg.trainer.ray_address, num_cpus=ray_init.num_cpus, runtime_env=runtime_env)
 
 
 class GracefulStop:
@@ -247,6 +238,16 @@ def run(cfg: DictConfig, stop: GracefulStop):
     finally:
         stop.trainer = None
         trainer.shutdown()
+        write_ray_timeline(cfg.ray_kwargs.timeline_json_file)
+
+
+def write_ray_timeline(path: str | None) -> None:
+    """Ray's task timeline of the run (chrome://tracing format), when `ray_kwargs.timeline_json_file` asks."""
+    import ray
+
+    if path and ray.is_initialized():
+        ray.timeline(filename=os.path.expanduser(path))
+        logger.info("Wrote Ray's timeline to %s", path)
 
 
 class SetupError(RuntimeError):

@@ -102,3 +102,21 @@ def resolve_model_path(path: str | None, key: str = "actor_rollout_ref.model.pat
             f"Could not fetch hub model {key}={path!r} ({type(exc).__name__}: {exc}). Without network "
             "access, download it elsewhere and pass the local folder."
         ) from exc
+
+
+def load_tokenizer(cfg, model_path: str):
+    """The run's tokenizer: `model.tokenizer_path` (or the model folder), its chat template
+    replaced by `model.custom_chat_template`, padding with EOS when it has no pad token. Code
+    shipped with it runs only when `data.trust_remote_code` (verl's key for the tokenizer) or
+    `model.trust_remote_code` allows it."""
+    from transformers import AutoTokenizer
+
+    model_cfg = cfg.actor_rollout_ref.model
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_cfg.tokenizer_path or model_path,
+        trust_remote_code=bool(cfg.data.trust_remote_code or model_cfg.trust_remote_code))
+    if model_cfg.custom_chat_template:
+        tokenizer.chat_template = model_cfg.custom_chat_template
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -54,6 +55,11 @@ def worker_env(cfg: DictConfig, cpus_per_worker: float) -> dict[str, str]:
         # several engines and trainers share the machine.
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.actor_rollout_ref.rollout.kv_cache_gib)
     return env
+
+
+def _plain(value):
+    """numpy and torch scalars (reward functions return them) as JSON numbers."""
+    return value.item() if hasattr(value, "item") else str(value)
 
 
 class WorkerFailure(RuntimeError):
@@ -123,7 +129,10 @@ class Trainer:
         self.node_info = self.group.get_node_info()
         if self.critic is not None:
             self.critic.init_model()
-        self.workers.init_model()  # last: the rollout engine sizes its cache after the trainers
+        # Last: the rollout engine sizes its cache after the trainers.
+        engine = self.workers.init_model()[0]["rollout"]
+        if engine:
+            logger.info("vLLM engine: %s", ", ".join(f"{k} {v}" for k, v in engine.items()))
 
     def restart_workers(self) -> None:
         """New worker processes, resuming from the latest checkpoint of this run (or from
@@ -242,6 +251,8 @@ class Trainer:
             hf_dir = os.path.join(folder, "huggingface")
             self.write_hf_files(hf_dir)
             AutoConfig.from_pretrained(self.model_path).save_pretrained(hf_dir)
+            if "hf_model" in self.cfg.actor_rollout_ref.actor.checkpoint.save_contents:
+                self.workers.save_hf_model(hf_dir)  # the weights too: a folder transformers and vLLM load
             self.workers.save_checkpoint(os.path.join(folder, "actor"))
             if self.critic is not None:
                 self.critic.save_checkpoint(os.path.join(folder, "critic"))
@@ -317,12 +328,16 @@ class Trainer:
                 with timer.phase("update_critic"):
                     metrics.update(reduce_worker_metrics(self.critic.update_critic(batch)))
 
-            with timer.phase("update_actor"):
-                metrics.update(reduce_worker_metrics(self.workers.update_actor(batch)))
+            # verl's critic warm-up: the first steps train only the critic.
+            if self.global_step >= cfg.trainer.critic_warmup:
+                with timer.phase("update_actor"):
+                    metrics.update(reduce_worker_metrics(self.workers.update_actor(batch)))
 
-            with timer.phase("update_weights"):
-                self.workers.sync_rollout_weights()
+                with timer.phase("update_weights"):
+                    self.workers.sync_rollout_weights()
 
+        if cfg.trainer.rollout_data_dir:
+            self.dump_generations(cfg.trainer.rollout_data_dir, batch, reward_extra)
         metrics.update({"training/global_step": float(self.global_step), **compute_data_metrics(batch),
                         **timer.timings, **throughput_metrics(batch, timer.timings["timing_s/step"], self.n_ranks)})
         metrics["reward/failed_samples"] = float(self.reward_fn.failures)
@@ -392,7 +407,8 @@ class Trainer:
         batch.meta.update(validate=True, temperature=cfg.actor_rollout_ref.rollout.temperature)
         batch = batch.repeat(n, interleave=True)
         batch = self.workers.generate_sequences(batch)
-        scores, _ = self.val_reward_fn(batch)
+        scores, reward_extra = self.val_reward_fn(batch)
+        batch["token_level_scores"] = scores
         sample_scores = scores.sum(-1)
         by_source: dict[str, list[float]] = defaultdict(list)
         for source, score in zip(batch["data_source"], sample_scores.tolist()):
@@ -402,7 +418,32 @@ class Trainer:
         metrics["val/reward/failed_samples"] = float(self.val_reward_fn.failures)
         metrics["timing_s/validate"] = time.perf_counter() - start
         self.print_generations(batch, sample_scores)
+        if cfg.trainer.validation_data_dir:
+            self.dump_generations(cfg.trainer.validation_data_dir, batch, reward_extra)
         return metrics
+
+    def dump_generations(self, folder: str, batch: Batch, reward_extra: dict) -> None:
+        """`<folder>/<step>.jsonl`, one line per response, with verl's fields: input (the prompt as
+        the model saw it), output, gts (ground truth), score, step, and the reward function's
+        extra values."""
+        prompt_width = batch["prompts"].shape[1]
+        prompt_mask = batch["attention_mask"][:, :prompt_width].bool()
+        rows = len(batch)
+        columns = {
+            "input": [self.tokenizer.decode(batch["prompts"][i][prompt_mask[i]], skip_special_tokens=True)
+                      for i in range(rows)],
+            "output": [self.tokenizer.decode(batch["responses"][i][batch["response_mask"][i].bool()],
+                                             skip_special_tokens=True) for i in range(rows)],
+            "gts": [(info or {}).get("ground_truth") for info in batch["reward_model"]],
+            "score": batch["token_level_scores"].sum(-1).tolist(),
+            "step": [self.global_step] * rows,
+        }
+        columns.update({k: list(v) for k, v in reward_extra.items() if len(v) == rows and k not in columns})
+        os.makedirs(os.path.expanduser(folder), exist_ok=True)
+        path = os.path.join(os.path.expanduser(folder), f"{self.global_step}.jsonl")
+        with open(path, "w") as f:
+            for i in range(rows):
+                f.write(json.dumps({k: v[i] for k, v in columns.items()}, ensure_ascii=False, default=_plain) + "\n")
 
     def print_generations(self, batch: Batch, scores: torch.Tensor) -> None:
         for i in range(min(self.cfg.trainer.log_val_generations, len(batch))):

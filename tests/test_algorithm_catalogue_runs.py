@@ -109,14 +109,37 @@ def test_one_step(case, ray_session, tiny_model_dir, arithmetic_files, tmp_path)
         assert key in metrics and math.isfinite(metrics[key]), (case, key, metrics.get(key))
 
 
-def test_cli_runs_ppo_with_critic(tiny_model_dir, arithmetic_files, tmp_path):
-    """The real command line: PPO (GAE + critic) on the tiny model, one step, vLLM rollout."""
+def test_cli_runs_ppo_with_critic_and_verl_trainer_keys(tiny_model_dir, arithmetic_files, tmp_path):
+    """The real command line: PPO (GAE + critic) on the tiny model, two steps, vLLM rollout, with
+    verl's trainer keys that change what a run does: the critic warm-up skips the actor's first
+    update, generations are dumped, the checkpoint holds a Hugging Face copy, Ray's timeline is
+    written and the engine gets max_model_len and chunked prefill as given."""
+    out = tmp_path / "out"
     overrides = run_overrides(tiny_model_dir, arithmetic_files, tmp_path, response=12) + [
-        "algorithm.adv_estimator=gae", "trainer.total_training_steps=1", "trainer.val_before_train=false",
+        "algorithm.adv_estimator=gae", "trainer.total_training_steps=2", "trainer.val_before_train=false",
         "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", f"{A}ppo_mini_batch_size=4",
-        f"{A}ppo_micro_batch_size_per_gpu=4", "trainer.cpus_per_worker=1"]
+        f"{A}ppo_micro_batch_size_per_gpu=4", "trainer.cpus_per_worker=1", "trainer.critic_warmup=2",
+        f"trainer.rollout_data_dir={out}/rollouts", f"trainer.validation_data_dir={out}/val",
+        "trainer.save_freq=2", f"{A}checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+        "ray_kwargs.ray_init.num_cpus=2", f"ray_kwargs.timeline_json_file={out}/timeline.json",
+        "actor_rollout_ref.rollout.max_model_len=300", "actor_rollout_ref.rollout.enable_chunked_prefill=false"]
     done = subprocess.run([sys.executable, "-m", "hybrid_rl.main", *overrides], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = [json.loads(line) for line in open(os.path.join(tmp_path, "metrics.jsonl"))]
-    assert math.isfinite(lines[-1]["critic/vf_loss"]) and "val/score/mean" in lines[-1]
+    assert "max_model_len 300, chunked_prefill False" in done.stdout, done.stdout[-3000:]
+    first, second = [json.loads(line) for line in open(os.path.join(tmp_path, "metrics.jsonl"))]
+    assert math.isfinite(first["critic/vf_loss"]) and "actor/pg_loss" not in first  # warm-up: critic only
+    assert math.isfinite(second["actor/pg_loss"]) and "val/score/mean" in second
+
+    rollouts = [json.loads(line) for line in open(out / "rollouts" / "1.jsonl")]
+    assert len(rollouts) == 8 and {"input", "output", "gts", "score", "step"} <= set(rollouts[0])
+    assert rollouts[0]["step"] == 1 and any(c.isdigit() for c in rollouts[0]["input"]) and rollouts[0]["gts"] is not None
+    assert (out / "rollouts" / "2.jsonl").is_file()
+    validation = [json.loads(line) for line in open(out / "val" / "2.jsonl")]
+    assert len(validation) == 6 and validation[0]["step"] == 2
+
+    from transformers import AutoModelForCausalLM
+
+    hf_copy = tmp_path / "global_step_2" / "huggingface"
+    assert AutoModelForCausalLM.from_pretrained(hf_copy).num_parameters() > 0
+    assert isinstance(json.loads((out / "timeline.json").read_text()), list)

@@ -234,7 +234,7 @@ MODEL_CASES = [
          ModelPathError, "critic.model.path=", "is neither a model folder nor a .gguf file"),
     case("response-beyond-context-window", ["data.max_prompt_length=400", "data.max_response_length=200"],
          ConfigError, "= 600 exceeds the model's context window (512 tokens", "max_position_embeddings",
-         "Shorten one of them"),
+         "Shorten data.max_prompt_length or data.max_response_length"),
     case("chat-template-broken", [], ValueError, "chat template failed", "TemplateSyntaxError",
          "actor_rollout_ref.model.custom_chat_template",
          edits=lambda ctx: {"actor_rollout_ref.model.custom_chat_template": "{% for m in messages %}{{ m }"}),

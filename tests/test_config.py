@@ -71,6 +71,11 @@ def test_unknown_key_is_rejected_by_hydra():
     ("actor_rollout_ref.rollout.top_p=0", ["top_p"]),
     ("data.train_batch_size=0", ["data.train_batch_size=0", "positive"]),
     ("reward_model.on_error=ignore", ["reward_model.on_error='ignore'", "raise", "zero"]),
+    ("trainer.critic_warmup=-1", ["trainer.critic_warmup=-1", ">= 0"]),
+    ("actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,weights]",
+     ["save_contents='weights' is not valid", "hf_model"]),
+    ("actor_rollout_ref.rollout.max_model_len=10", ["max_model_len (10)", "prompt_length + rollout.response_length"]),
+    ("actor_rollout_ref.rollout.prompt_length=4", ["rollout.prompt_length (4)", "data.max_prompt_length"]),
 ])
 def test_bad_choice_or_value(override, fragments):
     with pytest.raises(ConfigError) as err:
@@ -131,3 +136,41 @@ def test_misspelt_keys_fail_with_the_nearest_real_key():
     cli = subprocess.run([sys.executable, "-m", "hybrid_rl.main", "data.train_batchsize=4"], cwd=REPO_ROOT,
                          capture_output=True, text=True)
     assert cli.returncode == 2 and "did you mean data.train_batch_size?" in cli.stderr
+
+
+def test_verl_trainer_keys_that_work_validate():
+    validate_config(compose_config([
+        "trainer.critic_warmup=3", "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+        "actor_rollout_ref.rollout.max_model_len=4096", "actor_rollout_ref.rollout.response_length=512",
+        "data.trust_remote_code=true", "ray_kwargs.ray_init.num_cpus=2"]))
+
+
+def test_checkpoint_contents_without_resume_state_are_saved_anyway_and_said(caplog):
+    validate_config(compose_config(["actor_rollout_ref.actor.checkpoint.save_contents=[hf_model]"]))
+    assert "save_contents=['hf_model']: checkpoints hold model, optimizer, extra as well" in caplog.text
+
+
+def test_reward_function_from_either_of_verls_trees(tmp_path, caplog):
+    """verl 0.9's reward.custom_reward_function is read when the legacy top-level section has no
+    path; the legacy section wins when both have one, as in verl."""
+    from hybrid_rl.config import custom_reward_function
+
+    new = ["reward.custom_reward_function.path=/r/new.py", "reward.custom_reward_function.name=score"]
+    key, section = custom_reward_function(compose_config(new))
+    assert (key, section.path, section.name) == ("reward.custom_reward_function", "/r/new.py", "score")
+    key, section = custom_reward_function(compose_config(new + ["custom_reward_function.path=/r/old.py"]))
+    assert (key, section.path) == ("custom_reward_function", "/r/old.py") and "the first is used" in caplog.text
+
+
+def test_data_trust_remote_code_reaches_the_tokenizer(tiny_model_dir, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from hybrid_rl.models import load_tokenizer
+
+    seen = []
+    real = AutoTokenizer.from_pretrained
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained",
+                        lambda *a, **kw: seen.append(kw["trust_remote_code"]) or real(*a, **kw))
+    for value in ("false", "true"):
+        load_tokenizer(compose_config([f"data.trust_remote_code={value}"]), tiny_model_dir)
+    assert seen == [False, True]

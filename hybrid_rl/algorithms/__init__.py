@@ -3,7 +3,7 @@
 Pure functions on (batch, response_len) tensors, selected by config name through registries.
 """
 
-from .advantage import ADV_ESTIMATORS, compute_grpo_outcome_advantage, get_advantage_estimator, group_ids, group_mean_std
+from .advantage import ADV_ESTIMATORS, GROUP_ESTIMATORS, compute_grpo_outcome_advantage, get_advantage_estimator, group_ids, group_mean_std
 from .aggregation import LOSS_AGG_MODES, aggregate_loss
 from .functional import entropy_from_logits, masked_mean, masked_sum, masked_var, masked_whiten
 from .kl import KL_ESTIMATORS, kl_penalty
@@ -25,6 +25,7 @@ from .value_loss import compute_value_loss
 
 __all__ = [
     "ADV_ESTIMATORS",
+    "GROUP_ESTIMATORS",
     "AdaptiveKLController",
     "FixedKLController",
     "KL_ESTIMATORS",

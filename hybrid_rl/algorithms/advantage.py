@@ -21,6 +21,8 @@ from .functional import cfg_get, masked_whiten
 from .registry import Registry
 
 ADV_ESTIMATORS = Registry("advantage estimator")
+# Estimators whose baseline compares the n responses to one prompt (n=1 leaves them no baseline).
+GROUP_ESTIMATORS = ("grpo", "rloo", "grpo_passk", "opo", "gpg", "reinforce_plus_plus_baseline", "grpo_process")
 
 
 def group_ids(index: Sequence | np.ndarray | torch.Tensor, device: torch.device | None = None) -> tuple[torch.Tensor, int]:

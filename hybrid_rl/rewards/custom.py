@@ -33,6 +33,7 @@ def load_custom_reward_fn(
     path: str | os.PathLike | None,
     name: str | None = "compute_score",
     reward_kwargs: Mapping[str, Any] | None = None,
+    key: str = "custom_reward_function",
 ) -> Callable | None:
     """Import ``name`` from the Python file at ``path``.
 
@@ -41,6 +42,7 @@ def load_custom_reward_fn(
     The function must accept the keyword arguments ``data_source``,
     ``solution_str``, ``ground_truth`` and ``extra_info``; this is checked here
     so a wrong signature fails at start-up rather than at the first reward.
+    ``key`` is the config section the error messages name.
     """
     if path is None or str(path).strip() == "":
         return None
@@ -49,13 +51,13 @@ def load_custom_reward_fn(
     if not os.path.exists(path):
         raise FileNotFoundError(
             f"custom reward function file not found: {path}. "
-            "Fix custom_reward_function.path to point at an existing .py file "
+            f"Fix {key}.path to point at an existing .py file "
             "(an absolute path is safest; relative paths are resolved against the working directory "
             f"{os.getcwd()})."
         )
     if not os.path.isfile(path):
         raise FileNotFoundError(
-            f"custom_reward_function.path={path} is not a regular file; point it at a .py file"
+            f"{key}.path={path} is not a regular file; point it at a .py file"
         )
 
     module_name = _module_name_for(path)
@@ -63,7 +65,7 @@ def load_custom_reward_fn(
     if spec is None or spec.loader is None:
         raise ValueError(
             f"cannot import custom reward file {path}: Python does not recognise it as a module. "
-            "Make sure custom_reward_function.path names a .py source file."
+            f"Make sure {key}.path names a .py source file."
         )
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module  # lets dataclasses/pickle resolve the module
@@ -74,7 +76,7 @@ def load_custom_reward_fn(
         raise ValueError(
             f"importing custom reward file {path} failed with {type(exc).__name__}: {exc}. "
             "Fix the error in that file (try `python " + path + "` to reproduce it) "
-            "or point custom_reward_function.path at another file."
+            f"or point {key}.path at another file."
         ) from exc
 
     if not hasattr(module, name):
@@ -82,21 +84,21 @@ def load_custom_reward_fn(
         raise ValueError(
             f"custom reward file {path} has no attribute {name!r}. "
             f"Callables found in the file: {found if found else 'none'}. "
-            "Set custom_reward_function.name to one of them, or define "
+            f"Set {key}.name to one of them, or define "
             f"{name}({EXPECTED_SIGNATURE.split('(', 1)[1]}"
         )
     fn = getattr(module, name)
     if not callable(fn):
         raise ValueError(
             f"{name!r} in custom reward file {path} is of type {type(fn).__name__}, not a function. "
-            f"Set custom_reward_function.name to a function with signature {EXPECTED_SIGNATURE}."
+            f"Set {key}.name to a function with signature {EXPECTED_SIGNATURE}."
         )
 
     kwargs = dict(reward_kwargs or {})
     clash = sorted(set(kwargs) & {"data_source", "solution_str", "ground_truth", "extra_info"})
     if clash:
         raise ValueError(
-            f"custom_reward_function.reward_kwargs sets {clash}, which the reward manager passes "
+            f"{key}.reward_kwargs sets {clash}, which the reward manager passes "
             "itself for every sample; remove them from reward_kwargs."
         )
 
@@ -114,7 +116,7 @@ def load_custom_reward_fn(
                 f"which cannot be called as fn(data_source=..., solution_str=..., ground_truth=..., "
                 f"extra_info=...{', **reward_kwargs' if kwargs else ''}){extra}: {exc}. "
                 f"Change it to {EXPECTED_SIGNATURE}"
-                + (" or fix custom_reward_function.reward_kwargs" if kwargs else "")
+                + (f" or fix {key}.reward_kwargs" if kwargs else "")
                 + "."
             ) from exc
     if kwargs:

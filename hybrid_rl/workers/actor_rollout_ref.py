@@ -16,6 +16,7 @@ from hybrid_rl.algorithms import (
     aggregate_loss, entropy_from_logits, full_kl_from_logits, get_policy_loss, kl_penalty, mismatch_metrics,
 )
 from hybrid_rl.controller import Dispatch, register
+from hybrid_rl.models import load_tokenizer
 from hybrid_rl.protocol import Batch
 from hybrid_rl.workers import train_engine
 from hybrid_rl.workers.rollout import HFRollout, VLLMRollout, assemble_rollout, greedy_settings, sampling_settings
@@ -36,10 +37,8 @@ class ActorRolloutRefWorker(train_engine.ModelWorker):
         self.device, mesh = train_engine.setup_device_and_mesh(self, cfg)
         torch.manual_seed(cfg.trainer.seed + self.rank)
 
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.tokenizer_path or self.model_path)
-        self.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        tok = load_tokenizer(cfg, self.model_path)
+        self.pad_token_id = tok.pad_token_id
         self.eos_token_ids = eos_ids(self.model_path, tok)
 
         param_dtype = train_engine.param_dtype(cfg.actor_rollout_ref.actor.fsdp_config, self.device)
@@ -57,13 +56,14 @@ class ActorRolloutRefWorker(train_engine.ModelWorker):
 
         rollout_cfg = cfg.actor_rollout_ref.rollout
         if rollout_cfg.name == "vllm":
-            max_len = rollout_cfg.prompt_length + rollout_cfg.response_length
+            max_len = rollout_cfg.max_model_len or rollout_cfg.prompt_length + rollout_cfg.response_length
             self.rollout = VLLMRollout(self.model_path, rollout_cfg, self.device, max_len, self.eos_token_ids)
             sync_weights(self.actor, self.rollout)  # the engine starts with random weights
         else:
             self.rollout = HFRollout(self.actor, self.pad_token_id, self.eos_token_ids)
         self.skipped_steps = 0
-        return {"rank": self.rank, "params": sum(p.numel() for p in self.actor.parameters())}
+        return {"rank": self.rank, "params": sum(p.numel() for p in self.actor.parameters()),
+                "rollout": self.rollout.settings() if rollout_cfg.name == "vllm" else {}}
 
     # ------------------------------------------------------------------ rollout
     @register(dispatch=Dispatch.DP_COMPUTE)

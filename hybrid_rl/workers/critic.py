@@ -23,8 +23,8 @@ def load_value_model(path: str, model_cfg: Any, device: torch.device):
     config = train_engine.model_config(path, model_cfg, value_head=True)
     model = AutoModelForTokenClassification.from_pretrained(
         path, config=config, dtype=torch.float32, attn_implementation="sdpa",
-        trust_remote_code=model_cfg.get("trust_remote_code", False))
-    if model_cfg.get("enable_gradient_checkpointing", False):
+        trust_remote_code=model_cfg.trust_remote_code)
+    if model_cfg.enable_gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     return model.to(device).train()

@@ -24,13 +24,13 @@ def greedy_settings() -> dict:
 def sampling_settings(cfg: Any, validate: bool) -> dict:
     """The sampling knobs of `rollout` (or `rollout.val_kwargs` for validation)."""
     src = cfg.val_kwargs if validate else cfg
-    if not src.get("do_sample", True):
-        return {**greedy_settings(), "n": int(src.get("n", 1)) if validate else 1}
+    if not src.do_sample:
+        return {**greedy_settings(), "n": int(src.n) if validate else 1}
     return {
-        "temperature": float(src.get("temperature", 1.0)),
-        "top_p": float(src.get("top_p", 1.0)),
-        "top_k": int(src.get("top_k", -1)),
-        "n": int(src.get("n", 1)) if validate else 1,
+        "temperature": float(src.temperature),
+        "top_p": float(src.top_p),
+        "top_k": int(src.top_k),
+        "n": int(src.n) if validate else 1,
     }
 
 
@@ -92,7 +92,7 @@ class VLLMRollout:
         # Set before vLLM is imported: engine in this process, deterministic external launcher.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if device.type == "cpu":
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.get("kv_cache_gib", 1)))
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
             # vLLM-CPU compiles with plain inductor, whose AOT artifact its loader cannot reload
             # ("'function' object has no attribute 'finalize_loading'"), so every start compiled
             # again; inductor's own cache is reused across runs.
@@ -102,30 +102,30 @@ class VLLMRollout:
         from hybrid_rl.hardware import resolve_dtype
 
         # The trainer keeps float32 masters; the engine gets copies in this dtype.
-        dtype = resolve_dtype(cfg.get("dtype", "auto"), device.type, "engine").dtype
+        dtype = resolve_dtype(cfg.dtype, device.type, "engine").dtype
         rank = int(os.environ.get("RANK", 0))
         # On GPU the engine releases its memory between rollouts so the trainer can use it
         # (vLLM-CPU has no sleep mode: there, trainer and engine memory coexist).
-        self.sleep_between_rollouts = device.type == "cuda" and bool(cfg.get("free_cache_engine", True))
+        self.sleep_between_rollouts = device.type == "cuda" and bool(cfg.free_cache_engine)
         self.asleep = False
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
-            tensor_parallel_size=cfg.get("tensor_model_parallel_size", 1),
+            tensor_parallel_size=cfg.tensor_model_parallel_size,
             distributed_executor_backend="external_launcher",
-            enforce_eager=resolve_enforce_eager(cfg.get("enforce_eager"), device.type),
+            enforce_eager=resolve_enforce_eager(cfg.enforce_eager, device.type),
             # Random weights, no file read: the worker pushes the actor's weights, already in the
             # engine's dtype, right after start (`sync_weights`).
             load_format="dummy", use_tqdm_on_load=False,
-            gpu_memory_utilization=cfg.get("gpu_memory_utilization", 0.5),
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
             max_model_len=max_model_len,
-            max_num_seqs=cfg.get("max_num_seqs", 256),
-            max_num_batched_tokens=max(cfg.get("max_num_batched_tokens", 8192), max_model_len),
-            enable_prefix_caching=cfg.get("enable_prefix_caching", True),
-            enable_chunked_prefill=cfg.get("enable_chunked_prefill", True),
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=max(cfg.max_num_batched_tokens, max_model_len),
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            enable_chunked_prefill=cfg.enable_chunked_prefill,
             # Log-probs of the distribution actually sampled from (after temperature/top-k/top-p).
             logprobs_mode="processed_logprobs",
-            seed=int(cfg.get("seed", 0)) + rank,
+            seed=int(cfg.seed) + rank,
             enable_sleep_mode=self.sleep_between_rollouts,
             **cfg.engine_kwargs.vllm,
         )
@@ -136,6 +136,14 @@ class VLLMRollout:
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         # Chat models often end a turn with a token other than the tokenizer's EOS.
         self.stop_token_ids = list(eos_token_ids)
+
+    def settings(self) -> dict:
+        """The engine's settings as vLLM resolved them (logged by the driver at start)."""
+        config = self.llm.llm_engine.vllm_config
+        return {"dtype": str(self.dtype).removeprefix("torch."), "max_model_len": config.model_config.max_model_len,
+                "chunked_prefill": config.scheduler_config.enable_chunked_prefill,
+                "prefix_caching": config.cache_config.enable_prefix_caching,
+                "eager": config.model_config.enforce_eager}
 
     def generate(self, batch: Batch, settings: dict, response_length: int) -> tuple[list, list]:
         from vllm import SamplingParams

@@ -33,13 +33,13 @@ def model_config(path: str, model_cfg: Any, value_head: bool = False):
     and no dropout on the head (values must be deterministic)."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.get("trust_remote_code", False))
+    config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
     if value_head:
         config.num_labels = 1
         for key in ("classifier_dropout", "hidden_dropout"):
             if hasattr(config, key):
                 setattr(config, key, 0.0)
-    for key, value in (model_cfg.get("override_config") or {}).items():
+    for key, value in (model_cfg.override_config or {}).items():
         setattr(config, key, value)
     return config
 
@@ -50,7 +50,7 @@ def load_causal_lm(path: str, model_cfg: Any, device: torch.device, trainable: b
     config = model_config(path, model_cfg)
     model = AutoModelForCausalLM.from_pretrained(
         path, config=config, dtype=torch.float32, attn_implementation=attn_implementation(device),
-        trust_remote_code=model_cfg.get("trust_remote_code", False),
+        trust_remote_code=model_cfg.trust_remote_code,
     )
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None or getattr(config, "final_logit_softcapping", None):
@@ -58,7 +58,7 @@ def load_causal_lm(path: str, model_cfg: Any, device: torch.device, trainable: b
         raise ValueError(f"{type(model).__name__}: LM heads with a bias or logit soft-capping are not supported.")
     model.to(device)
     if trainable:
-        if model_cfg.get("enable_gradient_checkpointing", False):
+        if model_cfg.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
     else:
@@ -108,7 +108,7 @@ def compute_dtype(fsdp_cfg: Any, device: torch.device) -> torch.dtype:
     """`fsdp_config.dtype` (`auto` as `hybrid_rl.hardware` resolves it for this device)."""
     from hybrid_rl.hardware import resolve_dtype
 
-    return DTYPES[resolve_dtype(fsdp_cfg.get("dtype", "auto"), device.type, "train").dtype]
+    return DTYPES[resolve_dtype(fsdp_cfg.dtype, device.type, "train").dtype]
 
 
 def param_dtype(fsdp_cfg: Any, device: torch.device) -> torch.dtype | None:
@@ -121,11 +121,11 @@ def forward_options(model_cfg: Any, fsdp_cfg: Any, device: torch.device) -> Forw
     plus the compute dtype: on GPU FSDP2 casts the weights itself, on CPU it is autocast."""
     dtype = compute_dtype(fsdp_cfg, device)
     dense = attn_implementation(device) != "flash_attention_2"
-    remove_padding = bool(model_cfg.get("use_remove_padding", False))
+    remove_padding = bool(model_cfg.use_remove_padding)
     return ForwardOptions(
         remove_padding=remove_padding,
-        share_prompts=remove_padding and dense and bool(model_cfg.get("share_prompt_prefix", True)),
-        dense_mask=dense, head_chunk_size=int(model_cfg.get("head_chunk_size", 256)),
+        share_prompts=remove_padding and dense and bool(model_cfg.share_prompt_prefix),
+        dense_mask=dense, head_chunk_size=int(model_cfg.head_chunk_size),
         autocast_dtype=dtype if device.type == "cpu" and dtype != torch.float32 else None)
 
 
@@ -230,12 +230,12 @@ def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 def lr_lambda(optim_cfg: Any, total_steps: int):
     """Warmup then constant or cosine decay, as a multiplier of the base learning rate."""
-    warmup = optim_cfg.get("lr_warmup_steps", -1)
+    warmup = optim_cfg.lr_warmup_steps
     if warmup is None or warmup < 0:
-        warmup = int(optim_cfg.get("lr_warmup_steps_ratio", 0.0) * total_steps)
-    kind = optim_cfg.get("lr_scheduler_type", "constant")
-    min_ratio = optim_cfg.get("min_lr_ratio", 0.0) or 0.0
-    cycles = optim_cfg.get("num_cycles", 0.5)
+        warmup = int(optim_cfg.lr_warmup_steps_ratio * total_steps)
+    kind = optim_cfg.lr_scheduler_type
+    min_ratio = optim_cfg.min_lr_ratio or 0.0
+    cycles = optim_cfg.num_cycles
 
     def factor(step: int) -> float:
         if warmup > 0 and step < warmup:
@@ -254,8 +254,8 @@ def build_optimizer(model: torch.nn.Module, optim_cfg: Any, total_steps: int):
     # the default for-each path costs ~5x more on CPU.
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad],
-        lr=optim_cfg.lr, betas=tuple(optim_cfg.get("betas", (0.9, 0.999))),
-        weight_decay=optim_cfg.get("weight_decay", 0.01), fused=True,
+        lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
+        weight_decay=optim_cfg.weight_decay, fused=True,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim_cfg, total_steps))
     return optimizer, scheduler

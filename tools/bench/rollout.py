@@ -133,8 +133,8 @@ def main(argv=None) -> int:
     from omegaconf import OmegaConf
 
     from hybrid_rl.data import RLDataset, collate_prompts
-    from hybrid_rl.main import compose_config, default_data_files, load_tokenizer
-    from hybrid_rl.models import resolve_model_path
+    from hybrid_rl.main import compose_config, default_data_files
+    from hybrid_rl.models import load_tokenizer, resolve_model_path
     from hybrid_rl.workers.actor_rollout_ref import eos_ids as model_eos_ids
     from hybrid_rl.workers.rollout import sampling_settings
 

@@ -70,11 +70,12 @@ def head_memory_case(model_path: str, chunked: bool, rows: int, prompt: int, res
 
     import torch
 
+    from hybrid_rl.main import compose_config
     from hybrid_rl.workers import train_engine
 
     torch.manual_seed(0)
-    cfg = {"use_remove_padding": True, "share_prompt_prefix": True}
-    model = train_engine.load_causal_lm(model_path, cfg, torch.device("cpu"), trainable=True)
+    model_cfg = compose_config().actor_rollout_ref.model
+    model = train_engine.load_causal_lm(model_path, model_cfg, torch.device("cpu"), trainable=True)
     vocab = model.config.vocab_size
     ids = torch.randint(100, vocab, (rows, prompt + response))
     ids[:, :prompt] = ids[0, :prompt]  # one prompt per group of 4 in the default step
