@@ -139,6 +139,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
         raise ConfigError(f"trainer.critic_warmup={trainer.critic_warmup} must be a whole number of steps >= 0 "
                           "(the actor is updated from that step on; 0: from the first).")
     check_save_contents(actor.checkpoint.save_contents)
+    check_engine_kwargs(rollout)
 
     sequences = data.train_batch_size * rollout.n
     if sequences % world:
@@ -271,6 +272,27 @@ def check_save_contents(contents) -> None:
     if missing:
         logger.warning("%s=%s: checkpoints hold %s as well, because resuming needs them (a checkpoint of "
                        "weights alone cannot be resumed from exactly).", key, contents, ", ".join(missing))
+
+
+def check_engine_kwargs(rollout: DictConfig) -> None:
+    """`rollout.engine_kwargs.vllm` may only name arguments this vLLM's engine takes (verl's
+    scripts carry some that newer vLLM releases dropped)."""
+    extra = rollout.engine_kwargs.vllm
+    if rollout.name != "vllm" or not extra:
+        return
+    import dataclasses
+
+    try:
+        import vllm
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError:  # reported where the engine starts
+        return
+    unknown = sorted(set(extra) - {f.name for f in dataclasses.fields(EngineArgs)})
+    if unknown:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.engine_kwargs.vllm sets {', '.join(unknown)}, which vLLM {vllm.__version__}'s "
+            "engine does not take (vllm.engine.arg_utils.EngineArgs has no such field). Remove it, or use the "
+            "name this vLLM release gives that setting.")
 
 
 def custom_reward_function(cfg: DictConfig) -> tuple[str, DictConfig]:

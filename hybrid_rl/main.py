@@ -214,6 +214,7 @@ class GracefulStop:
 def run(cfg: DictConfig, stop: GracefulStop):
     """Train; after a worker failure, restart the workers from the last checkpoint up to
     `trainer.max_restarts` times. Returns the run's `RunSummary`."""
+    from hybrid_rl.controller import WorkerError
     from hybrid_rl.trainer import WorkerFailure
 
     trainer = checked_trainer(cfg)
@@ -221,7 +222,10 @@ def run(cfg: DictConfig, stop: GracefulStop):
     try:
         start_ray(cfg)
         stop.install()  # again: Ray's driver replaces the SIGTERM handler with one that aborts
-        trainer.init_workers()
+        try:
+            trainer.init_workers()
+        except WorkerError as exc:
+            raise SetupError(f"the workers failed to start: {str(exc).splitlines()[0]}") from exc
         stop.trainer = trainer
         while True:
             try:

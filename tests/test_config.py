@@ -72,6 +72,8 @@ def test_unknown_key_is_rejected_by_hydra():
     ("data.train_batch_size=0", ["data.train_batch_size=0", "positive"]),
     ("reward_model.on_error=ignore", ["reward_model.on_error='ignore'", "raise", "zero"]),
     ("trainer.critic_warmup=-1", ["trainer.critic_warmup=-1", ">= 0"]),
+    ("+actor_rollout_ref.rollout.engine_kwargs.vllm.disable_mm_preprocessor_cache=true",
+     ["engine_kwargs.vllm sets disable_mm_preprocessor_cache, which vLLM", "does not take"]),
     ("actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,weights]",
      ["save_contents='weights' is not valid", "hf_model"]),
     ("actor_rollout_ref.rollout.max_model_len=10", ["max_model_len (10)", "prompt_length + rollout.response_length"]),

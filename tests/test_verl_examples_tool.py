@@ -38,7 +38,9 @@ def test_the_launch_line_is_recorded_as_bash_expands_it(tmp_path):
 def test_cluster_sizes_models_and_data_are_substituted_for_the_one_step_run(tmp_path):
     kept = verl_examples.substituted(["actor_rollout_ref.model.path=Qwen/Qwen2-7B", "data.train_batch_size=1024",
                                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40",
-                                      "algorithm.adv_estimator=rloo", "+x.y=1"], tmp_path)
+                                      "algorithm.adv_estimator=rloo", "+x.y=1", "trainer.logger=[console,wandb]"],
+                                     tmp_path, ["console", "wandb"])
     assert kept[:2] == ["algorithm.adv_estimator=rloo", "+x.y=1"]
+    assert kept[-1] == "trainer.logger=[console,wandb,jsonl]"  # the step is read from metrics.jsonl
     assert "trainer.total_training_steps=1" in kept and f"trainer.default_local_dir={tmp_path}" in kept
     assert not any(o.startswith(("actor_rollout_ref.model.path", "data.train_batch_size")) for o in kept)

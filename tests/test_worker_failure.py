@@ -73,3 +73,14 @@ def test_max_restarts_resumes_and_finishes(tiny_model_dir, arithmetic_files, tmp
     steps = {json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")}
     assert steps == set(range(1, STEPS + 1))
     assert (tmp_path / POINTER).read_text().strip() == str(STEPS)
+
+
+def test_a_worker_that_cannot_start_stops_the_run_with_one_clear_line(tiny_model_dir, arithmetic_files, tmp_path):
+    """An engine argument vLLM takes but that clashes with one set here fails inside the worker:
+    the run ends with one error line naming it, not a traceback."""
+    cmd = [sys.executable, "-m", "hybrid_rl.main", *run_overrides(tiny_model_dir, arithmetic_files, tmp_path),
+           "+actor_rollout_ref.rollout.engine_kwargs.vllm.max_num_seqs=4", "trainer.cpus_per_worker=1"]
+    done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "error: the workers failed to start:" in done.stderr and "max_num_seqs" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -44,7 +44,7 @@ SUBSTITUTED = (
     "*gpu_memory_utilization", "*max_num_batched_tokens", "*max_model_len", "trainer.n_gpus_per_node",
     "trainer.nnodes", "trainer.total_epochs", "trainer.total_training_steps", "trainer.val_before_train",
     "trainer.test_freq", "trainer.save_freq", "trainer.default_local_dir", "trainer.resume_mode",
-    "trainer.resume_from_path", "trainer.final_model_dir", "trainer.progress_bar",
+    "trainer.resume_from_path", "trainer.final_model_dir", "trainer.progress_bar", "trainer.logger",
 )
 ONE_STEP = ("trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.test_freq=-1",
             "trainer.save_freq=-1", "trainer.final_model_dir=null", "trainer.progress_bar=false",
@@ -112,9 +112,12 @@ def override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
-def substituted(overrides: list[str], run_dir: Path) -> list[str]:
+def substituted(overrides: list[str], run_dir: Path, loggers: list[str]) -> list[str]:
+    """The script's overrides for a one-step run here; its `loggers` keep running, with jsonl
+    added (the step is judged from its metrics file)."""
     kept = [o for o in overrides if not any(fnmatch.fnmatchcase(override_key(o), p) for p in SUBSTITUTED)]
-    return kept + list(ONE_STEP) + [f"trainer.default_local_dir={run_dir}"]
+    loggers = [name for name in loggers if name != "jsonl"] + ["jsonl"]
+    return kept + list(ONE_STEP) + [f"trainer.default_local_dir={run_dir}", f"trainer.logger=[{','.join(loggers)}]"]
 
 
 def check(name: str, argv: list[str]) -> dict:
@@ -135,6 +138,8 @@ def check(name: str, argv: list[str]) -> dict:
         result["compose"] = str(exc).splitlines()[0]
         return result
     result["compose"] = "ok"
+    logger = cfg.trainer.logger
+    result["loggers"] = [logger] if isinstance(logger, str) else list(logger)
     result["not_supported"] = sorted(re.findall(r"^(\S+?)=\S.* is not supported yet", "\n".join(
         check_verl_keys(cfg, "cpu")), flags=re.M))
     try:
@@ -149,7 +154,7 @@ def check(name: str, argv: list[str]) -> dict:
 
 def one_step(result: dict, scratch: Path, timeout_s: int) -> None:
     run_dir = scratch / "runs" / result["script"].replace("/", "_")
-    overrides = substituted(result["overrides"], run_dir)
+    overrides = substituted(result["overrides"], run_dir, result["loggers"])
     cmd = [sys.executable, "-m", "hybrid_rl.main", f"--config-name={result['config_name']}", *overrides]
     env = {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "offline")}
     start = time.perf_counter()
@@ -222,7 +227,13 @@ def main() -> None:
     parser.add_argument("--only", default="*", help="glob over script paths (examples/grpo_trainer/*)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per one-step run")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "verl_examples.md")
+    parser.add_argument("--reuse", type=Path, help="the printed lines of an earlier --run: scripts that "
+                        "still start take their step result from there instead of running again")
     args = parser.parse_args()
+    earlier = {}
+    if args.reuse:
+        rows = (json.loads(line) for line in args.reuse.read_text().splitlines() if line.startswith("{"))
+        earlier = {row["script"]: row for row in rows if "step" in row}
 
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
@@ -237,7 +248,10 @@ def main() -> None:
             result = check(name, argv) if argv is not None else {"script": name, "compose": "no main_ppo call recorded"}
             if args.run is not None and result.get("start") == "ok" and (
                     not args.run or any(fnmatch.fnmatchcase(name, g) for g in args.run)):
-                one_step(result, scratch, args.timeout)
+                if name in earlier:
+                    result.update(step=earlier[name]["step"], step_s=earlier[name]["step_s"])
+                else:
+                    one_step(result, scratch, args.timeout)
             print(json.dumps({k: v for k, v in result.items() if "overrides" not in k}), flush=True)
             results.append(result)
     commit = subprocess.run(["git", f"--git-dir={args.verl / '.git' if (args.verl / '.git').exists() else args.verl}",
