@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from hybrid_rl.algorithms import ADV_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_RS_MODES
 from hybrid_rl.config_keys import check_verl_keys
 from hybrid_rl.tracking import LOGGERS, OPTIONAL_LOGGERS, VERL_ONLY_LOGGERS
-from hybrid_rl.workers.rollout import resolve_enforce_eager
+from hybrid_rl.workers.rollout import context_length, resolve_enforce_eager
 from hybrid_rl.workers.train_engine import DTYPES
 
 logger = logging.getLogger(__name__)
@@ -330,7 +330,7 @@ def check_model_limits(cfg: DictConfig, model_path: str) -> None:
             "config.json (including its model_type).") from exc
     limit = getattr(model_config, "max_position_embeddings", None)
     rollout = cfg.actor_rollout_ref.rollout
-    total = rollout.max_model_len or rollout.prompt_length + rollout.response_length
+    total = context_length(rollout)
     if limit is not None and total > limit:
         what = (f"actor_rollout_ref.rollout.max_model_len ({total})" if rollout.max_model_len else
                 f"The prompt length ({rollout.prompt_length}) + response length ({rollout.response_length}) "

@@ -56,8 +56,7 @@ class ActorRolloutRefWorker(train_engine.ModelWorker):
 
         rollout_cfg = cfg.actor_rollout_ref.rollout
         if rollout_cfg.name == "vllm":
-            max_len = rollout_cfg.max_model_len or rollout_cfg.prompt_length + rollout_cfg.response_length
-            self.rollout = VLLMRollout(self.model_path, rollout_cfg, self.device, max_len, self.eos_token_ids)
+            self.rollout = VLLMRollout(self.model_path, rollout_cfg, self.device, self.eos_token_ids)
             sync_weights(self.actor, self.rollout)  # the engine starts with random weights
         else:
             self.rollout = HFRollout(self.actor, self.pad_token_id, self.eos_token_ids)

@@ -84,11 +84,15 @@ def resolve_enforce_eager(enforce_eager: bool | None, device_type: str) -> bool:
     return device_type == "cpu" if enforce_eager is None else bool(enforce_eager)
 
 
+def context_length(cfg: Any) -> int:
+    """The engine's context window: `rollout.max_model_len`, else exactly prompt + response."""
+    return cfg.max_model_len or cfg.prompt_length + cfg.response_length
+
+
 class VLLMRollout:
     """An in-process vLLM engine that shares the process (and the trainer's process group)."""
 
-    def __init__(self, model_path: str, cfg: Any, device: torch.device, max_model_len: int,
-                 eos_token_ids: list[int]):
+    def __init__(self, model_path: str, cfg: Any, device: torch.device, eos_token_ids: list[int]):
         # Set before vLLM is imported: engine in this process, deterministic external launcher.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if device.type == "cpu":
@@ -101,6 +105,7 @@ class VLLMRollout:
 
         from hybrid_rl.hardware import resolve_dtype
 
+        max_model_len = context_length(cfg)
         # The trainer keeps float32 masters; the engine gets copies in this dtype.
         dtype = resolve_dtype(cfg.dtype, device.type, "engine").dtype
         rank = int(os.environ.get("RANK", 0))

@@ -73,10 +73,9 @@ def measure_ours(cfg_dict: dict, model_path: str, batch, eos_ids: list[int], dev
     common.init_single_rank(device_type)
     cfg = OmegaConf.create(cfg_dict)
     rollout_cfg = cfg.actor_rollout_ref.rollout
-    max_len = rollout_cfg.prompt_length + rollout_cfg.response_length  # as ActorRolloutRefWorker
     device = torch.device(device_type)
     start = time.perf_counter()
-    rollout = VLLMRollout(model_path, rollout_cfg, device, max_len, eos_ids)
+    rollout = VLLMRollout(model_path, rollout_cfg, device, eos_ids)
     # As ActorRolloutRefWorker: the engine starts with random weights and gets the model's pushed.
     sync_weights(train_engine.load_causal_lm(model_path, cfg.actor_rollout_ref.model, device, trainable=False),
                  rollout)

@@ -121,8 +121,7 @@ def measure(cfg_dict: dict, path: str, device_type: str, pushes: int) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     rollout_cfg = cfg.actor_rollout_ref.rollout
-    rollout = VLLMRollout(path, rollout_cfg, device, rollout_cfg.prompt_length + rollout_cfg.response_length,
-                          eos_ids(path, tokenizer))
+    rollout = VLLMRollout(path, rollout_cfg, device, eos_ids(path, tokenizer))
     ids = tokenizer("Calculate 2 + 3.")["input_ids"]
     prompt = Batch({"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)})
 
