@@ -13,9 +13,10 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hybrid_rl.algorithms import ADV_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_RS_MODES
 from hybrid_rl.config_keys import check_verl_keys
+from hybrid_rl.engines import ENGINES
+from hybrid_rl.hardware import TORCH_DTYPES, resolve_dtype
 from hybrid_rl.tracking import LOGGERS, OPTIONAL_LOGGERS, VERL_ONLY_LOGGERS
 from hybrid_rl.workers.rollout import context_length, resolve_enforce_eager
-from hybrid_rl.workers.train_engine import DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +28,6 @@ VERL_ONLY_ADV_ESTIMATORS = {
        for name in ("optimal_token_baseline", "tir_optimal_token_baseline")},
     "grpo_vectorized": "use grpo", "rloo_vectorized": "use rloo",
 }
-TRAIN_STRATEGIES = ("fsdp", "fsdp2")
 VERL_ONLY_TRAIN_STRATEGIES = {"megatron": "the Megatron engine is not built; use --config-name=ppo_trainer, or "
                                           "strategy=fsdp2, with the same overrides otherwise"}
 DEVICES = ("auto", "cpu", "cuda")
@@ -87,12 +87,12 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     _choice(rollout.dtype, ("auto", "float32", "bfloat16", "float16"), "actor_rollout_ref.rollout.dtype")
     for key, fsdp in (("actor_rollout_ref.actor", actor.fsdp_config), ("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.fsdp_config),
                       ("critic", cfg.critic.fsdp_config)):
-        _choice(fsdp.dtype, ("auto", *DTYPES), f"{key}.fsdp_config.dtype")
+        _choice(fsdp.dtype, ("auto", *TORCH_DTYPES), f"{key}.fsdp_config.dtype")
     _choice(rollout.enforce_eager, (None, True, False), "actor_rollout_ref.rollout.enforce_eager")
     for key, strategy in (("actor_rollout_ref.actor.strategy", actor.strategy),
                           ("actor_rollout_ref.ref.strategy", cfg.actor_rollout_ref.ref.strategy),
                           ("critic.strategy", cfg.critic.strategy)):
-        _choice(strategy, TRAIN_STRATEGIES, key, VERL_ONLY_TRAIN_STRATEGIES)
+        _choice(strategy, ENGINES.names(), key, VERL_ONLY_TRAIN_STRATEGIES)
     _choice(trainer.device, DEVICES, "trainer.device", {"npu": "Ascend NPUs are not supported; use cuda or cpu"})
     _choice(data.truncation, ("error", "left", "right", "middle"), "data.truncation")
     loggers = [trainer.logger] if isinstance(trainer.logger, str) else list(trainer.logger)
@@ -218,8 +218,6 @@ def validate_config(cfg: DictConfig) -> DictConfig:
 def resolve_dtypes(cfg: DictConfig) -> None:
     """Replace every `dtype: auto` by what this machine computes fast (`hybrid_rl.hardware`),
     log the choice once and warn about explicit choices that are slow here."""
-    from hybrid_rl.hardware import resolve_dtype
-
     device = cfg.trainer.device
     fsdp_configs = [cfg.actor_rollout_ref.actor.fsdp_config, cfg.actor_rollout_ref.ref.fsdp_config,
                     cfg.critic.fsdp_config]

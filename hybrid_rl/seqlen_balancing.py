@@ -2,7 +2,7 @@
 data-parallel rank on the driver.
 
 The cost of a set of rows is the number of tokens a padding-free forward computes for it (see
-`workers/packing.py`): each row's real response tokens, plus its real prompt tokens once per
+`engines/packing.py`): each row's real response tokens, plus its real prompt tokens once per
 distinct prompt when prompts are shared, or once per row otherwise. Rows with the same prompt
 form one unit, so a group of responses stays together (and shares its prompt) unless the unit
 alone exceeds a budget.

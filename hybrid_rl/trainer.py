@@ -14,6 +14,7 @@ import shutil
 import time
 import uuid
 from collections import defaultdict
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -32,7 +33,7 @@ from hybrid_rl.controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool
 from hybrid_rl.models import resolve_model_path
 from hybrid_rl.data import EpochSampler, RLDataset, collate_prompts
 from hybrid_rl.metrics import Timer, compute_data_metrics, reduce_worker_metrics, throughput_metrics
-from hybrid_rl.protocol import Batch
+from hybrid_rl.protocol import Batch, BatchMeta, Sampling
 from hybrid_rl.rewards import RewardManager
 from hybrid_rl.tracking import Tracker
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker, needs_reference
@@ -282,7 +283,7 @@ class Trainer:
         with timer.phase("step"):
             prompts = self.prompt_batch(indices)
             prompts["uid"] = [str(uuid.uuid4()) for _ in range(len(prompts))]
-            prompts.meta.update(temperature=cfg.actor_rollout_ref.rollout.temperature, step=self.global_step)
+            prompts.meta = BatchMeta(step=self.global_step, temperature=cfg.actor_rollout_ref.rollout.temperature)
             batch = prompts.repeat(n, interleave=True)
 
             with timer.phase("gen"):
@@ -350,7 +351,7 @@ class Trainer:
     def greedy_baseline(self, prompts: Batch) -> torch.Tensor:
         """ReMax: the reward of a greedy response to each prompt."""
         greedy = prompts.select()
-        greedy.meta["greedy"] = True
+        greedy.meta = replace(prompts.meta, sampling=Sampling.GREEDY)
         scores, _ = self.reward_fn(self.workers.generate_sequences(greedy))
         return scores.sum(-1)
 
@@ -404,7 +405,8 @@ class Trainer:
         n = cfg.actor_rollout_ref.rollout.val_kwargs.n
         rows = [self.val_dataset[i] for i in range(len(self.val_dataset))]
         batch = collate_prompts(rows, self.pad_token_id, cfg.data.max_prompt_length)
-        batch.meta.update(validate=True, temperature=cfg.actor_rollout_ref.rollout.temperature)
+        # No step: every validation samples with the same seeds, so its scores compare across steps.
+        batch.meta = BatchMeta(temperature=cfg.actor_rollout_ref.rollout.temperature, sampling=Sampling.VALIDATE)
         batch = batch.repeat(n, interleave=True)
         batch = self.workers.generate_sequences(batch)
         scores, reward_extra = self.val_reward_fn(batch)

@@ -4,6 +4,7 @@ a non-finite gradient norm skips the optimizer step."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import textwrap
@@ -11,9 +12,9 @@ import textwrap
 import torch
 
 from hybrid_rl.checkpoint import CheckpointManager, read_trainer_state
-from hybrid_rl.main import REPO_ROOT
+from hybrid_rl.engines import ModelSpec, Output, build_engine
+from hybrid_rl.main import REPO_ROOT, compose_config
 from hybrid_rl.protocol import Batch
-from hybrid_rl.workers.train_engine import mini_batch_updates
 
 CRASHING_SAVE = textwrap.dedent('''
     import os, signal, sys
@@ -55,20 +56,23 @@ def test_rotation_keeps_the_newest(tmp_path):
     assert [p.name for p in manager.completed()] == ["global_step_3", "global_step_4"]
 
 
-def test_non_finite_gradient_skips_the_step():
-    model = torch.nn.Linear(3, 1)
-    before = [p.detach().clone() for p in model.parameters()]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    # [1 prompt token | 2 response tokens] rows: the update loop counts the tokens it forwards.
-    tokens = torch.ones(4, 3, dtype=torch.long)
-    batch = Batch(tensors={"x": torch.randn(4, 3), "response_mask": torch.ones(4, 2), "input_ids": tokens,
-                           "attention_mask": tokens, "responses": tokens[:, 1:]})
+def test_non_finite_gradient_skips_the_step(tiny_model_dir):
+    cfg = compose_config(["actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                          "actor_rollout_ref.actor.use_dynamic_bsz=false"])
+    actor_cfg = cfg.actor_rollout_ref.actor
+    engine = build_engine(ModelSpec("actor", tiny_model_dir, cfg.actor_rollout_ref.model, optim_cfg=actor_cfg.optim),
+                          actor_cfg, torch.device("cpu"))
+    before = [p.detach().clone() for p in engine.hf_module().parameters()]
+    ids = torch.randint(10, 100, (4, 5))
+    batch = Batch(tensors={"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                           "position_ids": torch.arange(5).expand(4, -1), "responses": ids[:, 2:],
+                           "response_mask": torch.ones(4, 3)})
 
-    def nan_loss(t, agg):
-        return model(t["x"]).sum() * float("nan"), {}
+    def nan_loss(out, micro, agg):
+        return out["log_probs"].sum() * float("nan"), {}
 
-    metrics, skipped = mini_batch_updates(model, optimizer, batch, mini_rows=4, micro_rows=2, max_tokens=None,
-                                          share_prompts=False, epochs=1, shuffle=False,
-                                          seed=0, grad_clip=1.0, device=torch.device("cpu"), loss_fn=nan_loss)
-    assert skipped == 1 and not torch.isfinite(torch.tensor(metrics["grad_norm"])).all()
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    metrics = engine.update(batch, actor_cfg, rollout_n=1, seed=0, output=Output.LOG_PROBS_ENTROPY,
+                            temperature=1.0, loss_fn=nan_loss)
+    assert metrics["actor/skipped_steps"] == 1 and not math.isfinite(metrics["actor/grad_norm"])
+    assert all(torch.equal(a, b) for a, b in zip(before, engine.hf_module().parameters()))

@@ -11,6 +11,7 @@ import pytest
 
 from hybrid_rl.data import collate_prompts
 from hybrid_rl.main import build_trainer, compose_config
+from hybrid_rl.protocol import BatchMeta
 from tests.conftest import run_overrides
 
 pytestmark = pytest.mark.slow
@@ -33,7 +34,7 @@ def long_prompt_batch(tokenizer, pad_token_id, temperature):
                      "extra_info": {}, "index": i})
     batch = collate_prompts(rows, pad_token_id, MAX_PROMPT)
     # The actor divides logits by the temperature vLLM sampled with (rollout.temperature).
-    batch.meta["temperature"] = temperature
+    batch.meta = BatchMeta(temperature=temperature)
     return batch
 
 

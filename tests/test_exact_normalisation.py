@@ -10,7 +10,7 @@ import torch
 
 from hybrid_rl.main import build_trainer, compose_config
 from hybrid_rl.metrics import reduce_worker_metrics
-from hybrid_rl.protocol import Batch
+from hybrid_rl.protocol import Batch, BatchMeta
 from tests.conftest import run_overrides
 
 pytestmark = pytest.mark.slow
@@ -40,7 +40,7 @@ def synthetic_batch(vocab: int, pad_id: int) -> Batch:
         "position_ids": (attention_mask.cumsum(1) - 1).clamp_min(0),
         "advantages": torch.randn(ROWS, RESPONSE, generator=g) * response_mask,
         "ref_log_prob": -torch.rand(ROWS, RESPONSE, generator=g) * 3,
-    }, meta={"temperature": 1.0, "step": 0})
+    }, meta=BatchMeta(temperature=1.0))
 
 
 def update_metrics(mode: str, ranks: int, micro: int, model_dir, files, run_dir, tokenizer,

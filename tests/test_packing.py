@@ -9,14 +9,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hybrid_rl import seqlen_balancing
-from hybrid_rl.algorithms import entropy_from_logits
+from hybrid_rl.algorithms import entropy_from_logits, token_log_probs
+from hybrid_rl.engines import hf_model, packing
 from hybrid_rl.protocol import Batch
-from hybrid_rl.workers import packing, train_engine
 from hybrid_rl.workers.rollout import assemble_rollout
 
-PADDED = train_engine.ForwardOptions(remove_padding=False)
-PACKED = train_engine.ForwardOptions(remove_padding=True, share_prompts=False, head_chunk_size=7)
-SHARED = train_engine.ForwardOptions(remove_padding=True, share_prompts=True, head_chunk_size=5)
+PADDED = hf_model.ForwardOptions(remove_padding=False)
+PACKED = hf_model.ForwardOptions(remove_padding=True, share_prompts=False, head_chunk_size=7)
+SHARED = hf_model.ForwardOptions(remove_padding=True, share_prompts=True, head_chunk_size=5)
 
 
 def rollout_batch(vocab: int, pad: int, eos: int, groups: int = 3, n: int = 3, prompt_len: int = 9,
@@ -64,7 +64,7 @@ def reference_log_probs(model, batch: Batch, temperature: float):
         ids = batch["input_ids"][i][real][None]
         r = int(batch["response_mask"][i].sum())
         logits = model(input_ids=ids).logits[0, -r - 1:-1].double() / temperature
-        out_lp[i, :r] = train_engine.token_log_probs(logits, batch["responses"][i, :r]).float()
+        out_lp[i, :r] = token_log_probs(logits, batch["responses"][i, :r]).float()
         out_ent[i, :r] = entropy_from_logits(logits).float()
     assert resp_len >= r
     return out_lp, out_ent
@@ -74,7 +74,7 @@ def reference_log_probs(model, batch: Batch, temperature: float):
 def test_layouts_match_rowwise_reference(model, batch, options):
     mask = batch["response_mask"].bool()
     with torch.no_grad():
-        log_probs, entropy = train_engine.response_log_probs(model, tensors(batch), 0.7, options)
+        log_probs, entropy = hf_model.response_log_probs(model, tensors(batch), 0.7, options)
         ref_lp, ref_ent = reference_log_probs(model, batch, 0.7)
     assert torch.allclose(log_probs[mask], ref_lp[mask], atol=2e-5)
     assert torch.allclose(entropy[mask], ref_ent[mask], atol=2e-5)
@@ -87,7 +87,7 @@ def test_packed_and_padded_gradients_agree(model, batch):
     grads = []
     for options in (PADDED, SHARED):
         model.zero_grad()
-        log_probs, entropy = train_engine.response_log_probs(model, tensors(batch), 1.0, options)
+        log_probs, entropy = hf_model.response_log_probs(model, tensors(batch), 1.0, options)
         ((log_probs * mask).sum() + 0.1 * (entropy * mask).sum()).backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert torch.allclose(grads[0], grads[1], atol=1e-5, rtol=1e-4)
@@ -132,7 +132,7 @@ def test_chunked_head_matches_float64_reference():
     hidden.grad = weight.grad = None
 
     logits = hidden @ weight.T / 0.6
-    ref_lp = train_engine.token_log_probs(logits, targets)
+    ref_lp = token_log_probs(logits, targets)
     ref_ent = entropy_from_logits(logits)
     ((ref_lp * g_lp).sum() + (ref_ent * g_ent).sum()).backward()
     # Log-probs and entropies are accumulated in float32 by design.

@@ -8,7 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from hybrid_rl.protocol import Batch
+from hybrid_rl.protocol import Batch, BatchMeta, Sampling
+
+META = BatchMeta(step=3, temperature=0.7, sampling=Sampling.VALIDATE)
 
 
 def make_batch(n: int = 4) -> Batch:
@@ -22,7 +24,7 @@ def make_batch(n: int = 4) -> Batch:
             "tokens": [list(range(i + 1)) for i in range(n)],
             "info": [{"row": i, "tags": ["a"] * i} for i in range(n)],
         },
-        meta={"temperature": 1.0, "eos_token_id": [2, 3]},
+        meta=META,
     )
 
 
@@ -50,7 +52,7 @@ def test_construction_and_access():
     assert isinstance(b.tensors, TensorDict) and b.tensors.batch_size == torch.Size([3])
     assert b.keys() == ["ids", "x", "tokens", "info"]
     assert "x" in b and "tokens" in b and "temperature" not in b and "nope" not in b
-    assert b.meta["temperature"] == 1.0
+    assert b.meta.temperature == 0.7 and Batch().meta == BatchMeta()
     assert_rows(b, [0, 1, 2])
     with pytest.raises(KeyError, match="'nope'.*available keys"):
         b["nope"]
@@ -67,8 +69,8 @@ def test_equal_length_lists_stay_one_element_per_row():
 
 def test_from_dict_and_tensordict_input():
     td = TensorDict({"a": torch.zeros(5, 2)}, batch_size=[5])
-    b = Batch.from_dict(td, {"s": ["x"] * 5}, {"k": 1})
-    assert len(b) == 5 and b.tensors is td and b.meta == {"k": 1}
+    b = Batch.from_dict(td, {"s": ["x"] * 5}, META)
+    assert len(b) == 5 and b.tensors is td and b.meta == META
     # A TensorDict without a batch dim is re-batched along dim 0.
     assert len(Batch(TensorDict({"a": torch.zeros(4, 2)}, batch_size=[]))) == 4
     assert len(Batch()) == 0 and Batch().keys() == []
@@ -101,7 +103,7 @@ def test_setitem():
     b["y"] = [0, 1, 2]
     assert "y" in b.non_tensors and "y" not in b.tensors.keys()
     # A batch without keys takes the length of the first value.
-    e = Batch(meta={"m": 1})
+    e = Batch(meta=META)
     e["t"] = torch.zeros(5)
     assert len(e) == 5
 
@@ -138,12 +140,11 @@ def test_bool_mask_indexing():
         b[torch.tensor([True, False])]
 
 
-def test_indexing_shares_a_copy_of_meta():
+def test_indexing_keeps_the_immutable_meta():
     b = make_batch(4)
-    sub = b[:2]
-    assert sub.meta == b.meta and sub.meta is not b.meta
-    sub.meta["new"] = 1
-    assert "new" not in b.meta
+    assert b[:2].meta is b.meta
+    with pytest.raises(AttributeError):
+        b.meta.step = 4
 
 
 # ------------------------------------------------------------------------ key operations
@@ -151,25 +152,23 @@ def test_indexing_shares_a_copy_of_meta():
 
 def test_select():
     b = make_batch(3)
-    s = b.select(keys=["x"], non_tensor_keys=["tokens"], meta_keys=["temperature"])
-    assert s.keys() == ["x", "tokens"] and s.meta == {"temperature": 1.0} and len(s) == 3
+    s = b.select(keys=["x"], non_tensor_keys=["tokens"])
+    assert s.keys() == ["x", "tokens"] and s.meta == META and len(s) == 3
     assert b.keys() == ["ids", "x", "tokens", "info"]  # select does not remove
     assert b.select().keys() == b.keys() and b.select().meta == b.meta  # None keeps all
-    empty = b.select(keys=[], non_tensor_keys=[], meta_keys=[])
-    assert empty.keys() == [] and empty.meta == {} and len(empty) == 3
+    empty = b.select(keys=[], non_tensor_keys=[])
+    assert empty.keys() == [] and empty.meta == META and len(empty) == 3
     with pytest.raises(KeyError, match=r"tensor key 'nope' not found.*\['ids', 'x'\]"):
         b.select(keys=["nope"])
     with pytest.raises(KeyError, match="non-tensor key 'nope'"):
         b.select(non_tensor_keys=["nope"])
-    with pytest.raises(KeyError, match="meta key 'nope'"):
-        b.select(meta_keys=["nope"])
 
 
 def test_pop_removes():
     b = make_batch(3)
-    p = b.pop(keys=["x"], non_tensor_keys=["info"], meta_keys=["temperature"])
-    assert p.keys() == ["x", "info"] and p.meta == {"temperature": 1.0} and len(p) == 3
-    assert b.keys() == ["ids", "tokens"] and b.meta == {"eos_token_id": [2, 3]}
+    p = b.pop(keys=["x"], non_tensor_keys=["info"])
+    assert p.keys() == ["x", "info"] and p.meta == META and len(p) == 3
+    assert b.keys() == ["ids", "tokens"] and b.meta == META
     assert "x" not in b.tensors.keys()
     assert b.pop().keys() == [] and b.keys() == ["ids", "tokens"]  # defaults pop nothing
     with pytest.raises(KeyError, match="'x'"):
@@ -181,18 +180,21 @@ def test_union():
     other = Batch(
         {"ids": torch.arange(3), "adv": torch.ones(3)},
         {"tokens": [[0], [0, 1], [0, 1, 2]], "reward_info": [{"r": 1}] * 3},
-        {"temperature": 1.0, "step": 7},
+        META,
     )
     assert b.union(other) is b
     assert b.keys() == ["ids", "x", "adv", "tokens", "info", "reward_info"]
-    assert b.meta["step"] == 7
+    assert b.meta == META
+    # A worker's result (default meta) leaves the meta as it was; a default meta takes the other's.
+    assert b.union(Batch({"v": torch.ones(3)})).meta == META
+    assert Batch({"ids": torch.arange(3)}).union(make_batch(3)).meta == META
     nested = TensorDict({"a": torch.ones(3, 2)}, batch_size=[3])
     b["nested"] = nested
     b.union(Batch({"nested": nested.clone()}))
     with pytest.raises(ValueError, match="'nested'"):
         b.union(Batch({"nested": nested * 2}))
     # Keyless batches adopt the other's length.
-    assert len(Batch(meta={"m": 1}).union(make_batch(2))) == 2
+    assert len(Batch(meta=META).union(make_batch(2))) == 2
 
 
 @pytest.mark.parametrize(
@@ -200,7 +202,7 @@ def test_union():
     [
         (Batch({"ids": torch.tensor([0, 1, 9])}), "tensor 'ids'"),
         (Batch(non_tensors={"tokens": [[0], [0, 1], [9]]}), "non-tensor 'tokens'"),
-        (Batch(meta={"temperature": 0.5}), "meta 'temperature'"),
+        (Batch(meta=BatchMeta(temperature=0.5)), "meta differs"),
         (Batch({"y": torch.zeros(2)}), "length 3 and 2"),
     ],
 )
@@ -253,22 +255,10 @@ def test_concat_ragged_non_tensors_and_errors():
         Batch.concat([])
     with pytest.raises(ValueError, match="tensor keys"):
         Batch.concat([make_batch(2), make_batch(2).select(keys=["x"])])
-    with pytest.raises(ValueError, match="meta keys"):
-        Batch.concat([make_batch(2), make_batch(2).select(meta_keys=["temperature"])])
     d = make_batch(2)
-    d.meta["temperature"] = 0.1
-    with pytest.raises(ValueError, match="meta 'temperature' differs"):
+    d.meta = BatchMeta(temperature=0.1)
+    with pytest.raises(ValueError, match="batch 1 has meta"):
         Batch.concat([make_batch(2), d])
-
-
-def test_concat_merges_metrics():
-    parts = make_batch(6).chunk(3)
-    parts[0].meta["metrics"] = {"loss": [1.0, 2.0], "lr": 0.1}
-    parts[1].meta["metrics"] = {"loss": [3.0]}
-    cat = Batch.concat(parts)  # parts[2] has no metrics at all
-    assert cat.meta["metrics"] == {"loss": [1.0, 2.0, 3.0], "lr": [0.1]}
-    assert cat.meta["temperature"] == 1.0
-    assert "metrics" not in Batch.concat(make_batch(4).chunk(2)).meta
 
 
 def test_pad_to_divisor():

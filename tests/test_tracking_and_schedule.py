@@ -9,7 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from hybrid_rl.tracking import Tracker
-from hybrid_rl.workers.train_engine import lr_lambda
+from hybrid_rl.engines.base import lr_lambda
 
 
 def test_jsonl_tensorboard_and_console(tmp_path, capsys):

@@ -5,7 +5,7 @@ Pure functions on (batch, response_len) tensors, selected by config name through
 
 from .advantage import ADV_ESTIMATORS, GROUP_ESTIMATORS, compute_grpo_outcome_advantage, get_advantage_estimator, group_ids, group_mean_std
 from .aggregation import LOSS_AGG_MODES, aggregate_loss
-from .functional import entropy_from_logits, masked_mean, masked_sum, masked_var, masked_whiten
+from .functional import entropy_from_logits, masked_mean, masked_sum, masked_var, masked_whiten, token_log_probs
 from .kl import KL_ESTIMATORS, kl_penalty
 from .policy_loss import POLICY_LOSSES, get_policy_loss
 from .registry import Registry
@@ -57,5 +57,6 @@ __all__ = [
     "normalize_rewards",
     "shape_advantages",
     "shape_scores",
+    "token_log_probs",
     "whiten_advantages",
 ]

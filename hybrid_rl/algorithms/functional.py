@@ -55,3 +55,8 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """H = logsumexp(z) − Σ softmax(z)·z over the last dim."""
     return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+
+
+def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(z)[token] = z[token] − logsumexp(z) over the last dim."""
+    return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)

@@ -71,7 +71,7 @@ def assemble_rollout(batch: Batch, responses: list[list[int]], log_probs: list[l
             "rollout_log_probs": resp_logp,
         },
         non_tensors=dict(batch.non_tensors),
-        meta=dict(batch.meta),
+        meta=batch.meta,
     )
     return out
 

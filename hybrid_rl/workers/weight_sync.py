@@ -1,32 +1,23 @@
-"""Reshard trained FSDP2 weights into the rollout engine without touching disk.
+"""Reshard the trained weights into the rollout engine without touching disk.
 
-Each rank gathers one full tensor at a time (`DTensor.full_tensor`, a collective every rank runs
-in the same order), casts it to the engine's dtype and hands it to the engine, so the extra
-memory is bounded by the largest single tensor rather than the whole model.
+The training engine yields one full tensor at a time with its Hugging Face name, already in the
+rollout's dtype (`TrainEngine.per_tensor_weights`, a collective every rank runs in the same
+order), and the rollout engine loads it, so the extra memory is bounded by the largest single
+tensor rather than the whole model.
 """
 
 from __future__ import annotations
 
-from typing import Iterator
-
-import torch
-from torch.distributed.tensor import DTensor
+from hybrid_rl.engines import TrainEngine
 
 
-def iter_full_tensors(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, tensor in model.state_dict().items():
-        if isinstance(tensor, DTensor):
-            tensor = tensor.full_tensor()
-        yield name, tensor.detach().to(dtype=dtype)
-
-
-def sync_weights(model: torch.nn.Module, rollout) -> int:
-    """Push the model's weights into `rollout`; returns the number of bytes sent."""
+def sync_weights(engine: TrainEngine, rollout) -> int:
+    """Push the engine's weights into `rollout`; returns the number of bytes sent."""
     sent = 0
 
     def counted():
         nonlocal sent
-        for name, tensor in iter_full_tensors(model, rollout.dtype):
+        for name, tensor in engine.per_tensor_weights(rollout.dtype):
             sent += tensor.numel() * tensor.element_size()
             yield name, tensor
 

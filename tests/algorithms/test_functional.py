@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from hybrid_rl.algorithms import entropy_from_logits, masked_mean, masked_sum, masked_whiten
+from hybrid_rl.algorithms import entropy_from_logits, masked_mean, masked_sum, masked_whiten, token_log_probs
 
 
 def _random(seed, shape=(5, 7)):
@@ -55,3 +55,15 @@ def test_entropy_matches_minus_sum_p_log_p():
         probs = [math.exp(v - zmax) / norm for v in z]
         expected = -sum(p * math.log(p) for p in probs if p > 0)
         assert math.isclose(out[idx].item(), expected, rel_tol=1e-4, abs_tol=1e-5)
+
+
+def test_token_log_probs_match_a_softmax_by_hand():
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 3, 7, generator=g) * 3
+    tokens = torch.randint(0, 7, (2, 3), generator=g)
+    out = token_log_probs(logits, tokens)
+    for i in range(2):
+        for t in range(3):
+            z = logits[i, t].double().tolist()
+            expected = z[tokens[i, t]] - math.log(sum(math.exp(v) for v in z))
+            assert math.isclose(out[i, t].item(), expected, rel_tol=1e-5, abs_tol=1e-5)

@@ -21,7 +21,7 @@ from hybrid_rl.controller import (
 )
 from hybrid_rl.controller.decorator import DISPATCH_ATTR, registered_methods
 from hybrid_rl.controller.worker_group import WorkerError
-from hybrid_rl.protocol import Batch
+from hybrid_rl.protocol import Batch, BatchMeta
 
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
 
@@ -145,7 +145,7 @@ def _batch(n):
     return Batch(
         tensors={"x": torch.arange(n, dtype=torch.float32)},
         non_tensors={"s": [f"row{i}" for i in range(n)]},
-        meta={"temperature": 1.0},
+        meta=BatchMeta(temperature=0.5),
     )
 
 

@@ -66,7 +66,7 @@ def measure_ours(cfg_dict: dict, model_path: str, batch, eos_ids: list[int], dev
     import torch
     from omegaconf import OmegaConf
 
-    from hybrid_rl.workers import train_engine
+    from hybrid_rl.engines import ModelSpec, build_engine
     from hybrid_rl.workers.rollout import VLLMRollout, sampling_settings
     from hybrid_rl.workers.weight_sync import sync_weights
 
@@ -77,8 +77,9 @@ def measure_ours(cfg_dict: dict, model_path: str, batch, eos_ids: list[int], dev
     start = time.perf_counter()
     rollout = VLLMRollout(model_path, rollout_cfg, device, eos_ids)
     # As ActorRolloutRefWorker: the engine starts with random weights and gets the model's pushed.
-    sync_weights(train_engine.load_causal_lm(model_path, cfg.actor_rollout_ref.model, device, trainable=False),
-                 rollout)
+    reference = build_engine(ModelSpec("ref", model_path, cfg.actor_rollout_ref.model), cfg.actor_rollout_ref.ref,
+                             device)
+    sync_weights(reference, rollout)
     build_s = time.perf_counter() - start
     settings = sampling_settings(rollout_cfg, validate=False)
     result = time_calls(lambda: rollout.generate(batch, settings, rollout_cfg.response_length)[0],

@@ -70,24 +70,25 @@ def head_memory_case(model_path: str, chunked: bool, rows: int, prompt: int, res
 
     import torch
 
+    from hybrid_rl.algorithms import token_log_probs
+    from hybrid_rl.engines import hf_model
     from hybrid_rl.main import compose_config
-    from hybrid_rl.workers import train_engine
 
     torch.manual_seed(0)
     model_cfg = compose_config().actor_rollout_ref.model
-    model = train_engine.load_causal_lm(model_path, model_cfg, torch.device("cpu"), trainable=True)
+    model = hf_model.load_causal_lm(model_path, model_cfg, torch.device("cpu"), trainable=True)
     vocab = model.config.vocab_size
     ids = torch.randint(100, vocab, (rows, prompt + response))
     ids[:, :prompt] = ids[0, :prompt]  # one prompt per group of 4 in the default step
     micro = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
              "position_ids": torch.arange(prompt + response).expand(rows, -1), "responses": ids[:, prompt:]}
-    options = train_engine.ForwardOptions(remove_padding=True, share_prompts=True)
+    options = hf_model.ForwardOptions(remove_padding=True, share_prompts=True)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     if chunked:
-        log_probs, _ = train_engine.response_log_probs(model, micro, 1.0, options)
+        log_probs, _ = hf_model.response_log_probs(model, micro, 1.0, options)
     else:
-        logits = train_engine.response_logits(model, micro, 1.0, options)
-        log_probs = train_engine.token_log_probs(logits, micro["responses"])
+        logits = hf_model.response_logits(model, micro, 1.0, options)
+        log_probs = token_log_probs(logits, micro["responses"])
     log_probs.sum().backward()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"peak_rss_gb": peak / 2**20, "increase_gb": (peak - before) / 2**20}

@@ -1,16 +1,16 @@
 #!/usr/bin/env python
-"""Weight-push speed: our sync path (`weight_sync.sync_weights`, FSDP2 actor -> in-process vLLM)
+"""Weight-push speed: our sync path (`weight_sync.sync_weights`, the actor's training engine -> in-process vLLM)
 against a plain memory copy of the same size measured in the same process.
 
     python tools/bench/sync.py [--models smollm2-135m,qwen2.5-0.5b-shape] [--dtype float32,bfloat16]
                                [--pushes 5] [--device cpu|cuda] [--json out.json]
 
 Each (model, engine dtype) case runs in its own process, set up as one worker rank: a 1-rank
-process group, the actor loaded in fp32 and sharded with FSDP2 (`train_engine.load_causal_lm` +
-`shard_model`), then a `VLLMRollout` with `rollout.dtype` set to the engine dtype. Before every push
+process group, the actor's engine as the worker builds it (`engines.build_engine`: FSDP2, fp32
+masters), then a `VLLMRollout` with `rollout.dtype` set to the engine dtype. Before every push
 a one-token generate leaves the engine as a training step leaves it (on GPU: asleep). One warm-up
-push, then the median of `--pushes`. Also timed: the gather + cast alone (`iter_full_tensors`,
-no engine), and `Tensor.copy_` of the same number of elements from fp32 into preallocated memory
+push, then the median of `--pushes`. Also timed: the gather + cast alone
+(`TrainEngine.per_tensor_weights`, no engine), and `Tensor.copy_` of the same number of elements from fp32 into preallocated memory
 of the engine dtype (a plain copy for fp32, a cast for bf16), through 64 Mi-element buffers. Every GB/s
 counts the bytes that land in the engine's dtype, as `sync_weights` does.
 
@@ -99,25 +99,22 @@ def copy_reference(numel: int, dtype, device, repeats: int, chunk: int = 2**26) 
 def measure(cfg_dict: dict, path: str, device_type: str, pushes: int) -> dict:
     import torch
     from omegaconf import OmegaConf
-    from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoTokenizer
 
+    from hybrid_rl.engines import ModelSpec, build_engine
     from hybrid_rl.protocol import Batch
-    from hybrid_rl.workers import train_engine
     from hybrid_rl.workers.actor_rollout_ref import eos_ids
     from hybrid_rl.workers.rollout import VLLMRollout, greedy_settings
-    from hybrid_rl.workers.weight_sync import iter_full_tensors, sync_weights
+    from hybrid_rl.workers.weight_sync import sync_weights
 
     common.init_single_rank(device_type)
     cfg = OmegaConf.create(cfg_dict)
     device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
-    mesh = init_device_mesh(device_type, (1,))
-    # As ActorRolloutRefWorker.init_model: fp32 master weights, bf16 compute only on GPU.
-    fsdp = cfg.actor_rollout_ref.actor.fsdp_config
-    param_dtype = train_engine.param_dtype(fsdp, device)
-    model = train_engine.load_causal_lm(path, cfg.actor_rollout_ref.model, device, trainable=True)
-    model = train_engine.shard_model(model, mesh, param_dtype, fsdp.reshard_after_forward)
-    params = sum(p.numel() for p in model.parameters())
+    # As ActorRolloutRefWorker.init_model: the actor's engine (fp32 masters, bf16 compute only on GPU).
+    actor_cfg = cfg.actor_rollout_ref.actor
+    engine = build_engine(ModelSpec("actor", path, cfg.actor_rollout_ref.model, optim_cfg=actor_cfg.optim),
+                          actor_cfg, device)
+    params = engine.num_params()
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     rollout_cfg = cfg.actor_rollout_ref.rollout
@@ -129,12 +126,12 @@ def measure(cfg_dict: dict, path: str, device_type: str, pushes: int) -> dict:
 
     def push() -> float:
         rollout.generate(prompt, greedy_settings(), 1)
-        return timed(lambda: sent.append(sync_weights(model, rollout)), device_type)
+        return timed(lambda: sent.append(sync_weights(engine, rollout)), device_type)
 
     warmup = push()
     push_s = [push() for _ in range(pushes)]
     # Our side of the push alone: gather each full tensor and cast it, no engine.
-    gather_s = [timed(lambda: deque(iter_full_tensors(model, rollout.dtype), maxlen=0), device_type)
+    gather_s = [timed(lambda: deque(engine.per_tensor_weights(rollout.dtype), maxlen=0), device_type)
                 for _ in range(pushes)]
     pushed = sent[-1]
     numel = pushed // torch.empty(0, dtype=rollout.dtype).element_size()

@@ -1,0 +1,16 @@
+"""Training engines behind one interface (`base.TrainEngine`), chosen by a role's `strategy`."""
+
+from hybrid_rl.algorithms.registry import Registry
+from hybrid_rl.engines.base import ModelSpec, Output, TrainEngine
+from hybrid_rl.engines.fsdp import FSDPEngine
+
+ENGINES = Registry("training engine (strategy)")
+ENGINES.register("fsdp2", "fsdp")(FSDPEngine)
+
+
+def build_engine(spec: ModelSpec, role_cfg, device) -> TrainEngine:
+    """The engine `role_cfg.strategy` names, holding the model `spec` describes."""
+    return ENGINES.get(role_cfg.strategy)(spec, role_cfg, device)
+
+
+__all__ = ["ENGINES", "FSDPEngine", "ModelSpec", "Output", "TrainEngine", "build_engine"]

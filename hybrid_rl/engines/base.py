@@ -1,0 +1,271 @@
+"""The training-engine interface: what the workers may ask of one model (actor, reference or critic).
+
+An engine owns a model and, when it is trained, its optimizer and learning-rate schedule. The
+workers and the trainer see only this class, never FSDP or Megatron:
+
+- `infer(batch, output, ...)`: log-probs (+ entropies), logits or values over a batch, in
+  micro-batches of rows or of a token budget;
+- `update(batch, loss_fn, ...)`: the PPO update of one training step, epochs x mini-batches of
+  optimizer steps, every loss term normalised by the whole mini-batch's counts over all
+  data-parallel ranks (`loss_fn` sees the model's outputs, never the model);
+- `per_tensor_weights(dtype)`: full tensors with Hugging Face names, one at a time, for the
+  rollout engine and for export;
+- `save_checkpoint` / `load_checkpoint`: sharded model and optimizer plus this rank's schedule,
+  RNG and skipped-step count, so a resume continues exactly;
+- `dp_rank` / `dp_size`: this rank's place among the data-parallel replicas.
+
+A backend implements `forward_backward`, `optimizer_step`, `per_tensor_weights` and the sharded
+half of the checkpoint; the mini-batch loop, micro-batching and metrics live here, once.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from hybrid_rl import seqlen_balancing
+from hybrid_rl.protocol import Batch
+
+FORWARD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
+FORWARD_TOKENS = "update_tokens"  # reported as <role>/update_tokens, per rank
+
+
+class Output(enum.Enum):
+    """What a forward pass returns, per response token, (B, T) unless noted."""
+
+    LOG_PROBS = "log_probs"  # {"log_probs"}
+    LOG_PROBS_ENTROPY = "log_probs_entropy"  # {"log_probs", "entropy"}
+    LOGITS = "logits"  # {"logits"}: (B, T, V) float32, divided by the temperature
+    VALUES = "values"  # {"values"}: V(s_t), read at the position before each response token
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which model an engine builds and whether it trains it."""
+
+    role: str  # actor, ref or critic: names metrics and errors
+    path: str  # local Hugging Face folder
+    model_cfg: Any  # actor_rollout_ref.model or critic.model
+    value_head: bool = False  # a scalar head on every position (the critic) instead of the LM head
+    optim_cfg: Any = None  # None: frozen (the reference policy)
+    total_steps: int = 1  # for the learning-rate schedule
+
+
+# loss_fn(outputs, micro, agg_kwargs) -> (loss, {metric: float}); see `TrainEngine.update`.
+LossFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor], dict], tuple[torch.Tensor, dict[str, float]]]
+
+
+class TrainEngine(ABC):
+    spec: ModelSpec
+    device: torch.device
+    scheduler: Any = None  # torch LR scheduler of a trained model
+    skipped_steps: int = 0  # optimizer steps skipped for a non-finite gradient norm
+    share_prompts: bool = False  # micro-batches keep a prompt's responses together (one prompt copy)
+
+    # ------------------------------------------------------------------ what a backend implements
+    @property
+    @abstractmethod
+    def dp_rank(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def dp_size(self) -> int: ...
+
+    @abstractmethod
+    def forward_backward(self, micros: list[dict[str, torch.Tensor]], output: Output, temperature: float,
+                         loss_fn: Callable | None = None) -> list[dict]:
+        """Run `micros` through the model. Without `loss_fn`: no gradients, returns each
+        micro-batch's outputs. With it: `loss_fn(outputs, micro) -> (loss, terms)` per
+        micro-batch, backward of every loss (gradients accumulate), returns each one's terms."""
+
+    @abstractmethod
+    def optimizer_step(self, grad_clip: float) -> float:
+        """Clip by the global gradient norm, step unless it is non-finite, zero the gradients;
+        returns the pre-clip norm."""
+
+    @abstractmethod
+    def per_tensor_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every weight as a full tensor with its Hugging Face name, cast to `dtype`, one at a
+        time. A collective: every rank iterates to the end in the same order."""
+
+    @abstractmethod
+    def num_params(self) -> int: ...
+
+    @abstractmethod
+    def _save_sharded(self, folder: str) -> None:
+        """Write this rank's shards of the model and optimizer into `folder`."""
+
+    @abstractmethod
+    def _load_sharded(self, folder: str) -> None: ...
+
+    def hf_module(self) -> torch.nn.Module:
+        """The model as a `transformers` module, for `rollout.name=hf`."""
+        raise NotImplementedError(f"The {type(self).__name__} has no transformers module to generate with; "
+                                  "use actor_rollout_ref.rollout.name=vllm.")
+
+    # ------------------------------------------------------------------ shared by every backend
+    def micro_batches(self, batch: Batch, micro_rows: int, max_tokens: int | None) -> list[torch.Tensor]:
+        """Row indices of micro-batches of `micro_rows` rows, or (with `max_tokens`, i.e.
+        `use_dynamic_bsz`) of at most about that many tokens, balanced. Every data-parallel rank
+        then runs as many micro-batches as the one that needs most: each forward is a collective."""
+        if max_tokens is None:
+            return list(torch.arange(len(batch)).split(micro_rows))
+        count = seqlen_balancing.token_budget_bins(batch, max_tokens, self.share_prompts)
+        count = int(all_reduce_scalar(count, self.device, op=dist.ReduceOp.MAX))
+        return seqlen_balancing.split_into(batch, count, self.share_prompts)
+
+    def _to_device(self, part: Batch, keys) -> dict[str, torch.Tensor]:
+        return {k: part[k].to(self.device) for k in keys}
+
+    @torch.no_grad()
+    def infer(self, batch: Batch, output: Output, temperature: float, micro_rows: int,
+              max_tokens: int | None) -> dict[str, torch.Tensor]:
+        """`output` for every row of `batch`, on the CPU, in micro-batches of `micro_rows` rows
+        or `max_tokens` tokens."""
+        groups = self.micro_batches(batch, micro_rows, max_tokens)
+        results = self.forward_backward([self._to_device(batch[rows], FORWARD_KEYS) for rows in groups],
+                                        output, temperature)
+        out: dict[str, torch.Tensor] = {}
+        for rows, result in zip(groups, results):
+            for key, value in result.items():
+                if key not in out:
+                    out[key] = torch.zeros((len(batch), *value.shape[1:]), dtype=torch.float32)
+                out[key][rows] = value.float().cpu()
+        return out
+
+    def update(self, batch: Batch, role_cfg: Any, *, rollout_n: int, seed: int, output: Output,
+               temperature: float, loss_fn: LossFn) -> dict[str, float]:
+        """One training step's update: `role_cfg.ppo_epochs` passes over mini-batches of
+        `ppo_mini_batch_size` prompts x `rollout_n` responses (split over the data-parallel
+        ranks), each an optimizer step with gradients accumulated over micro-batches
+        (`ppo_micro_batch_size_per_gpu` rows, or `ppo_max_token_len_per_gpu` tokens with
+        `use_dynamic_bsz`), then one scheduler step.
+
+        Before each mini-batch the token and sequence counts are all-reduced, and
+        `loss_fn(outputs, micro, agg_kwargs) -> (loss, terms)` normalises by them, so the
+        accumulated gradient (averaged over ranks) is exactly that of the whole mini-batch.
+        `terms` are floats weighted the same way: their sum over micro-batches, averaged over
+        ranks, is the exact mini-batch value. Returns `<role>/<metric>` means over mini-batches
+        (max for *_max, the total for the token count), plus grad_norm, lr and skipped_steps.
+        """
+        role = self.spec.role
+        mini_rows = role_cfg.ppo_mini_batch_size * rollout_n // self.dp_size
+        max_tokens = role_cfg.ppo_max_token_len_per_gpu if role_cfg.use_dynamic_bsz else None
+        metrics: dict[str, list[float]] = {}
+        generator = torch.Generator().manual_seed(seed)
+        for _ in range(role_cfg.ppo_epochs):
+            epoch = batch[torch.randperm(len(batch), generator=generator)] if role_cfg.shuffle else batch
+            for mini in epoch.split(mini_rows):
+                mask = mini["response_mask"]
+                agg_kwargs = {
+                    "global_num_tokens": all_reduce_scalar(float(mask.sum()), self.device),
+                    "global_num_seqs": all_reduce_scalar(float((mask.sum(-1) > 0).sum()), self.device),
+                    "dp_size": self.dp_size,
+                }
+                parts = [mini[rows] for rows in self.micro_batches(mini, role_cfg.ppo_micro_batch_size_per_gpu,
+                                                                    max_tokens)]
+                micros = [self._to_device(part, part.tensors.keys()) for part in parts]
+                terms = self.forward_backward(micros, output, temperature,
+                                              lambda out, micro: loss_fn(out, micro, agg_kwargs))
+                sums: dict[str, float] = {}
+                for micro_terms in terms:
+                    for key, value in micro_terms.items():
+                        sums[key] = combine_metric(key, sums.get(key), value)
+                sums["grad_norm"] = self.optimizer_step(role_cfg.grad_clip)
+                sums[FORWARD_TOKENS] = sum(sum(seqlen_balancing.cost_units(part, self.share_prompts)[1])
+                                           for part in parts)
+                for key, value in sums.items():
+                    metrics.setdefault(key, []).append(value)
+        self.scheduler.step()
+        out = {(key if "/" in key else f"{role}/{key}"): summarise(key, values) for key, values in metrics.items()}
+        out[f"{role}/lr"] = self.scheduler.get_last_lr()[0]
+        out[f"{role}/skipped_steps"] = float(self.skipped_steps)
+        return out
+
+    def save_checkpoint(self, folder: str) -> None:
+        """This rank's shards plus its scheduler, RNG states and skipped-step count; everything
+        loads back with `weights_only` loading."""
+        self._save_sharded(folder)
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        torch.save({"scheduler": self.scheduler.state_dict(), "rng": rng, "skipped_steps": self.skipped_steps},
+                   os.path.join(folder, f"extra_rank{dist.get_rank() if dist.is_initialized() else 0}.pt"))
+
+    def load_checkpoint(self, folder: str) -> None:
+        """Inverse of `save_checkpoint` (same world size and layout)."""
+        self._load_sharded(folder)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        extra = torch.load(os.path.join(folder, f"extra_rank{rank}.pt"), weights_only=True)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        torch.set_rng_state(extra["rng"]["cpu"])
+        if "cuda" in extra["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state(extra["rng"]["cuda"])
+        self.skipped_steps = int(extra.get("skipped_steps", 0))
+
+    def save_hf_model(self, folder: str, config) -> None:
+        """The whole model as a Hugging Face folder (float32 safetensors + `config`), written by
+        rank 0 from `per_tensor_weights`. Every rank must call it."""
+        from hybrid_rl.export import save_hf_weights
+
+        weights = self.per_tensor_weights(torch.float32)
+        if dist.is_initialized() and dist.get_rank() != 0:
+            for _ in weights:  # gathering each tensor is a collective
+                pass
+            return
+        save_hf_weights({name: tensor.cpu() for name, tensor in weights}, config, folder, role=self.spec.role)
+
+def all_reduce_scalar(value: float, device: torch.device, op=dist.ReduceOp.SUM) -> float:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return float(t.item())
+
+
+def combine_metric(key: str, total: float | None, value: float) -> float:
+    """Metrics named *_max combine by max, all others by sum."""
+    if total is None:
+        return value
+    return max(total, value) if key.endswith("_max") else total + value
+
+
+def summarise(key: str, values: list[float]) -> float:
+    """One value from per-mini-batch values: the total for the token count, max for *_max, else the mean."""
+    if key == FORWARD_TOKENS:
+        return float(sum(values))
+    return max(values) if key.endswith("_max") else sum(values) / len(values)
+
+
+def token_share(mask: torch.Tensor, agg_kwargs: dict) -> float:
+    """Weight of a micro-batch's per-token means in the exact mini-batch mean (see
+    `TrainEngine.update`)."""
+    return float(mask.sum()) / max(agg_kwargs["global_num_tokens"], 1.0) * agg_kwargs["dp_size"]
+
+
+def lr_lambda(optim_cfg: Any, total_steps: int):
+    """Warmup then constant or cosine decay, as a multiplier of the base learning rate."""
+    warmup = optim_cfg.lr_warmup_steps
+    if warmup is None or warmup < 0:
+        warmup = int(optim_cfg.lr_warmup_steps_ratio * total_steps)
+    kind = optim_cfg.lr_scheduler_type
+    min_ratio = optim_cfg.min_lr_ratio or 0.0
+    cycles = optim_cfg.num_cycles
+
+    def factor(step: int) -> float:
+        if warmup > 0 and step < warmup:
+            return (step + 1) / warmup
+        if kind == "constant":
+            return 1.0
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        cosine = 0.5 * (1.0 + math.cos(2.0 * math.pi * cycles * progress))
+        return max(min_ratio, min_ratio + (1.0 - min_ratio) * cosine)
+
+    return factor

@@ -1,0 +1,162 @@
+"""The FSDP2 engine: a `transformers` model sharded with `fully_shard` over the data-parallel mesh.
+
+Every parameter is a DTensor sharded over all ranks; each decoder layer is its own FSDP unit so
+only one layer is gathered at a time. The fp32 weights are the masters: on GPU FSDP2 computes in
+`fsdp_config.dtype` (mixed precision, fp32 gradient reduction), on CPU the forward is autocast.
+A single CPU rank keeps the plain module (see `shard_model`). Checkpoints are
+`torch.distributed.checkpoint` shards of the model and the optimizer.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from hybrid_rl.engines import hf_model
+from hybrid_rl.engines.base import ModelSpec, Output, TrainEngine, lr_lambda
+
+
+@functools.cache
+def data_parallel_mesh(device_type: str) -> DeviceMesh:
+    """One 1-D mesh over all ranks per process, shared by the actor, reference and critic."""
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def shard_model(model: torch.nn.Module, mesh: DeviceMesh | None, param_dtype: torch.dtype | None,
+                reshard_after_forward: bool = True) -> torch.nn.Module:
+    """Apply `fully_shard` to every decoder layer, then to the root (embeddings, norm, head).
+
+    With one rank and no parameter dtype to cast to (CPU, where bf16 compute is autocast), FSDP
+    would shard nothing and only copy every weight into, and every gradient out of, its flat
+    buffers (~15 % of a CPU update): the module stays a plain one. So does a module built
+    outside a process group (`mesh` None: a benchmark or a test in one process).
+    """
+    if mesh is None or (mesh.size() == 1 and param_dtype is None):
+        return model
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    layer_classes = tuple(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(
+            f"Cannot find decoder layers in {type(model).__name__} (no _no_split_modules); "
+            "this architecture is not supported by the FSDP2 engine."
+        )
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def build_optimizer(model: torch.nn.Module, optim_cfg: Any, total_steps: int):
+    # The fused kernel (CPU and CUDA, DTensor shards included) makes one pass over each tensor;
+    # the default for-each path costs ~5x more on CPU.
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
+        weight_decay=optim_cfg.weight_decay, fused=True,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim_cfg, total_steps))
+    return optimizer, scheduler
+
+
+class FSDPEngine(TrainEngine):
+    """`strategy: fsdp` or `fsdp2`; the role's `fsdp_config` sets the dtype and resharding."""
+
+    def __init__(self, spec: ModelSpec, role_cfg: Any, device: torch.device):
+        self.spec, self.device = spec, device
+        fsdp_cfg = role_cfg.fsdp_config
+        dtype = hf_model.compute_dtype(fsdp_cfg.dtype, device)
+        trainable = spec.optim_cfg is not None
+        if spec.value_head:  # the value forward runs on padded rows (`hf_model.response_values`)
+            model = hf_model.load_value_model(spec.path, spec.model_cfg, device)
+        else:
+            model = hf_model.load_causal_lm(spec.path, spec.model_cfg, device, trainable=trainable)
+            self.options = hf_model.forward_options(spec.model_cfg, dtype, device)
+            self.share_prompts = self.options.share_prompts
+        mesh = data_parallel_mesh(device.type) if dist.is_initialized() else None
+        # On GPU FSDP2 casts the weights to the compute dtype; on CPU the forward is autocast.
+        param_dtype = dtype if device.type == "cuda" else None
+        self.module = shard_model(model, mesh, param_dtype,
+                                  fsdp_cfg.reshard_after_forward if trainable else True)
+        if trainable:
+            self.optimizer, self.scheduler = build_optimizer(self.module, spec.optim_cfg, spec.total_steps)
+
+    @property
+    def dp_rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    @property
+    def dp_size(self) -> int:
+        return dist.get_world_size() if dist.is_initialized() else 1
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.module.parameters())
+
+    def hf_module(self) -> torch.nn.Module:
+        return self.module
+
+    def forward(self, micro: dict[str, torch.Tensor], output: Output, temperature: float) -> dict[str, torch.Tensor]:
+        """One micro-batch through the model (with gradients where enabled)."""
+        if output is Output.VALUES:
+            return {"values": hf_model.response_values(self.module, micro)}
+        if output is Output.LOGITS:
+            return {"logits": hf_model.response_logits(self.module, micro, temperature, self.options)}
+        log_probs, entropy = hf_model.response_log_probs(self.module, micro, temperature, self.options,
+                                                         with_entropy=output is Output.LOG_PROBS_ENTROPY)
+        return {"log_probs": log_probs, "entropy": entropy} if output is Output.LOG_PROBS_ENTROPY else {
+            "log_probs": log_probs}
+
+    def forward_backward(self, micros: list[dict[str, torch.Tensor]], output: Output, temperature: float,
+                         loss_fn: Callable | None = None) -> list[dict]:
+        results = []
+        for micro in micros:
+            if loss_fn is None:
+                with torch.no_grad():
+                    results.append(self.forward(micro, output, temperature))
+                continue
+            loss, terms = loss_fn(self.forward(micro, output, temperature), micro)
+            loss.backward()
+            results.append(terms)
+        return results
+
+    def optimizer_step(self, grad_clip: float) -> float:
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm=grad_clip)
+        norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        if math.isfinite(norm):
+            self.optimizer.step()
+        else:
+            self.skipped_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def per_tensor_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        # The module is the transformers model, so its state-dict names are Hugging Face's.
+        for name, tensor in self.module.state_dict().items():
+            if isinstance(tensor, DTensor):
+                tensor = tensor.full_tensor()
+            yield name, tensor.detach().to(dtype=dtype)
+
+    def _save_sharded(self, folder: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.module, self.optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder)
+
+    def _load_sharded(self, folder: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optim_state = get_state_dict(self.module, self.optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=folder)
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])

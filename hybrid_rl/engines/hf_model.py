@@ -1,0 +1,188 @@
+"""The Hugging Face model inside an engine: loading a causal LM or a value model, and the
+response forwards (padding-free packing, the chunked LM head, values).
+
+These run on any module with the `transformers` interface, sharded or not: the FSDP engine calls
+them on its FSDP2 module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hybrid_rl.hardware import TORCH_DTYPES, resolve_dtype
+from hybrid_rl.models import model_config
+from hybrid_rl.engines import packing
+
+
+def load_causal_lm(path: str, model_cfg: Any, device: torch.device, trainable: bool):
+    from transformers import AutoModelForCausalLM
+
+    config = model_config(path, model_cfg)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, config=config, dtype=torch.float32, attn_implementation=attn_implementation(device),
+        trust_remote_code=model_cfg.trust_remote_code,
+    )
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None or getattr(config, "final_logit_softcapping", None):
+        # The chunked head (`packing.head_log_probs`) computes plain h W^T.
+        raise ValueError(f"{type(model).__name__}: LM heads with a bias or logit soft-capping are not supported.")
+    model.to(device)
+    if trainable:
+        if model_cfg.enable_gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    else:
+        model.requires_grad_(False)
+        model.eval()
+    # Training and log-prob forwards never decode, so no KV cache.
+    model.config.use_cache = False
+    return model
+
+
+def load_value_model(path: str, model_cfg: Any, device: torch.device):
+    """`AutoModelForTokenClassification` with one label: the backbone's weights plus a freshly
+    initialised linear value head on every position."""
+    from transformers import AutoModelForTokenClassification
+
+    config = model_config(path, model_cfg, value_head=True)
+    model = AutoModelForTokenClassification.from_pretrained(
+        path, config=config, dtype=torch.float32, attn_implementation="sdpa",
+        trust_remote_code=model_cfg.trust_remote_code)
+    if model_cfg.enable_gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model.to(device).train()
+
+
+@dataclass(frozen=True)
+class ForwardOptions:
+    """How an engine runs its response forward passes (see `forward_options`)."""
+
+    remove_padding: bool = False  # pack real tokens into rows (`packing.pack_rows`)
+    share_prompts: bool = False  # one prompt copy per group of responses (needs a dense mask)
+    dense_mask: bool = True  # False for varlen kernels (flash-attention), which take no mask
+    head_chunk_size: int = 256  # positions per chunk of the LM head
+    autocast_dtype: torch.dtype | None = None  # CPU mixed precision (fp32 weights stay the masters)
+
+
+def compute_dtype(requested: str, device: torch.device) -> torch.dtype:
+    """An engine's `dtype` setting (`auto` as `hybrid_rl.hardware` resolves it for this device)."""
+    return TORCH_DTYPES[resolve_dtype(requested, device.type, "train").dtype]
+
+
+def forward_options(model_cfg: Any, dtype: torch.dtype, device: torch.device) -> ForwardOptions:
+    """`model.use_remove_padding`, `model.share_prompt_prefix` and `model.head_chunk_size`, and
+    autocast to the compute `dtype` on CPU (on GPU the engine casts the weights itself)."""
+    dense = attn_implementation(device) != "flash_attention_2"
+    remove_padding = bool(model_cfg.use_remove_padding)
+    return ForwardOptions(
+        remove_padding=remove_padding,
+        share_prompts=remove_padding and dense and bool(model_cfg.share_prompt_prefix),
+        dense_mask=dense, head_chunk_size=int(model_cfg.head_chunk_size),
+        autocast_dtype=dtype if device.type == "cpu" and dtype != torch.float32 else None)
+
+
+CPU_ATTENTION = "hybrid_rl_sdpa_float32"
+
+
+def _sdpa_in_float32(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention with query, key and value upcast to float32 (a no-op for a
+    float32 model). Under CPU bf16 autocast this is both more exact and faster: PyTorch's bf16
+    flash-attention backward on CPU is ~2.5x slower than its float32 one on short rows."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    with torch.autocast(query.device.type, enabled=False):
+        out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(),
+                                              attention_mask, **kwargs)
+    return out.to(query.dtype), weights
+
+
+def attn_implementation(device: torch.device) -> str:
+    """flash-attention 2 (varlen, no masks) on GPU when installed, else SDPA (in float32 on CPU)."""
+    if device.type == "cuda":
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is not None:
+            return "flash_attention_2"
+        return "sdpa"
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(CPU_ATTENTION, _sdpa_in_float32)
+    AttentionMaskInterface.register(CPU_ATTENTION, sdpa_mask)
+    return CPU_ATTENTION
+
+
+def response_head_outputs(model: torch.nn.Module, micro: dict[str, torch.Tensor], options: ForwardOptions,
+                          head_fn) -> torch.Tensor:
+    """Run `model` on a micro-batch of [left-padded prompt | right-padded response] rows with its
+    LM head replaced by `head_fn(hidden, targets, head)`, evaluated only at the positions that
+    predict response tokens; returns its output laid out as (B, T, ...), zero at padding.
+    """
+    responses = micro["responses"]
+    batch, resp_len = responses.shape
+    prompt_len = micro["input_ids"].shape[1] - resp_len
+    packed = None
+    if options.remove_padding:
+        packed = packing.pack_rows(micro["input_ids"], micro["attention_mask"], prompt_len,
+                                   options.share_prompts, options.dense_mask)
+        inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids,
+                  "attention_mask": packed.attention_mask}
+        # Packed predictions sit at different positions in each row: keep every hidden state
+        # and pick them from the flattened rows.
+        keep, targets = 0, packed.targets
+        select = lambda hidden: hidden.flatten(0, 1)[packed.keep]  # noqa: E731
+    else:
+        inputs = {key: micro[key] for key in ("input_ids", "attention_mask", "position_ids")}
+        keep = torch.arange(prompt_len - 1, prompt_len + resp_len - 1, device=responses.device)
+        targets = responses
+        select = lambda hidden: hidden  # noqa: E731
+    head = model.get_output_embeddings()
+    autocast = torch.autocast(responses.device.type, dtype=options.autocast_dtype or torch.bfloat16,
+                              enabled=options.autocast_dtype is not None)
+    with autocast, packing.replaced_head(head, lambda hidden: head_fn(select(hidden), targets, head)):
+        out = model(**inputs, use_cache=False, logits_to_keep=keep).logits
+    return packing.unpack(out, packed, (batch, resp_len)) if packed is not None else out
+
+
+def head_dtype(head: torch.nn.Module, options: ForwardOptions) -> torch.dtype:
+    return options.autocast_dtype or head.weight.dtype
+
+
+def response_log_probs(model: torch.nn.Module, micro: dict[str, torch.Tensor], temperature: float,
+                       options: ForwardOptions, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs (B, T) of the response tokens at `temperature` and the entropies of those
+    next-token distributions (zeros unless `with_entropy`), computed in chunks without a
+    (B, T, V) logits tensor."""
+
+    def head_fn(hidden, targets, head):
+        log_probs, entropy = packing.head_log_probs(hidden, head.weight, targets, temperature,
+                                                    options.head_chunk_size, head_dtype(head, options),
+                                                    with_entropy)
+        return torch.stack([log_probs, entropy], dim=-1)
+
+    out = response_head_outputs(model, micro, options, head_fn)
+    return out[..., 0], out[..., 1]
+
+
+def response_logits(model: torch.nn.Module, micro: dict[str, torch.Tensor], temperature: float,
+                    options: ForwardOptions) -> torch.Tensor:
+    """Float32 logits (B, T, V) that predict the T response tokens, divided by the temperature
+    (only for losses that need whole distributions, such as the full KL)."""
+
+    def head_fn(hidden, targets, head):
+        dtype = head_dtype(head, options)
+        return (hidden.to(dtype) @ head.weight.to(dtype).T).float() / temperature
+
+    return response_head_outputs(model, micro, options, head_fn)
+
+
+def response_values(model: torch.nn.Module, micro: dict[str, torch.Tensor]) -> torch.Tensor:
+    """V(s_t) for each response token t: the value read at the position that precedes it."""
+    resp_len = micro["responses"].shape[1]
+    out = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
+                position_ids=micro["position_ids"], use_cache=False)
+    return out.logits[:, -resp_len - 1:-1, 0].float()

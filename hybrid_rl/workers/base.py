@@ -1,0 +1,49 @@
+"""What every model-holding worker role shares: its config, model folder and device set-up."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from omegaconf import OmegaConf
+
+from hybrid_rl.controller import Worker
+
+
+class ModelWorker(Worker):
+    """A worker role that trains or evaluates models through engines (`hybrid_rl.engines`): it
+    keeps the resolved config (an OmegaConf copy of the driver's plain dict), the local model
+    folder and the run length."""
+
+    def __init__(self, config: dict, model_path: str, total_steps: int):
+        super().__init__()
+        from hybrid_rl.console import quiet_third_party_output
+
+        quiet_third_party_output()
+        self.cfg = OmegaConf.create(config)
+        self.model_path = model_path
+        self.total_steps = total_steps
+
+    def setup_device(self) -> torch.device:
+        """Threads, device and process group of this worker process (idempotent across roles
+        colocated in one process)."""
+        threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+        if threads > 0:
+            torch.set_num_threads(threads)
+        use_cuda = self.cfg.trainer.device == "cuda"
+        if use_cuda:
+            # Ray gives each actor one visible GPU; vLLM picks its device from LOCAL_RANK.
+            torch.cuda.set_device(0)
+            os.environ["LOCAL_RANK"] = "0"
+        self.init_process_group(timeout_s=self.cfg.actor_rollout_ref.nccl_timeout)
+        return torch.device("cuda", 0) if use_cuda else torch.device("cpu")
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory of this worker so far: CUDA allocations on GPU, the process's peak resident
+    set on CPU (trainer, reference and the vLLM engine together)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
