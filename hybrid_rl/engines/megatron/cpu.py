@@ -1,0 +1,105 @@
+"""megatron-core on CPU: a device layer for `trainer.device=cpu`.
+
+megatron-core has no CPU mode. Its model, schedule and optimizer code asks for CUDA directly:
+`torch.cuda.current_device()` for placement, `device="cuda"` in tensor factories, the CUDA RNG
+state in its RNG tracker, `Tensor.cuda()`, `torch.cuda.synchronize()`, and a CUDA-tensor
+assertion in gradient clipping. Inside `cpu_device_layer()` each of those is answered on the CPU:
+
+- a `TorchFunctionMode` rewrites every CUDA device argument (`"cuda"`, `"cuda:N"`, an int, a
+  CUDA `torch.device`) of tensor factories and `Tensor.to` to the CPU, and makes `Tensor.cuda`
+  return the tensor;
+- `torch.cuda.current_device` answers 0 (rewritten to the CPU by the mode), `synchronize` is a
+  no-op, and the CUDA RNG calls megatron makes (`torch.cuda.get_rng_state`, `manual_seed`, its
+  `_get/_set_cuda_rng_state`) use the CPU generator, which is the one CPU dropout draws from;
+- gradient clipping by the total norm scales the gradients in place without the CUDA assertion.
+
+Everything is restored on exit, so vLLM and the FSDP engine in the same process never see it.
+The set of calls was found by running megatron-core's model, DDP, distributed optimizer and
+pipeline schedules on gloo; it is checked against the versions in `CHECKED_VERSIONS` only, and
+`check_version` refuses any other at start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+CHECKED_VERSIONS = ("0.16.1",)
+
+
+def check_version() -> str:
+    """The installed megatron-core version, if the CPU device layer was checked against it."""
+    try:
+        version = importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        raise RuntimeError("strategy=megatron needs megatron-core: pip install 'hybrid-rl[megatron]' "
+                           f"(megatron-core=={CHECKED_VERSIONS[-1]}).") from None
+    if version not in CHECKED_VERSIONS:
+        raise RuntimeError(f"megatron-core {version} is installed, but the CPU device layer (trainer.device=cpu) "
+                           f"was checked only against {', '.join(CHECKED_VERSIONS)}: pip install "
+                           f"megatron-core=={CHECKED_VERSIONS[-1]}, or train on GPU.")
+    return version
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+class _CudaToCpu(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+def _clip_in_place(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """megatron's `clip_grad_by_total_norm_fp32` without its CUDA-tensor assertion."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff < 1.0:
+        for param in parameters:
+            grad = param.decoupled_grad if use_decoupled_grad else param.grad
+            if grad is not None:
+                grad.detach().mul_(coeff)
+
+
+@contextlib.contextmanager
+def cpu_device_layer():
+    """Run megatron-core calls on the CPU (see the module docstring); re-entrant."""
+    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.tensor_parallel import random as mp_random
+
+    patches = [
+        (torch.cuda, "current_device", lambda: 0),
+        (torch.cuda, "synchronize", lambda *args, **kwargs: None),
+        (torch.cuda, "get_rng_state", lambda *args, **kwargs: torch.get_rng_state()),
+        (torch.cuda, "set_rng_state", lambda state, *args, **kwargs: torch.set_rng_state(state)),
+        (torch.cuda, "manual_seed", lambda seed: torch.manual_seed(seed)),
+        (torch.cuda.random, "get_rng_state", lambda *args, **kwargs: torch.get_rng_state()),
+        (mp_random, "_get_cuda_rng_state", lambda *args, **kwargs: torch.get_rng_state()),
+        (mp_random, "_set_cuda_rng_state", lambda state, *args, **kwargs: torch.set_rng_state(state)),
+        (clip_grads, "clip_grad_by_total_norm_fp32", _clip_in_place),
+        (optimizer, "clip_grad_by_total_norm_fp32", _clip_in_place),
+    ]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+    try:
+        with _CudaToCpu():
+            yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)

@@ -1,0 +1,197 @@
+"""A Megatron-core `GPTModel` built from a Hugging Face folder, and its weights in and out.
+
+`initialize_parallel` sets up megatron's tensor / pipeline / data-parallel groups over the
+default process group; `build_model` makes this rank's model chunks (one per virtual pipeline
+stage) with the local layer spec, filled with the HF weights (`convert` splits them for TP);
+`iter_hf_weights` yields full tensors with HF names, one at a time, gathered over TP and
+broadcast from the pipeline stage that holds them, on every rank. On `trainer.device=cpu` all of
+it runs inside `cpu.cpu_device_layer()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hybrid_rl.engines.megatron import convert
+from hybrid_rl.engines.megatron.cpu import check_version, cpu_device_layer
+
+
+def device_layer(device: torch.device):
+    """The context every megatron call runs in: the CPU device layer on CPU, nothing on GPU."""
+    if device.type == "cpu":
+        check_version()
+        return cpu_device_layer()
+    return contextlib.nullcontext()
+
+
+def initialize_parallel(tp: int, pp: int, vpp: int | None, seed: int) -> None:
+    """megatron's process groups (once per process) and its model-parallel RNG."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(f"tensor_model_parallel_size ({tp}) x pipeline_model_parallel_size ({pp}) must divide "
+                         f"the number of ranks ({world}, trainer.nnodes x trainer.n_gpus_per_node).")
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def transformer_config(hf_config, layout: convert.Layout, vpp: int | None, sequence_parallel: bool,
+                       overrides: dict | None = None):
+    """megatron's `TransformerConfig` for a Llama/Qwen2-shaped HF config; fp32 weights (the masters)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer import TransformerConfig
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    # Fewer key/value heads than TP ranks is fine when each head's ranks are whole (megatron
+    # gathers the fused qkv output then).
+    if layout.heads % tp or (layout.groups % tp and tp % layout.groups):
+        raise ValueError(f"tensor_model_parallel_size={tp} does not fit the model's {layout.heads} attention heads "
+                         f"and {layout.groups} key/value heads: it must divide the attention heads, and divide or "
+                         "be a multiple of the key/value heads.")
+    if layout.num_layers % (pp * (vpp or 1)):
+        raise ValueError(f"pipeline_model_parallel_size={pp} x virtual_pipeline_model_parallel_size={vpp or 1} "
+                         f"does not divide the model's {layout.num_layers} layers.")
+    return TransformerConfig(
+        num_layers=layout.num_layers, hidden_size=hf_config.hidden_size, num_attention_heads=layout.heads,
+        num_query_groups=layout.groups, kv_channels=layout.head_dim, ffn_hidden_size=hf_config.intermediate_size,
+        normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=layout.qkv_bias,
+        attention_dropout=0.0, hidden_dropout=0.0,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp, sequence_parallel=sequence_parallel and tp > 1,
+        params_dtype=torch.float32, pipeline_dtype=torch.float32, use_cpu_initialization=True,
+        # Prompts and responses vary in length from batch to batch.
+        variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
+        # The fused kernels need CUDA extensions (Apex / Transformer Engine).
+        masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False,
+        **(overrides or {}))
+
+
+def build_model(hf_config, layout: convert.Layout, config) -> list[torch.nn.Module]:
+    """This rank's model chunks (one per virtual pipeline stage), with random weights."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    chunks = []
+    for stage in range(config.virtual_pipeline_model_parallel_size or 1):
+        vp_stage = stage if config.virtual_pipeline_model_parallel_size else None
+        chunks.append(GPTModel(
+            config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=layout.padded_vocab(tp),
+            max_sequence_length=hf_config.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            share_embeddings_and_output_weights=layout.tied, position_embedding_type="rope",
+            rotary_base=getattr(hf_config, "rope_theta", 10000), parallel_output=False, vp_stage=vp_stage))
+    return chunks
+
+
+def global_names(chunk: torch.nn.Module, config, vp_stage: int | None) -> dict[str, str]:
+    """This chunk's weight names -> names with model-wide layer numbers (no `_extra_state`)."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    names = {}
+    for name in chunk.state_dict():
+        if name.endswith("_extra_state"):
+            continue
+        match = convert._LAYER.fullmatch(name)
+        names[name] = f"decoder.layers.{int(match.group(1)) + offset}.{match.group(2)}" if match else name
+    return names
+
+
+def _vp_stage(config, index: int) -> int | None:
+    return index if config.virtual_pipeline_model_parallel_size else None
+
+
+@torch.no_grad()
+def load_hf_weights(chunks: list[torch.nn.Module], config, path: str, layout: convert.Layout) -> None:
+    """Fill the chunks with the HF safetensors weights in `path`, each rank its own TP shard."""
+    from megatron.core import parallel_state
+    from safetensors import safe_open
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    files = {}
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with safe_open(file, "pt") as handle:
+            files.update({key: file for key in handle.keys()})
+    if layout.tied or "lm_head.weight" not in files:
+        files.setdefault("lm_head.weight", files.get("model.embed_tokens.weight"))
+
+    def read(hf_name: str) -> torch.Tensor:
+        if files.get(hf_name) is None:
+            raise ValueError(f"{path} has no tensor {hf_name!r}; is it a complete {', '.join(convert.ARCHITECTURES)} "
+                             "checkpoint?")
+        name = "model.embed_tokens.weight" if hf_name == "lm_head.weight" and layout.tied else hf_name
+        with safe_open(files[hf_name], "pt") as handle:
+            return handle.get_tensor(name)
+
+    for index, chunk in enumerate(chunks):
+        state = chunk.state_dict()
+        for local, name in global_names(chunk, config, _vp_stage(config, index)).items():
+            full = convert.to_megatron(name, [read(n) for n in convert.hf_names(name)], layout)
+            shard = convert.split_tp(name, full, tp, layout)[tp_rank]
+            if shard.shape != state[local].shape:
+                raise ValueError(f"{name}: the checkpoint gives {tuple(shard.shape)} for this rank, the model "
+                                 f"expects {tuple(state[local].shape)}.")
+            state[local].copy_(shard)
+
+
+@torch.no_grad()
+def iter_hf_weights(chunks: list[torch.nn.Module], config, layout: convert.Layout,
+                    dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every weight as a full tensor with its HF name in `dtype`, on every rank, one at a time:
+    the TP shards are gathered, and each pipeline stage's tensors are broadcast to the others.
+    With tied embeddings the last stage's copy of the output layer is skipped (HF keeps one)."""
+    from megatron.core import parallel_state
+
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    tp = dist.get_world_size(tp_group)
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    device = next(chunks[0].parameters()).device
+    mine = []  # (global name, chunk index, local name)
+    for index, chunk in enumerate(chunks):
+        for local, name in global_names(chunk, config, _vp_stage(config, index)).items():
+            if not (layout.tied and name == "output_layer.weight"):
+                mine.append((name, index, local))
+    # Every stage learns which stage holds which tensor, and its TP-merged shape and dtype.
+    owned = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(owned, [(name, tuple(chunks[i].state_dict()[local].shape)) for name, i, local in mine],
+                           group=pp_group)
+    locals_by_name = {name: (i, local) for name, i, local in mine}
+    for stage, entries in enumerate(owned):
+        for name, shard_shape in entries:
+            if stage == pp_rank:
+                index, local = locals_by_name[name]
+                shard = chunks[index].state_dict()[local].detach()
+                if tp > 1 and convert.is_tensor_parallel(name):
+                    shards = [torch.empty_like(shard) for _ in range(tp)]
+                    dist.all_gather(shards, shard.contiguous(), group=tp_group)
+                    full = convert.merge_tp(name, shards)
+                else:
+                    full = shard
+                full = full.to(torch.float32).contiguous()
+            else:
+                full = None
+            if len(owned) > 1:
+                shape = torch.tensor(full.shape if full is not None else [0] * len(shard_shape), device=device)
+                dist.broadcast(shape, src=dist.get_global_rank(pp_group, stage), group=pp_group)
+                if full is None:
+                    full = torch.empty(tuple(shape.tolist()), dtype=torch.float32, device=device)
+                dist.broadcast(full, src=dist.get_global_rank(pp_group, stage), group=pp_group)
+            for hf_name, tensor in convert.to_hf(name, full, layout):
+                yield hf_name, tensor.to(dtype)
