@@ -1,6 +1,7 @@
 """The Megatron-core model on this CPU: HF <-> Megatron conversion is bit-exact, including TP
-splits and the pipeline stages' broadcast; the model's logits equal transformers' for TP=1 and
-TP=2; the CPU device layer restores everything it patched."""
+splits and the pipeline stages' broadcast; the model's logits equal transformers', and its
+response log-probs and entropies the FSDP engine's, for TP=1 and TP=2; the CPU device layer
+restores everything it patched."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hybrid_rl.engines.hf_model import ForwardOptions, response_log_probs
 from hybrid_rl.engines.megatron import convert
 
 
@@ -88,6 +90,20 @@ def test_device_layer_restores_torch_and_checks_the_version(monkeypatch):
         cpu.check_version()
 
 
+def rollout_micro(vocab: int) -> dict[str, torch.Tensor]:
+    """Three [left-padded prompt | right-padded response] rows of different prompt and response
+    lengths, laid out as the rollout assembles them."""
+    g = torch.Generator().manual_seed(3)
+    prompt_lens, response_lens, prompt_len, response_len = [5, 3, 1], [4, 2, 0], 5, 4
+    ids = torch.zeros(3, prompt_len + response_len, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, (p, r) in enumerate(zip(prompt_lens, response_lens)):
+        ids[row, prompt_len - p:prompt_len + r] = torch.randint(5, vocab, (p + r,), generator=g)
+        mask[row, prompt_len - p:prompt_len + r] = 1
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp_min(0),
+            "responses": ids[:, prompt_len:], "response_mask": mask[:, prompt_len:]}
+
+
 def _rank_main(rank: int, world: int, init_file: str, tp: int, pp: int, model_dir: str, out_dir: str) -> None:
     """One rank: build the Megatron model from the HF folder, export it back, run a forward."""
     from safetensors.torch import save_file
@@ -104,15 +120,18 @@ def _rank_main(rank: int, world: int, init_file: str, tp: int, pp: int, model_di
         chunks = mmodel.build_model(hf_config, layout, config)
         mmodel.load_hf_weights(chunks, config, model_dir, layout)
         exported = dict(mmodel.iter_hf_weights(chunks, config, layout, torch.float32))
-        logits = None
+        outputs = None
         if pp == 1:
             ids = torch.randint(5, layout.vocab, (2, 10), generator=torch.Generator().manual_seed(0))
             chunks[0].eval()
             with torch.no_grad():
                 logits = chunks[0](ids, torch.arange(10).expand(2, -1), None)
+                log_probs, entropy = mmodel.response_log_probs(chunks[0], rollout_micro(layout.vocab), 0.7,
+                                                              layout.vocab)
+            outputs = {"logits": logits, "log_probs": log_probs, "entropy": entropy}
     save_file(exported, os.path.join(out_dir, f"export_rank{rank}.safetensors"))
-    if logits is not None:
-        torch.save(logits, os.path.join(out_dir, f"logits_rank{rank}.pt"))
+    if outputs is not None:
+        torch.save(outputs, os.path.join(out_dir, f"outputs_rank{rank}.pt"))
     dist.destroy_process_group()
 
 
@@ -135,6 +154,13 @@ def test_megatron_model_from_hf_round_trips_and_matches_transformers(tiny_model_
             ids = torch.randint(5, hf.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
             with torch.no_grad():
                 expected = hf(ids).logits
+            # The FSDP engine's response forward (padded layout) on the same rows.
+            micro = rollout_micro(hf.config.vocab_size)
+            with torch.no_grad():
+                fsdp_lp, fsdp_entropy = response_log_probs(hf, micro, 0.7, ForwardOptions(remove_padding=False))
+            mask = micro["response_mask"].bool()
             for rank in range(world):
-                logits = torch.load(os.path.join(out_dir, f"logits_rank{rank}.pt"))[..., :hf.config.vocab_size]
-                assert (logits - expected).abs().max() <= 1e-5
+                outputs = torch.load(os.path.join(out_dir, f"outputs_rank{rank}.pt"))
+                assert (outputs["logits"][..., :hf.config.vocab_size] - expected).abs().max() <= 1e-5
+                assert (outputs["log_probs"] - fsdp_lp)[mask].abs().max() <= 1e-5
+                assert (outputs["entropy"] - fsdp_entropy)[mask].abs().max() <= 1e-5

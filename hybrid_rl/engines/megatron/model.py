@@ -195,3 +195,37 @@ def iter_hf_weights(chunks: list[torch.nn.Module], config, layout: convert.Layou
                 dist.broadcast(full, src=dist.get_global_rank(pp_group, stage), group=pp_group)
             for hf_name, tensor in convert.to_hf(name, full, layout):
                 yield hf_name, tensor.to(dtype)
+
+
+def left_aligned(micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[left-padded prompt | right-padded response] rows shifted left by their prompt padding.
+
+    megatron's rotary embedding numbers the positions of a row 0, 1, ... and ignores position
+    ids, so each row must start with its first real token to get the positions transformers
+    gives it (`attention_mask.cumsum() - 1`). Padding then sits only at the end, where the causal
+    mask hides it from every real token. Returns (input_ids, position_ids, predict): `predict`
+    (B, T_response) is the index of the position whose output predicts each response token.
+    """
+    ids, mask = micro["input_ids"], micro["attention_mask"]
+    rows, length = ids.shape
+    prompt_len = length - micro["responses"].shape[1]
+    pad = prompt_len - mask[:, :prompt_len].sum(dim=1, keepdim=True)
+    steps = torch.arange(length, device=ids.device)
+    shifted = ids.gather(1, (steps + pad).clamp(max=length - 1))
+    predict = (prompt_len - pad - 1) + torch.arange(micro["responses"].shape[1], device=ids.device)
+    return shifted, steps.expand(rows, -1), predict
+
+
+def response_log_probs(chunk: torch.nn.Module, micro: dict[str, torch.Tensor], temperature: float,
+                       vocab: int, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs (B, T) of the response tokens at `temperature` and the entropies of those
+    next-token distributions (zeros unless `with_entropy`), from a whole-model chunk (PP=1)
+    whose output layer gathers the vocabulary (`parallel_output=False`)."""
+    from hybrid_rl.algorithms import entropy_from_logits, token_log_probs
+
+    ids, positions, predict = left_aligned(micro)
+    logits = chunk(ids, positions, None)[..., :vocab]  # the TP padding rows are not tokens
+    logits = logits.gather(1, predict.unsqueeze(-1).expand(-1, -1, vocab)).float() / temperature
+    log_probs = token_log_probs(logits, micro["responses"])
+    entropy = entropy_from_logits(logits) if with_entropy else torch.zeros_like(log_probs)
+    return log_probs, entropy
