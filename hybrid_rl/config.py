@@ -39,7 +39,6 @@ class ConfigError(ValueError):
     pass
 
 
-
 def needs_critic(cfg: DictConfig) -> bool:
     """critic.enable, or (when null) whether the estimator is GAE."""
     enable = cfg.critic.enable

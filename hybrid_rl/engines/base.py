@@ -197,13 +197,12 @@ class TrainEngine(ABC):
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
         torch.save({"scheduler": self.scheduler.state_dict(), "rng": rng, "skipped_steps": self.skipped_steps},
-                   os.path.join(folder, f"extra_rank{dist.get_rank() if dist.is_initialized() else 0}.pt"))
+                   _extra_path(folder))
 
     def load_checkpoint(self, folder: str) -> None:
         """Inverse of `save_checkpoint` (same world size and layout)."""
         self._load_sharded(folder)
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        extra = torch.load(os.path.join(folder, f"extra_rank{rank}.pt"), weights_only=True)
+        extra = torch.load(_extra_path(folder), weights_only=True)
         self.scheduler.load_state_dict(extra["scheduler"])
         torch.set_rng_state(extra["rng"]["cpu"])
         if "cuda" in extra["rng"] and torch.cuda.is_available():
@@ -221,6 +220,11 @@ class TrainEngine(ABC):
                 pass
             return
         save_hf_weights({name: tensor.cpu() for name, tensor in weights}, config, folder, role=self.spec.role)
+
+def _extra_path(folder: str) -> str:
+    """This rank's file of non-tensor checkpoint state."""
+    return os.path.join(folder, f"extra_rank{dist.get_rank() if dist.is_initialized() else 0}.pt")
+
 
 def all_reduce_scalar(value: float, device: torch.device, op=dist.ReduceOp.SUM) -> float:
     if not dist.is_initialized() or dist.get_world_size() == 1:

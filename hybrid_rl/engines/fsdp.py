@@ -108,10 +108,9 @@ class FSDPEngine(TrainEngine):
             return {"values": hf_model.response_values(self.module, micro)}
         if output is Output.LOGITS:
             return {"logits": hf_model.response_logits(self.module, micro, temperature, self.options)}
-        log_probs, entropy = hf_model.response_log_probs(self.module, micro, temperature, self.options,
-                                                         with_entropy=output is Output.LOG_PROBS_ENTROPY)
-        return {"log_probs": log_probs, "entropy": entropy} if output is Output.LOG_PROBS_ENTROPY else {
-            "log_probs": log_probs}
+        with_entropy = output is Output.LOG_PROBS_ENTROPY
+        log_probs, entropy = hf_model.response_log_probs(self.module, micro, temperature, self.options, with_entropy)
+        return {"log_probs": log_probs, "entropy": entropy} if with_entropy else {"log_probs": log_probs}
 
     def forward_backward(self, micros: list[dict[str, torch.Tensor]], output: Output, temperature: float,
                          loss_fn: Callable | None = None) -> list[dict]:

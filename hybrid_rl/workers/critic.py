@@ -3,8 +3,6 @@ engine (`critic.strategy`) colocated in the actor's worker process."""
 
 from __future__ import annotations
 
-import torch
-
 from hybrid_rl.algorithms import compute_value_loss
 from hybrid_rl.controller import Dispatch, register
 from hybrid_rl.engines import ModelSpec, Output, build_engine

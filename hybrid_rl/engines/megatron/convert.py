@@ -78,6 +78,12 @@ _COLUMN_SPLIT = ("linear_proj.weight", "linear_fc2.weight")  # split along the i
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
+def with_layer_offset(name: str, offset: int) -> str:
+    """A pipeline stage's tensor name with model-wide layer numbering (its layers start at `offset`)."""
+    match = _LAYER.fullmatch(name)
+    return f"decoder.layers.{int(match.group(1)) + offset}.{match.group(2)}" if match else name
+
+
 def hf_names(name: str) -> list[str]:
     """The HF tensors one Megatron tensor (global layer numbering) is made of."""
     if name in _GLOBAL_NAMES:

@@ -87,7 +87,7 @@ def build_model(hf_config, layout: convert.Layout, config) -> list[torch.nn.Modu
     tp = parallel_state.get_tensor_model_parallel_world_size()
     chunks = []
     for stage in range(config.virtual_pipeline_model_parallel_size or 1):
-        vp_stage = stage if config.virtual_pipeline_model_parallel_size else None
+        vp_stage = _vp_stage(config, stage)
         chunks.append(GPTModel(
             config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=layout.padded_vocab(tp),
             max_sequence_length=hf_config.max_position_embeddings,
@@ -103,13 +103,8 @@ def global_names(chunk: torch.nn.Module, config, vp_stage: int | None) -> dict[s
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
-    names = {}
-    for name in chunk.state_dict():
-        if name.endswith("_extra_state"):
-            continue
-        match = convert._LAYER.fullmatch(name)
-        names[name] = f"decoder.layers.{int(match.group(1)) + offset}.{match.group(2)}" if match else name
-    return names
+    return {name: convert.with_layer_offset(name, offset) for name in chunk.state_dict()
+            if not name.endswith("_extra_state")}
 
 
 def _vp_stage(config, index: int) -> int | None:
@@ -128,16 +123,15 @@ def load_hf_weights(chunks: list[torch.nn.Module], config, path: str, layout: co
     for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
         with safe_open(file, "pt") as handle:
             files.update({key: file for key in handle.keys()})
-    if layout.tied or "lm_head.weight" not in files:
-        files.setdefault("lm_head.weight", files.get("model.embed_tokens.weight"))
 
     def read(hf_name: str) -> torch.Tensor:
-        if files.get(hf_name) is None:
+        if hf_name == "lm_head.weight" and layout.tied:  # the last stage's copy of the embedding
+            hf_name = "model.embed_tokens.weight"
+        if hf_name not in files:
             raise ValueError(f"{path} has no tensor {hf_name!r}; is it a complete {', '.join(convert.ARCHITECTURES)} "
                              "checkpoint?")
-        name = "model.embed_tokens.weight" if hf_name == "lm_head.weight" and layout.tied else hf_name
         with safe_open(files[hf_name], "pt") as handle:
-            return handle.get_tensor(name)
+            return handle.get_tensor(hf_name)
 
     for index, chunk in enumerate(chunks):
         state = chunk.state_dict()
@@ -163,6 +157,7 @@ def iter_hf_weights(chunks: list[torch.nn.Module], config, layout: convert.Layou
     tp = dist.get_world_size(tp_group)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     device = next(chunks[0].parameters()).device
+    states = [chunk.state_dict() for chunk in chunks]
     mine = []  # (global name, chunk index, local name)
     for index, chunk in enumerate(chunks):
         for local, name in global_names(chunk, config, _vp_stage(config, index)).items():
@@ -170,14 +165,14 @@ def iter_hf_weights(chunks: list[torch.nn.Module], config, layout: convert.Layou
                 mine.append((name, index, local))
     # Every stage learns which stage holds which tensor, and its TP-merged shape and dtype.
     owned = [None] * dist.get_world_size(pp_group)
-    dist.all_gather_object(owned, [(name, tuple(chunks[i].state_dict()[local].shape)) for name, i, local in mine],
+    dist.all_gather_object(owned, [(name, tuple(states[i][local].shape)) for name, i, local in mine],
                            group=pp_group)
     locals_by_name = {name: (i, local) for name, i, local in mine}
     for stage, entries in enumerate(owned):
         for name, shard_shape in entries:
             if stage == pp_rank:
                 index, local = locals_by_name[name]
-                shard = chunks[index].state_dict()[local].detach()
+                shard = states[index][local].detach()
                 if tp > 1 and convert.is_tensor_parallel(name):
                     shards = [torch.empty_like(shard) for _ in range(tp)]
                     dist.all_gather(shards, shard.contiguous(), group=tp_group)
