@@ -28,8 +28,6 @@ VERL_ONLY_ADV_ESTIMATORS = {
        for name in ("optimal_token_baseline", "tir_optimal_token_baseline")},
     "grpo_vectorized": "use grpo", "rloo_vectorized": "use rloo",
 }
-VERL_ONLY_TRAIN_STRATEGIES = {"megatron": "the Megatron engine is not built; use --config-name=ppo_trainer, or "
-                                          "strategy=fsdp2, with the same overrides otherwise"}
 DEVICES = ("auto", "cpu", "cuda")
 # What a checkpoint holds (verl's names): the first three always, a Hugging Face copy on request.
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
@@ -91,7 +89,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     for key, strategy in (("actor_rollout_ref.actor.strategy", actor.strategy),
                           ("actor_rollout_ref.ref.strategy", cfg.actor_rollout_ref.ref.strategy),
                           ("critic.strategy", cfg.critic.strategy)):
-        _choice(strategy, ENGINES.names(), key, VERL_ONLY_TRAIN_STRATEGIES)
+        _choice(strategy, ENGINES.names(), key)
     _choice(trainer.device, DEVICES, "trainer.device", {"npu": "Ascend NPUs are not supported; use cuda or cpu"})
     _choice(data.truncation, ("error", "left", "right", "middle"), "data.truncation")
     loggers = [trainer.logger] if isinstance(trainer.logger, str) else list(trainer.logger)

@@ -108,17 +108,38 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NOT_YET, "quantisation-aware training is not built", "*.qat.enable"),
     *_rules(NO_EFFECT, "verl copies the actor's qat settings here", "actor_rollout_ref.rollout.qat"),
     *_rules(NO_EFFECT, "read only with qat.enable=true, which is not supported yet", "*.qat.*"),
-    *_rules(NOT_YET, "the Megatron engine is not built yet (strategy=megatron)", "*.megatron.*",
-            "*.checkpoint.mbridge_config", "critic.nccl_timeout"),
+    # --- training engine (Megatron)
+    *_rules(WORKS, "the Megatron engine's layout, precision and optimizer sharding (CPU: no virtual "
+            "pipeline stages; sequence parallelism needs Transformer Engine on CUDA, elsewhere it is off "
+            "with a warning)", *(f"*.megatron.{k}" for k in (
+                "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+                "sequence_parallel", "use_distributed_optimizer", "dist_ckpt_optim_fully_reshardable", "seed",
+                "dtype", "override_transformer_config.*", "override_ddp_config"))),
+    *_rules(NOT_YET, "context and expert parallelism and Megatron-FSDP are not built yet",
+            *(f"*.megatron.{k}" for k in ("context_parallel_size", "expert_model_parallel_size",
+                                          "expert_tensor_parallel_size", "dynamic_context_parallel",
+                                          "use_megatron_fsdp"))),
+    *_rules(NOT_YET, "offloading the Megatron model, gradients or optimizer is not built yet",
+            "*.megatron.param_offload", "*.megatron.grad_offload", "*.megatron.optimizer_offload"),
+    *_rules(NOT_YET, "the Megatron engine converts the Hugging Face folder itself (exactly); loading a "
+            "pre-converted dist-checkpoint is not built yet", "*.megatron.use_dist_checkpointing"),
+    *_rules(NO_EFFECT, "weights are converted by hybrid_rl's own exact converter, not mbridge",
+            "*.megatron.use_mbridge", "*.megatron.vanilla_mbridge", "*.checkpoint.mbridge_config"),
+    *_rules(NO_EFFECT, "the Megatron engine runs each micro-batch padded to its longest row (same numbers)",
+            "*.megatron.use_remove_padding", "*.megatron.pad_bshd_to_minibatch_max"),
+    *_rules(NO_EFFECT, "the reference model is built frozen and the actor trainable", "*.megatron.forward_only"),
+    *_rules(NOT_YET, "not built yet for the Megatron engine", "*.megatron.*", "critic.nccl_timeout"),
     # --- optimiser
-    *_rules(NOT_YET, "only torch.optim AdamW is built", "*.optim.optimizer", "*.optim.optimizer_impl",
+    *_rules(NOT_YET, "only AdamW is built (torch's, or megatron's adam, which is AdamW)", "*.optim.optimizer",
+            "*.optim.optimizer_impl",
             "*.optim.override_optimizer_config"),
     *_rules(NO_EFFECT, "the schedule length comes from the trainer (trainer.total_training_steps)",
             "*.optim.total_training_steps"),
     *_rules(NOT_YET, "gradient clipping is set by actor.grad_clip / critic.grad_clip", "*.optim.clip_grad"),
     *_rules(NOT_YET, "the scheduler counts steps from 0 as verl's default does", "*.optim.zero_indexed_step"),
     *_rules(NOT_YET, "use optim.lr_scheduler_type (constant or cosine)", "*.optim.warmup_style"),
-    *_rules(NOT_YET, "Megatron optimiser settings; the Megatron engine is not built yet",
+    *_rules(NOT_YET, "megatron's own LR scheduler is not used: both engines take the schedule from "
+            "optim.lr_scheduler_type and the warmup keys",
             "*.optim.lr_warmup_init", "*.optim.lr_decay_steps", "*.optim.lr_decay_style", "*.optim.min_lr",
             "*.optim.weight_decay_incr_style", "*.optim.lr_wsd_*", "*.optim.use_checkpoint_opt_param_scheduler",
             "*.optim.use_precision_aware_optimizer", "*.optim.main_grads_dtype", "*.optim.exp_avg*_dtype",
@@ -291,13 +312,21 @@ def leaves(tree, prefix: str = "") -> dict:
 
 
 @lru_cache(maxsize=1)
+def _defaults_per_file() -> tuple[dict, ...]:
+    """{key: default} of each file in VERL_KEY_FILES (plain YAML: interpolations stay as written)."""
+    trees = []
+    for name in VERL_KEY_FILES:
+        with open(CONF_DIR / "verl" / name) as f:
+            trees.append(leaves(yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))))
+    return tuple(trees)
+
+
+@lru_cache(maxsize=1)
 def verl_defaults() -> dict:
     """{key: verl's default} over both of verl's trees (ppo_trainer's default where they differ)."""
     out: dict = {}
-    for name in VERL_KEY_FILES:
-        with open(CONF_DIR / "verl" / name) as f:  # plain YAML: interpolations stay as written
-            tree = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-        for key, value in leaves(tree).items():
+    for tree in _defaults_per_file():
+        for key, value in tree.items():
             out.setdefault(key, value)
     return out
 
@@ -339,7 +368,8 @@ def check_verl_keys(cfg: DictConfig, device: str) -> list[str]:
         value = _lookup(values, key, absent)
         if value is absent:  # a Megatron-only key under --config-name=ppo_trainer
             continue
-        if value == default_in(probe, key, raw):
+        # ppo_trainer's and ppo_megatron_trainer's defaults differ for a few keys (optim.optimizer).
+        if any(value == default_in(probe, key, tree[key]) for tree in _defaults_per_file() if key in tree):
             continue
         if status == NOT_YET:
             errors.append(f"{key}={value!r} is not supported yet ({note})")

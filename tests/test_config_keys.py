@@ -162,10 +162,10 @@ def test_our_own_keys_work():
     assert status_of("actor_rollout_ref.rollout.engine_kwargs.vllm")[0] == WORKS
 
 
-def test_megatron_config_composes_and_stops_at_start_with_what_to_use():
-    cfg = compose_config(["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"],
-                         config_name="ppo_megatron_trainer")
+def test_megatron_config_composes_and_validates_with_verls_megatron_defaults():
+    cfg = compose_config(["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                          "trainer.n_gpus_per_node=2"], config_name="ppo_megatron_trainer")
     assert cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size == 2
-    with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.strategy=megatron is not supported yet "
-                                          r"\(the Megatron engine is not built; use --config-name=ppo_trainer"):
-        validate_config(cfg)
+    assert cfg.actor_rollout_ref.actor.optim.optimizer == "adam"  # megatron's AdamW: accepted
+    validated = validate_config(cfg)
+    assert validated.actor_rollout_ref.actor.strategy == validated.actor_rollout_ref.ref.strategy == "megatron"

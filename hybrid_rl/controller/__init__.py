@@ -5,7 +5,7 @@ See ``decorator.py`` (dispatch modes), ``worker.py`` (actor base class),
 ``ray_utils.py`` (starting / joining Ray).
 """
 
-from hybrid_rl.controller.decorator import Dispatch, DispatchInfo, register
+from hybrid_rl.controller.decorator import Dispatch, DispatchInfo, RankLayout, register
 from hybrid_rl.controller.ray_utils import init_ray
 from hybrid_rl.controller.worker import Worker
 from hybrid_rl.controller.worker_group import (
@@ -19,6 +19,7 @@ from hybrid_rl.controller.worker_group import (
 __all__ = [
     "Dispatch",
     "DispatchInfo",
+    "RankLayout",
     "register",
     "Worker",
     "ResourcePool",

@@ -24,6 +24,7 @@ __all__ = [
     "get_dispatch_info",
     "registered_methods",
     "DISPATCH_ATTR",
+    "RankLayout",
 ]
 
 # The single attribute in which ``register`` stores its information.
@@ -40,10 +41,14 @@ class Dispatch(Enum):
     #: Every argument is already a list of length world_size; rank i gets
     #: element i of each; a list of per-rank results is returned.
     ALL_TO_ALL = "all_to_all"
-    #: Every ``Batch`` argument is padded to a multiple of world_size, chunked,
-    #: and rank i gets chunk i; other arguments are broadcast.  If every rank
-    #: returns a ``Batch`` the outputs are concatenated and the padding rows
-    #: removed, otherwise the list of per-rank results is returned.
+    #: Every ``Batch`` argument is padded to a multiple of the data-parallel
+    #: size, chunked, and each rank gets its data-parallel rank's chunk; other
+    #: arguments are broadcast.  If every rank returns a ``Batch`` the outputs
+    #: are concatenated and the padding rows removed, otherwise the list of
+    #: per-rank results is returned.  Without a ``mesh`` every rank is its own
+    #: data-parallel rank; with one, the worker's ``dispatch_layout(mesh)``
+    #: says which ranks share rows (tensor / pipeline parallel peers) and
+    #: which one of them returns the results.
     DP_COMPUTE = "dp_compute"
 
 
@@ -51,23 +56,36 @@ class Dispatch(Enum):
 class DispatchInfo:
     dispatch: Dispatch
     blocking: bool = True
+    mesh: Optional[str] = None  # DP_COMPUTE over this model's data-parallel layout
 
 
-def register(dispatch: Dispatch = Dispatch.ALL_TO_ALL, blocking: bool = True) -> Callable:
+@dataclasses.dataclass(frozen=True)
+class RankLayout:
+    """One rank's place in a model's data-parallel layout."""
+
+    dp_rank: int
+    dp_size: int
+    is_output: bool  # returns the results of its data-parallel replica
+
+
+def register(dispatch: Dispatch = Dispatch.ALL_TO_ALL, blocking: bool = True, mesh: Optional[str] = None) -> Callable:
     """Tag a worker method with its dispatch mode.
 
     The function object is returned unchanged (only an attribute is added), so
     calling the method directly inside the worker behaves exactly as before.
     ``blocking=False`` makes the worker-group call return Ray ``ObjectRef``s
-    instead of results.
+    instead of results.  ``mesh`` (DP_COMPUTE only) names the model whose
+    data-parallel layout splits the batch.
     """
     if not isinstance(dispatch, Dispatch):
         raise TypeError(f"register(dispatch=...) expects a Dispatch member, got {dispatch!r}")
+    if mesh is not None and dispatch is not Dispatch.DP_COMPUTE:
+        raise ValueError("register(mesh=...) applies to Dispatch.DP_COMPUTE only")
 
     def decorator(fn: Callable) -> Callable:
         if isinstance(fn, (staticmethod, classmethod)):
             raise TypeError("@register can only decorate plain instance methods")
-        setattr(fn, DISPATCH_ATTR, DispatchInfo(dispatch=dispatch, blocking=bool(blocking)))
+        setattr(fn, DISPATCH_ATTR, DispatchInfo(dispatch=dispatch, blocking=bool(blocking), mesh=mesh))
         return fn
 
     return decorator
@@ -172,6 +190,26 @@ def split_dp_compute(
     per_args = [tuple(a[r] for a in split_args) for r in range(world_size)]
     per_kwargs = [{k: v[r] for k, v in split_kwargs.items()} for r in range(world_size)]
     return per_args, per_kwargs, pad_size
+
+
+def split_by_layout(layout: Sequence[RankLayout], args: Sequence[Any], kwargs: Dict[str, Any]
+                    ) -> Tuple[List[tuple], List[dict], int]:
+    """``split_dp_compute`` over the data-parallel ranks of ``layout``; every
+    rank gets its data-parallel rank's chunk."""
+    sizes = {entry.dp_size for entry in layout}
+    if len(sizes) != 1:
+        raise ValueError(f"ranks disagree on the data-parallel size: {sorted(sizes)}")
+    per_args, per_kwargs, pad_size = split_dp_compute(sizes.pop(), args, kwargs)
+    return ([per_args[entry.dp_rank] for entry in layout], [per_kwargs[entry.dp_rank] for entry in layout],
+            pad_size)
+
+
+def output_ranks(layout: Sequence[RankLayout]) -> List[int]:
+    """The ranks whose results stand for their replicas, in data-parallel order."""
+    outputs = sorted((entry.dp_rank, rank) for rank, entry in enumerate(layout) if entry.is_output)
+    if [dp_rank for dp_rank, _ in outputs] != list(range(layout[0].dp_size)):
+        raise ValueError(f"each data-parallel rank needs exactly one output rank, got {layout}")
+    return [rank for _, rank in outputs]
 
 
 def collect_dp_compute(results: List[Any], pad_size: int) -> Any:

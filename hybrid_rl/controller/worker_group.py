@@ -22,8 +22,11 @@ from hybrid_rl.controller.decorator import (
     Dispatch,
     DispatchInfo,
     collect_dp_compute,
+    RankLayout,
+    output_ranks,
     registered_methods,
     split_all_to_all,
+    split_by_layout,
     split_dp_compute,
 )
 from hybrid_rl.controller.worker import Worker
@@ -441,6 +444,9 @@ class RayWorkerGroup:
             per_args, per_kwargs = [a] * ws, [kw] * ws
         elif mode is Dispatch.ALL_TO_ALL:
             per_args, per_kwargs = split_all_to_all(ws, args, kwargs)
+        elif mode is Dispatch.DP_COMPUTE and info.mesh is not None:
+            layout = self._layout(info.mesh)
+            per_args, per_kwargs, pad_size = split_by_layout(layout, args, kwargs)
         elif mode is Dispatch.DP_COMPUTE:
             per_args, per_kwargs, pad_size = split_dp_compute(ws, args, kwargs)
         else:  # pragma: no cover
@@ -450,8 +456,21 @@ class RayWorkerGroup:
             return refs
         results = self._get(refs, list(range(ws)), method)
         if mode is Dispatch.DP_COMPUTE:
+            if info.mesh is not None:
+                results = [results[rank] for rank in output_ranks(self._layout(info.mesh))]
             return collect_dp_compute(results, pad_size)
         return results
+
+    def _layout(self, mesh: str) -> List[RankLayout]:
+        """Every rank's place in `mesh`'s data-parallel layout, asked once (after the model
+        is built) and kept."""
+        layouts = self.__dict__.setdefault("_layouts", {})
+        key = (self._method_prefix, mesh)
+        if key not in layouts:
+            method = self._remote_name("dispatch_layout")
+            refs = [self._submit(r, method, (mesh,), {}) for r in range(self._world_size)]
+            layouts[key] = self._get(refs, list(range(self._world_size)), method)
+        return layouts[key]
 
     def execute_all(self, method_name: str, *args: Any, **kwargs: Any) -> List[Any]:
         """Run ``method_name`` (registered or not) on every rank with the same

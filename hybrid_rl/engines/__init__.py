@@ -3,9 +3,11 @@
 from hybrid_rl.algorithms.registry import Registry
 from hybrid_rl.engines.base import ModelSpec, Output, TrainEngine
 from hybrid_rl.engines.fsdp import FSDPEngine
+from hybrid_rl.engines.megatron.engine import MegatronEngine
 
 ENGINES = Registry("training engine (strategy)")
 ENGINES.register("fsdp2", "fsdp")(FSDPEngine)
+ENGINES.register("megatron")(MegatronEngine)
 
 
 def build_engine(spec: ModelSpec, role_cfg, device) -> TrainEngine:
@@ -13,4 +15,4 @@ def build_engine(spec: ModelSpec, role_cfg, device) -> TrainEngine:
     return ENGINES.get(role_cfg.strategy)(spec, role_cfg, device)
 
 
-__all__ = ["ENGINES", "FSDPEngine", "ModelSpec", "Output", "TrainEngine", "build_engine"]
+__all__ = ["ENGINES", "FSDPEngine", "MegatronEngine", "ModelSpec", "Output", "TrainEngine", "build_engine"]

@@ -78,6 +78,17 @@ class TrainEngine(ABC):
     @abstractmethod
     def dp_size(self) -> int: ...
 
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The data-parallel ranks' process group (None: every rank)."""
+        return None
+
+    @property
+    def is_output_rank(self) -> bool:
+        """Whether this rank's results stand for its data-parallel replica (one rank per replica;
+        the other ranks of a model-parallel replica compute the same rows)."""
+        return True
+
     @abstractmethod
     def forward_backward(self, micros: list[dict[str, torch.Tensor]], output: Output, temperature: float,
                          loss_fn: Callable | None = None) -> list[dict]:
@@ -118,7 +129,7 @@ class TrainEngine(ABC):
         if max_tokens is None:
             return list(torch.arange(len(batch)).split(micro_rows))
         count = seqlen_balancing.token_budget_bins(batch, max_tokens, self.share_prompts)
-        count = int(all_reduce_scalar(count, self.device, op=dist.ReduceOp.MAX))
+        count = int(all_reduce_scalar(count, self.device, op=dist.ReduceOp.MAX, group=self.dp_group))
         return seqlen_balancing.split_into(batch, count, self.share_prompts)
 
     def _to_device(self, part: Batch, keys) -> dict[str, torch.Tensor]:
@@ -165,8 +176,9 @@ class TrainEngine(ABC):
             for mini in epoch.split(mini_rows):
                 mask = mini["response_mask"]
                 agg_kwargs = {
-                    "global_num_tokens": all_reduce_scalar(float(mask.sum()), self.device),
-                    "global_num_seqs": all_reduce_scalar(float((mask.sum(-1) > 0).sum()), self.device),
+                    "global_num_tokens": all_reduce_scalar(float(mask.sum()), self.device, group=self.dp_group),
+                    "global_num_seqs": all_reduce_scalar(float((mask.sum(-1) > 0).sum()), self.device,
+                                                         group=self.dp_group),
                     "dp_size": self.dp_size,
                 }
                 parts = [mini[rows] for rows in self.micro_batches(mini, role_cfg.ppo_micro_batch_size_per_gpu,
@@ -226,11 +238,12 @@ def _extra_path(folder: str) -> str:
     return os.path.join(folder, f"extra_rank{dist.get_rank() if dist.is_initialized() else 0}.pt")
 
 
-def all_reduce_scalar(value: float, device: torch.device, op=dist.ReduceOp.SUM) -> float:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def all_reduce_scalar(value: float, device: torch.device, op=dist.ReduceOp.SUM, group=None) -> float:
+    """`value` reduced over `group` (None: every rank)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return value
     t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=op)
+    dist.all_reduce(t, op=op, group=group)
     return float(t.item())
 
 

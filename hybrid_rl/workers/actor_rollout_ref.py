@@ -111,12 +111,12 @@ class ActorRolloutRefWorker(ModelWorker):
         return engine.infer(batch, Output.LOG_PROBS, batch.meta.temperature,
                             role_cfg.log_prob_micro_batch_size_per_gpu, max_tokens)["log_probs"]
 
-    @register(dispatch=Dispatch.DP_COMPUTE)
+    @register(dispatch=Dispatch.DP_COMPUTE, mesh="actor")
     def compute_log_prob(self, batch: Batch) -> Batch:
         role_cfg = self.cfg.actor_rollout_ref.rollout
         return Batch(tensors={"old_log_probs": self._log_probs(self.actor, batch, role_cfg)})
 
-    @register(dispatch=Dispatch.DP_COMPUTE)
+    @register(dispatch=Dispatch.DP_COMPUTE, mesh="ref")
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         if self.ref is None:
             raise RuntimeError("No reference policy: set actor_rollout_ref.actor.use_kl_loss=true "
@@ -124,7 +124,7 @@ class ActorRolloutRefWorker(ModelWorker):
         return Batch(tensors={"ref_log_prob": self._log_probs(self.ref, batch, self.cfg.actor_rollout_ref.ref)})
 
     # ------------------------------------------------------------------ training
-    @register(dispatch=Dispatch.DP_COMPUTE)
+    @register(dispatch=Dispatch.DP_COMPUTE, mesh="actor")
     def update_actor(self, batch: Batch) -> dict:
         """PPO-style update over epochs and mini-batches; every loss term is normalised by the
         whole mini-batch's token/sequence counts across micro-batches and ranks."""

@@ -7,7 +7,7 @@ import os
 import torch
 from omegaconf import OmegaConf
 
-from hybrid_rl.controller import Worker
+from hybrid_rl.controller import Dispatch, RankLayout, Worker, register
 
 
 class ModelWorker(Worker):
@@ -23,6 +23,13 @@ class ModelWorker(Worker):
         self.cfg = OmegaConf.create(config)
         self.model_path = model_path
         self.total_steps = total_steps
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def dispatch_layout(self, mesh: str) -> RankLayout:
+        """The data-parallel layout of the engine named `mesh` (`actor`, `ref`, `critic`): the
+        tensor and pipeline parallel ranks of one replica get the same rows."""
+        engine = getattr(self, mesh)
+        return RankLayout(engine.dp_rank, engine.dp_size, engine.is_output_rank)
 
     def setup_device(self) -> torch.device:
         """Threads, device and process group of this worker process (idempotent across roles

@@ -29,7 +29,7 @@ class CriticWorker(ModelWorker):
     def load_checkpoint(self, folder: str) -> None:
         self.critic.load_checkpoint(folder)
 
-    @register(dispatch=Dispatch.DP_COMPUTE)
+    @register(dispatch=Dispatch.DP_COMPUTE, mesh="critic")
     def compute_values(self, batch: Batch) -> Batch:
         cfg = self.cfg.critic
         max_tokens = cfg.forward_max_token_len_per_gpu if cfg.use_dynamic_bsz else None
@@ -37,7 +37,7 @@ class CriticWorker(ModelWorker):
                                    max_tokens)["values"]
         return Batch(tensors={"values": values * batch["response_mask"]})
 
-    @register(dispatch=Dispatch.DP_COMPUTE)
+    @register(dispatch=Dispatch.DP_COMPUTE, mesh="critic")
     def update_critic(self, batch: Batch) -> dict:
         cfg = self.cfg.critic
         batch = batch.select(list(FORWARD_KEYS) + ["response_mask", "values", "returns"], non_tensor_keys=[])

@@ -7,9 +7,10 @@ assertion in gradient clipping. Inside `cpu_device_layer()` each of those is ans
 
 - a `TorchFunctionMode` rewrites every CUDA device argument (`"cuda"`, `"cuda:N"`, an int, a
   CUDA `torch.device`) of tensor factories and `Tensor.to` to the CPU, and makes `Tensor.cuda`
-  return the tensor;
-- `torch.cuda.current_device` answers 0 (rewritten to the CPU by the mode), `synchronize` is a
-  no-op, and the CUDA RNG calls megatron makes (`torch.cuda.get_rng_state`, `manual_seed`, its
+  return the tensor, and `Tensor.type()` answers the CUDA type name (`torch.cuda.FloatTensor`)
+  that the optimizers sort parameters by;
+- `torch.cuda.current_device` answers the CPU device (the mode does not reach backward passes,
+  which place their buffers there), `synchronize` is a no-op, and the CUDA RNG calls megatron makes (`torch.cuda.get_rng_state`, `manual_seed`, its
   `_get/_set_cuda_rng_state`) use the CPU generator, which is the one CPU dropout draws from;
 - gradient clipping by the total norm scales the gradients in place without the CUDA assertion.
 
@@ -57,6 +58,9 @@ class _CudaToCpu(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # The distributed optimizer sorts parameters by their CUDA type name.
+            return func(*args).replace("torch.", "torch.cuda.", 1)
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = "cpu"
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
@@ -83,7 +87,7 @@ def cpu_device_layer():
     from megatron.core.tensor_parallel import random as mp_random
 
     patches = [
-        (torch.cuda, "current_device", lambda: 0),
+        (torch.cuda, "current_device", lambda: torch.device("cpu")),
         (torch.cuda, "synchronize", lambda *args, **kwargs: None),
         (torch.cuda, "get_rng_state", lambda *args, **kwargs: torch.get_rng_state()),
         (torch.cuda, "set_rng_state", lambda state, *args, **kwargs: torch.set_rng_state(state)),

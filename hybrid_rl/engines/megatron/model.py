@@ -78,18 +78,34 @@ def transformer_config(hf_config, layout: convert.Layout, vpp: int | None, seque
         **(overrides or {}))
 
 
-def build_model(hf_config, layout: convert.Layout, config) -> list[torch.nn.Module]:
+def has_transformer_engine(device: torch.device) -> bool:
+    """Whether to build with Transformer Engine's layer spec (fused kernels, sequence parallel
+    norms): on CUDA where it is installed. Elsewhere the local spec, plain torch modules."""
+    if device.type != "cuda":
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def build_model(hf_config, layout: convert.Layout, config, transformer_engine: bool = False) -> list[torch.nn.Module]:
     """This rank's model chunks (one per virtual pipeline stage), with random weights."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec,
+    )
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
+    spec = (get_gpt_layer_with_transformer_engine_spec() if transformer_engine
+            else get_gpt_layer_local_spec(normalization="RMSNorm"))
     chunks = []
     for stage in range(config.virtual_pipeline_model_parallel_size or 1):
         vp_stage = _vp_stage(config, stage)
         chunks.append(GPTModel(
-            config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=layout.padded_vocab(tp),
+            config, spec, vocab_size=layout.padded_vocab(tp),
             max_sequence_length=hf_config.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -216,11 +232,19 @@ def response_log_probs(chunk: torch.nn.Module, micro: dict[str, torch.Tensor], t
     """Log-probs (B, T) of the response tokens at `temperature` and the entropies of those
     next-token distributions (zeros unless `with_entropy`), from a whole-model chunk (PP=1)
     whose output layer gathers the vocabulary (`parallel_output=False`)."""
+    ids, positions, predict = left_aligned(micro)
+    return logits_to_log_probs(chunk(ids, positions, None), predict, micro["responses"], temperature, vocab,
+                               with_entropy)
+
+
+def logits_to_log_probs(logits: torch.Tensor, predict: torch.Tensor, responses: torch.Tensor, temperature: float,
+                        vocab: int, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The response tokens' log-probs and entropies from the last stage's (B, S, padded V)
+    logits of `left_aligned` rows."""
     from hybrid_rl.algorithms import entropy_from_logits, token_log_probs
 
-    ids, positions, predict = left_aligned(micro)
-    logits = chunk(ids, positions, None)[..., :vocab]  # the TP padding rows are not tokens
+    logits = logits[..., :vocab]  # the TP padding rows are not tokens
     logits = logits.gather(1, predict.unsqueeze(-1).expand(-1, -1, vocab)).float() / temperature
-    log_probs = token_log_probs(logits, micro["responses"])
+    log_probs = token_log_probs(logits, responses)
     entropy = entropy_from_logits(logits) if with_entropy else torch.zeros_like(log_probs)
     return log_probs, entropy

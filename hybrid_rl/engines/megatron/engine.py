@@ -1,0 +1,395 @@
+"""The Megatron-core engine: tensor, pipeline (with virtual stages) and data parallelism.
+
+The model is megatron's `GPTModel`, built from the HF folder and filled with the converted HF
+weights (`model.py`, `convert.py`). A trained model is wrapped in megatron's
+`DistributedDataParallel` (fp32 gradient buffers, reduced over the data-parallel group) and
+stepped by megatron's optimizer (the distributed one with `use_distributed_optimizer`);
+forward and backward run through megatron's pipeline schedules, so with PP > 1 only the last
+stage sees outputs and runs the loss. Checkpoints are megatron dist-checkpoints (torch DCP
+underneath) of the model and optimizer.
+
+Precision: `megatron.dtype` (`auto`: what `hybrid_rl.hardware` picks for this GPU or CPU) is
+either fp32 throughout, or megatron's own mixed precision: bf16/fp16 weights for compute, fp32
+main weights in the optimizer. (Autocast, the FSDP engine's CPU path, does not reach into
+megatron's hand-written linear backward.) All megatron calls run inside `model.device_layer`,
+which on CPU is the device layer of `cpu.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from hybrid_rl.engines import hf_model
+from hybrid_rl.engines.base import ModelSpec, Output, TrainEngine, all_reduce_scalar, lr_lambda
+from hybrid_rl.engines.megatron import convert
+from hybrid_rl.engines.megatron import model as mmodel
+from hybrid_rl.models import model_config
+
+logger = logging.getLogger(__name__)
+
+# verl keys this engine does not implement yet, with the value that means "off".
+UNSUPPORTED = {
+    "context_parallel_size": 1,
+    "expert_model_parallel_size": 1,
+    "expert_tensor_parallel_size": None,
+    "dynamic_context_parallel": False,
+    "use_megatron_fsdp": False,
+}
+
+
+def parallel_sizes(megatron_cfg: Any) -> tuple[int, int, int | None]:
+    """(tensor, pipeline, virtual pipeline) sizes of a role's `megatron` section."""
+    vpp = megatron_cfg.get("virtual_pipeline_model_parallel_size")
+    return (int(megatron_cfg.tensor_model_parallel_size), int(megatron_cfg.pipeline_model_parallel_size),
+            int(vpp) if vpp is not None and int(vpp) > 1 else None)
+
+
+def check_megatron_config(key: str, megatron_cfg: Any, device_type: str) -> None:
+    """Refuse, naming the key, what this engine does not do (yet)."""
+    for name, off in UNSUPPORTED.items():
+        value = megatron_cfg.get(name, off)
+        if value not in (off, 1 if off is None else off):
+            raise ValueError(f"{key}.megatron.{name}={value} is not supported by hybrid-rl's Megatron engine yet "
+                             f"(context and expert parallelism, Megatron-FSDP); set it to {off}.")
+    tp, pp, vpp = parallel_sizes(megatron_cfg)
+    if tp < 1 or pp < 1:
+        raise ValueError(f"{key}.megatron.tensor_model_parallel_size and pipeline_model_parallel_size must be "
+                         f">= 1 (got {tp} and {pp}).")
+    if vpp is not None and pp == 1:
+        raise ValueError(f"{key}.megatron.virtual_pipeline_model_parallel_size={vpp} needs "
+                         "pipeline_model_parallel_size > 1.")
+    if vpp is not None and device_type == "cpu":
+        # Measured with megatron-core 0.16.1: over gloo the interleaved schedule's training pass
+        # pairs activations with the wrong micro-batches (batched p2p) or hangs (unbatched).
+        raise ValueError(f"{key}.megatron.virtual_pipeline_model_parallel_size={vpp}: virtual pipeline stages "
+                         "need NCCL (trainer.device=cuda); on CPU set it to null and keep "
+                         "pipeline_model_parallel_size.")
+
+
+class LambdaSchedules:
+    """Our warmup / cosine multiplier on every torch optimizer inside megatron's (chained)
+    optimizer, with the small interface the trainer uses of a torch LR scheduler."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer], factor: Callable[[int], float]):
+        self.schedules = [torch.optim.lr_scheduler.LambdaLR(opt, factor) for opt in optimizers]
+
+    def step(self) -> None:
+        for schedule in self.schedules:
+            schedule.step()
+
+    def get_last_lr(self) -> list[float]:
+        return self.schedules[0].get_last_lr()
+
+    def state_dict(self) -> dict:
+        return {"schedules": [s.state_dict() for s in self.schedules]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for schedule, saved in zip(self.schedules, state["schedules"], strict=True):
+            schedule.load_state_dict(saved)
+
+
+class MegatronEngine(TrainEngine):
+    """`strategy: megatron`; the role's `megatron` section sets the parallel layout."""
+
+    def __init__(self, spec: ModelSpec, role_cfg: Any, device: torch.device):
+        from megatron.core import parallel_state
+
+        if spec.value_head:
+            raise ValueError("critic.strategy=megatron is not supported yet: the Megatron engine has no value "
+                             "head. Set critic.strategy=fsdp2 (the actor may stay on Megatron).")
+        self.spec, self.device = spec, device
+        megatron_cfg = role_cfg.megatron
+        check_megatron_config(spec.role, megatron_cfg, device.type)
+        tp, pp, vpp = parallel_sizes(megatron_cfg)
+        dtype = hf_model.compute_dtype(megatron_cfg.get("dtype", "auto") or "auto", device)
+        trainable = spec.optim_cfg is not None
+        hf_config = model_config(spec.path, spec.model_cfg)
+        self.layout = convert.Layout.from_hf_config(hf_config)
+        with self._megatron():
+            mmodel.initialize_parallel(tp, pp, vpp, int(megatron_cfg.get("seed", 42)))
+            if parallel_state.get_tensor_model_parallel_world_size() != tp or \
+                    parallel_state.get_pipeline_model_parallel_world_size() != pp:
+                raise ValueError(f"{spec.role}.megatron sets TP={tp}, PP={pp}, but this process already runs "
+                                 "another model with a different layout: the actor and reference must share "
+                                 "tensor_model_parallel_size and pipeline_model_parallel_size.")
+            half = {} if dtype == torch.float32 else {
+                "bf16": dtype == torch.bfloat16, "fp16": dtype == torch.float16, "params_dtype": dtype}
+            overrides = {**transformer_overrides(megatron_cfg.get("override_transformer_config")), **half}
+            te = mmodel.has_transformer_engine(device)
+            sequence_parallel = bool(megatron_cfg.get("sequence_parallel", False)) and tp > 1
+            if sequence_parallel and not te:
+                # Only memory is at stake: the local spec's torch norms cannot split the sequence.
+                logger.warning("%s.megatron.sequence_parallel=true needs Transformer Engine on CUDA; this run "
+                               "keeps whole sequences on every tensor-parallel rank (same numbers, more "
+                               "activation memory).", spec.role)
+                sequence_parallel = False
+            self.config = mmodel.transformer_config(hf_config, self.layout, vpp, sequence_parallel, overrides)
+            self.models = mmodel.build_model(hf_config, self.layout, self.config, te)
+            mmodel.load_hf_weights(self.models, self.config, spec.path, self.layout)
+            self.chunks = [self._half(m) for m in self.models]
+            if trainable:
+                self._build_training(megatron_cfg, spec, role_cfg)
+            else:
+                for param in (p for m in self.models for p in m.parameters()):
+                    param.requires_grad_(False)
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        self.pp_size = pp
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+
+    # ------------------------------------------------------------------ set-up
+    def _megatron(self):
+        return mmodel.device_layer(self.device)
+
+    def _half(self, model: torch.nn.Module) -> torch.nn.Module:
+        """megatron's half-precision wrapper when the config asks for bf16/fp16."""
+        if not (self.config.bf16 or self.config.fp16):
+            return model
+        from megatron.core.transformer.module import Float16Module
+
+        return Float16Module(self.config, model)
+
+    def _build_training(self, megatron_cfg: Any, spec: ModelSpec, role_cfg: Any) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        distributed_optimizer = bool(megatron_cfg.get("use_distributed_optimizer", True))
+        # verl's key: a checkpoint whose optimizer state loads into any layout, at the cost of
+        # gathering it on save; otherwise it loads into the same data-parallel size only.
+        self.optimizer_sharding = ("fully_reshardable" if megatron_cfg.get("dist_ckpt_optim_fully_reshardable")
+                                   else "dp_reshardable")
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                   use_distributed_optimizer=distributed_optimizer,
+                                                   **_plain(megatron_cfg.get("override_ddp_config")))
+        # Only the first chunk gets bucketed overlap, as megatron-LM does.
+        self.chunks = [DistributedDataParallel(self.config, ddp_config, chunk, disable_bucketing=index > 0)
+                       for index, chunk in enumerate(self.chunks)]
+        self.config.finalize_model_grads_func = finalize_model_grads
+        no_sync = [chunk.no_sync for chunk in self.chunks]
+        self.config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
+        optim = spec.optim_cfg
+        betas = tuple(optim.betas)
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=betas[0],
+                            adam_beta2=betas[1], clip_grad=float(role_cfg.grad_clip), bf16=self.config.bf16,
+                            fp16=self.config.fp16, params_dtype=self.config.params_dtype,
+                            use_distributed_optimizer=distributed_optimizer),
+            self.chunks)
+        inner = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        self.scheduler = LambdaSchedules([o.optimizer for o in inner], lr_lambda(optim, spec.total_steps))
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def dp_rank(self) -> int:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_rank()
+
+    @property
+    def dp_size(self) -> int:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_world_size()
+
+    @property
+    def dp_group(self):
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_group()
+
+    @property
+    def is_output_rank(self) -> bool:
+        return self.tp_rank == 0 and self.pp_rank == self.pp_size - 1
+
+    def num_params(self) -> int:
+        from megatron.core import parallel_state
+
+        # Each TP shard once, a TP-replicated weight (norms) from TP rank 0 only, the last
+        # stage's copy of a tied embedding not at all.
+        numel = sum(p.numel() for m in self.models for p in m.parameters()
+                    if (getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0)
+                    and not (getattr(p, "shared_embedding", False) and self.pp_rank > 0))
+        return int(all_reduce_scalar(numel, self.device, group=parallel_state.get_model_parallel_group()))
+
+    # ------------------------------------------------------------------ compute
+    def forward_backward(self, micros: list[dict[str, torch.Tensor]], output: Output, temperature: float,
+                         loss_fn: Callable | None = None) -> list[dict]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if output not in (Output.LOG_PROBS, Output.LOG_PROBS_ENTROPY):
+            raise NotImplementedError(f"The Megatron engine computes log-probs and entropies, not {output.value}: "
+                                      "use strategy=fsdp2 for the full-vocabulary KL (kl_loss_type=full).")
+        with_entropy = output is Output.LOG_PROBS_ENTROPY
+        # The interleaved schedule runs micro-batches in groups of PP; fillers (no response
+        # tokens, so no loss and no gradient) complete the last group.
+        fillers = self._filler_count(len(micros))
+        batch = micros + [_filler(micros[0]) for _ in range(fillers)]
+        steps = len(batch)
+        tp = self.config.tensor_model_parallel_size
+        pad_to = tp if self.config.sequence_parallel else 1
+
+        def forward_step(data_iterator, model):
+            micro = next(data_iterator)
+            ids, positions, predict = mmodel.left_aligned(micro)
+            ids, positions = _pad_columns(ids, pad_to), _pad_columns(positions, pad_to)
+            logits = model(ids, positions, None)
+
+            def loss_func(logits: torch.Tensor):
+                log_probs, entropy = mmodel.logits_to_log_probs(logits, predict, micro["responses"], temperature,
+                                                                self.layout.vocab, with_entropy)
+                out = {"log_probs": log_probs, "entropy": entropy} if with_entropy else {"log_probs": log_probs}
+                if loss_fn is None:
+                    return log_probs.new_zeros(()), out
+                loss, terms = loss_fn(out, micro)
+                return loss * steps, terms  # the schedule divides every loss by the micro-batch count
+
+            return logits, loss_func
+
+        iterators = [iter(batch) for _ in self.chunks]
+        with self._megatron(), (torch.no_grad() if loss_fn is None else contextlib.nullcontext()):
+            results = get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iterators if len(iterators) > 1 else iterators[0],
+                model=self.chunks, num_microbatches=steps, seq_length=max(m["input_ids"].shape[1] for m in batch),
+                micro_batch_size=max(m["input_ids"].shape[0] for m in batch), forward_only=loss_fn is None)
+        results = results[:len(micros)]
+        if loss_fn is None and self.pp_size > 1:
+            results = self._from_last_stage(results, micros, with_entropy)
+        return results
+
+    def _filler_count(self, count: int) -> int:
+        if not self.config.virtual_pipeline_model_parallel_size:
+            return 0
+        group = self.config.microbatch_group_size_per_vp_stage or self.pp_size
+        return max(group, -(-count // group) * group) - count
+
+    def _from_last_stage(self, results: list[dict], micros: list[dict], with_entropy: bool) -> list[dict]:
+        """The last stage's outputs on every stage, so every rank of a replica returns them."""
+        src = dist.get_global_rank(self.pp_group, self.pp_size - 1)
+        keys = ("log_probs", "entropy") if with_entropy else ("log_probs",)
+        out = []
+        for index, micro in enumerate(micros):
+            mine = results[index] if results else {}
+            shape = micro["responses"].shape
+            received = {}
+            for key in keys:
+                tensor = mine[key].float().contiguous() if key in mine else torch.empty(shape, device=self.device)
+                dist.broadcast(tensor, src=src, group=self.pp_group)
+                received[key] = tensor
+            out.append(received)
+        return out
+
+    def optimizer_step(self, grad_clip: float) -> float:
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        optimizer = self.optimizer
+        inner = getattr(optimizer, "chained_optimizers", [optimizer])
+        with self._megatron():
+            found_inf = optimizer.prepare_grads()  # main gradients in place (shards with the distributed optimizer)
+            norm = float(optimizer.get_grad_norm())
+            if found_inf or not math.isfinite(norm):
+                self.skipped_steps += 1
+            else:
+                for part in inner:
+                    params = part.get_parameters()
+                    if params:
+                        clip_grad_by_total_norm_fp32(params, grad_clip, norm)
+                optimizer.step_with_ready_grads()  # then gathers the updated weights to every rank
+            optimizer.zero_grad()
+            for chunk in self.chunks:
+                chunk.zero_grad_buffer()
+        return norm
+
+    # ------------------------------------------------------------------ weights and checkpoints
+    def per_tensor_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        with self._megatron():
+            yield from mmodel.iter_hf_weights(self.models, self.config, self.layout, dtype)
+
+    def _create_optimizer_state(self) -> None:
+        for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            _create_adam_state(part.optimizer)
+
+    def _sharded_state(self, loading: bool = False) -> dict:
+        state = {f"model{index}": model.sharded_state_dict() for index, model in enumerate(self.models)}
+        state["optimizer"] = self.optimizer.sharded_state_dict(
+            state, is_loading=loading, metadata={"distrib_optim_sharding_type": self.optimizer_sharding})
+        return state
+
+    def _save_sharded(self, folder: str) -> None:
+        from megatron.core import dist_checkpointing
+
+        os.makedirs(folder, exist_ok=True)  # megatron saves into an existing, empty folder
+        with self._megatron():
+            dist_checkpointing.save(self._sharded_state(), folder)
+
+    def _load_sharded(self, folder: str) -> None:
+        from megatron.core import dist_checkpointing
+
+        with self._megatron(), torch.no_grad():  # the optimizer copies into views of the weights
+            self._create_optimizer_state()
+            state = dist_checkpointing.load(self._sharded_state(loading=True), folder)
+            for index, model in enumerate(self.models):
+                model.load_state_dict(state[f"model{index}"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            # Without Apex / Transformer Engine, megatron-core 0.16.1's distributed optimizer
+            # loads one `step` tensor into every parameter's state; torch's Adam increments it
+            # in place once per parameter, so each needs its own.
+            for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                for param_state in part.optimizer.state.values():
+                    if torch.is_tensor(param_state.get("step")):
+                        param_state["step"] = param_state["step"].clone()
+
+
+@torch.no_grad()
+def _create_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter its Adam state (a step at learning rate 0 on zero gradients, which
+    changes no weight), so a checkpoint has tensors to load into."""
+    if optimizer.state:
+        return
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+        for param in group["params"]:
+            param.grad = torch.zeros_like(param)
+    optimizer.step()
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate
+    optimizer.zero_grad(set_to_none=True)
+
+
+def transformer_overrides(section: Any) -> dict:
+    """`override_transformer_config` as `TransformerConfig` arguments (enums from their names)."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    overrides = _plain(section)
+    if isinstance(overrides.get("attention_backend"), str):
+        overrides["attention_backend"] = AttnBackend[overrides["attention_backend"]]
+    return overrides
+
+
+def _plain(section: Any) -> dict:
+    """An OmegaConf section (or None) as a plain dict."""
+    if section is None:
+        return {}
+    from omegaconf import OmegaConf
+
+    return dict(OmegaConf.to_container(section, resolve=True)) if OmegaConf.is_config(section) else dict(section)
+
+
+def _filler(micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A micro-batch shaped like `micro` with no response tokens."""
+    if "response_mask" not in micro:  # a forward only: its outputs are dropped
+        return micro
+    return {**micro, "response_mask": torch.zeros_like(micro["response_mask"])}
+
+
+def _pad_columns(tensor: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Right-pad (B, S) to S a multiple of `multiple` (sequence parallelism splits S over TP)."""
+    extra = -tensor.shape[1] % multiple
+    return torch.nn.functional.pad(tensor, (0, extra)) if extra else tensor
