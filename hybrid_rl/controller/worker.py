@@ -8,7 +8,7 @@ import os
 import socket
 from typing import Any, Dict, Optional, Tuple
 
-from hybrid_rl.controller.decorator import Dispatch, RankLayout, register
+from hybrid_rl.controller.decorator import Dispatch, register
 
 __all__ = ["Worker", "get_node_ip", "get_free_port"]
 
@@ -110,12 +110,6 @@ class Worker:
             "local_rank": self.local_rank,
             "local_world_size": self.local_world_size,
         }
-
-    @register(dispatch=Dispatch.ONE_TO_ALL)
-    def dispatch_layout(self, mesh: str) -> RankLayout:
-        """This rank's place in model `mesh`'s data-parallel layout (for ``register(mesh=...)``);
-        by default every rank is its own replica."""
-        return RankLayout(self.rank, self.world_size, True)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size})"

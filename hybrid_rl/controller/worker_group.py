@@ -299,6 +299,7 @@ class RayWorkerGroup:
         self.env_vars = env_vars
         self._name_prefix = name_prefix if name_prefix is not None else f"{uuid.uuid4().hex[:6]}_"
         self._method_prefix = ""
+        self._layouts: Dict[Tuple[str, str], List[RankLayout]] = {}  # shared with the role views
 
         bundles = resource_pool.bundles()
         self._world_size = len(bundles)
@@ -464,13 +465,12 @@ class RayWorkerGroup:
     def _layout(self, mesh: str) -> List[RankLayout]:
         """Every rank's place in `mesh`'s data-parallel layout, asked once (after the model
         is built) and kept."""
-        layouts = self.__dict__.setdefault("_layouts", {})
         key = (self._method_prefix, mesh)
-        if key not in layouts:
+        if key not in self._layouts:
             method = self._remote_name("dispatch_layout")
             refs = [self._submit(r, method, (mesh,), {}) for r in range(self._world_size)]
-            layouts[key] = self._get(refs, list(range(self._world_size)), method)
-        return layouts[key]
+            self._layouts[key] = self._get(refs, list(range(self._world_size)), method)
+        return self._layouts[key]
 
     def execute_all(self, method_name: str, *args: Any, **kwargs: Any) -> List[Any]:
         """Run ``method_name`` (registered or not) on every rank with the same

@@ -27,8 +27,11 @@ class ModelWorker(Worker):
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def dispatch_layout(self, mesh: str) -> RankLayout:
         """The data-parallel layout of the engine named `mesh` (`actor`, `ref`, `critic`): the
-        tensor and pipeline parallel ranks of one replica get the same rows."""
-        engine = getattr(self, mesh)
+        tensor and pipeline parallel ranks of one replica get the same rows. Without that engine
+        every rank stands alone, so the method called says what is missing."""
+        engine = getattr(self, mesh, None)
+        if engine is None:
+            return RankLayout(self.rank, self.world_size, True)
         return RankLayout(engine.dp_rank, engine.dp_size, engine.is_output_rank)
 
     def setup_device(self) -> torch.device:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from hybrid_rl.config_keys import plain
 from hybrid_rl.engines import hf_model
 from hybrid_rl.engines.base import ModelSpec, Output, TrainEngine, all_reduce_scalar, lr_lambda
 from hybrid_rl.engines.megatron import convert
@@ -33,16 +34,6 @@ from hybrid_rl.engines.megatron import model as mmodel
 from hybrid_rl.models import model_config
 
 logger = logging.getLogger(__name__)
-
-# verl keys this engine does not implement yet, with the value that means "off".
-UNSUPPORTED = {
-    "context_parallel_size": 1,
-    "expert_model_parallel_size": 1,
-    "expert_tensor_parallel_size": None,
-    "dynamic_context_parallel": False,
-    "use_megatron_fsdp": False,
-}
-
 
 def parallel_sizes(megatron_cfg: Any) -> tuple[int, int, int | None]:
     """(tensor, pipeline, virtual pipeline) sizes of a role's `megatron` section."""
@@ -52,12 +43,8 @@ def parallel_sizes(megatron_cfg: Any) -> tuple[int, int, int | None]:
 
 
 def check_megatron_config(key: str, megatron_cfg: Any, device_type: str) -> None:
-    """Refuse, naming the key, what this engine does not do (yet)."""
-    for name, off in UNSUPPORTED.items():
-        value = megatron_cfg.get(name, off)
-        if value not in (off, 1 if off is None else off):
-            raise ValueError(f"{key}.megatron.{name}={value} is not supported by hybrid-rl's Megatron engine yet "
-                             f"(context and expert parallelism, Megatron-FSDP); set it to {off}.")
+    """Refuse, naming the key, a layout this engine cannot run (context and expert parallelism
+    are refused with the other unbuilt verl keys, `config_keys`)."""
     tp, pp, vpp = parallel_sizes(megatron_cfg)
     if tp < 1 or pp < 1:
         raise ValueError(f"{key}.megatron.tensor_model_parallel_size and pipeline_model_parallel_size must be "
@@ -167,7 +154,7 @@ class MegatronEngine(TrainEngine):
                                    else "dp_reshardable")
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                    use_distributed_optimizer=distributed_optimizer,
-                                                   **_plain(megatron_cfg.get("override_ddp_config")))
+                                                   **(plain(megatron_cfg.get("override_ddp_config")) or {}))
         # Only the first chunk gets bucketed overlap, as megatron-LM does.
         self.chunks = [DistributedDataParallel(self.config, ddp_config, chunk, disable_bucketing=index > 0)
                        for index, chunk in enumerate(self.chunks)]
@@ -182,8 +169,10 @@ class MegatronEngine(TrainEngine):
                             fp16=self.config.fp16, params_dtype=self.config.params_dtype,
                             use_distributed_optimizer=distributed_optimizer),
             self.chunks)
-        inner = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-        self.scheduler = LambdaSchedules([o.optimizer for o in inner], lr_lambda(optim, spec.total_steps))
+        # megatron's per-group optimizers (one for dense models), each around a torch optimizer.
+        self.optimizer_parts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        self.scheduler = LambdaSchedules([part.optimizer for part in self.optimizer_parts],
+                                         lr_lambda(optim, spec.total_steps))
 
     # ------------------------------------------------------------------ layout
     @property
@@ -289,14 +278,13 @@ class MegatronEngine(TrainEngine):
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
         optimizer = self.optimizer
-        inner = getattr(optimizer, "chained_optimizers", [optimizer])
         with self._megatron():
             found_inf = optimizer.prepare_grads()  # main gradients in place (shards with the distributed optimizer)
             norm = float(optimizer.get_grad_norm())
             if found_inf or not math.isfinite(norm):
                 self.skipped_steps += 1
             else:
-                for part in inner:
+                for part in self.optimizer_parts:
                     params = part.get_parameters()
                     if params:
                         clip_grad_by_total_norm_fp32(params, grad_clip, norm)
@@ -310,10 +298,6 @@ class MegatronEngine(TrainEngine):
     def per_tensor_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         with self._megatron():
             yield from mmodel.iter_hf_weights(self.models, self.config, self.layout, dtype)
-
-    def _create_optimizer_state(self) -> None:
-        for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            _create_adam_state(part.optimizer)
 
     def _sharded_state(self, loading: bool = False) -> dict:
         state = {f"model{index}": model.sharded_state_dict() for index, model in enumerate(self.models)}
@@ -332,7 +316,8 @@ class MegatronEngine(TrainEngine):
         from megatron.core import dist_checkpointing
 
         with self._megatron(), torch.no_grad():  # the optimizer copies into views of the weights
-            self._create_optimizer_state()
+            for part in self.optimizer_parts:
+                _create_adam_state(part.optimizer)
             state = dist_checkpointing.load(self._sharded_state(loading=True), folder)
             for index, model in enumerate(self.models):
                 model.load_state_dict(state[f"model{index}"])
@@ -340,7 +325,7 @@ class MegatronEngine(TrainEngine):
             # Without Apex / Transformer Engine, megatron-core 0.16.1's distributed optimizer
             # loads one `step` tensor into every parameter's state; torch's Adam increments it
             # in place once per parameter, so each needs its own.
-            for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for part in self.optimizer_parts:
                 for param_state in part.optimizer.state.values():
                     if torch.is_tensor(param_state.get("step")):
                         param_state["step"] = param_state["step"].clone()
@@ -367,19 +352,10 @@ def transformer_overrides(section: Any) -> dict:
     """`override_transformer_config` as `TransformerConfig` arguments (enums from their names)."""
     from megatron.core.transformer.enums import AttnBackend
 
-    overrides = _plain(section)
+    overrides = dict(plain(section) or {})
     if isinstance(overrides.get("attention_backend"), str):
         overrides["attention_backend"] = AttnBackend[overrides["attention_backend"]]
     return overrides
-
-
-def _plain(section: Any) -> dict:
-    """An OmegaConf section (or None) as a plain dict."""
-    if section is None:
-        return {}
-    from omegaconf import OmegaConf
-
-    return dict(OmegaConf.to_container(section, resolve=True)) if OmegaConf.is_config(section) else dict(section)
 
 
 def _filler(micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
