@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from hybrid_rl.algorithms import ADV_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_RS_MODES
 from hybrid_rl.config_keys import check_verl_keys
 from hybrid_rl.engines import ENGINES
+from hybrid_rl.engines.megatron.checks import check_roles as check_megatron_roles
 from hybrid_rl.hardware import TORCH_DTYPES, resolve_dtype
 from hybrid_rl.tracking import LOGGERS, OPTIONAL_LOGGERS, VERL_ONLY_LOGGERS
 from hybrid_rl.workers.rollout import context_length, resolve_enforce_eager
@@ -41,6 +42,10 @@ def needs_critic(cfg: DictConfig) -> bool:
     """critic.enable, or (when null) whether the estimator is GAE."""
     enable = cfg.critic.enable
     return cfg.algorithm.adv_estimator == "gae" if enable is None else bool(enable)
+
+
+def needs_reference(cfg: DictConfig) -> bool:
+    return bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
 
 
 def _choice(value, valid, key: str, verl_only: dict | None = None) -> None:
@@ -310,7 +315,7 @@ def _positive(value, key: str) -> None:
 
 
 def check_model_limits(cfg: DictConfig, model_path: str) -> None:
-    """Prompt + response must fit the model's context window."""
+    """Prompt + response must fit the model's context window, and a Megatron layout the model."""
     from transformers import AutoConfig
 
     from hybrid_rl.models import ModelPathError
@@ -334,6 +339,12 @@ def check_model_limits(cfg: DictConfig, model_path: str) -> None:
             f"{what} exceeds the model's context window ({limit} tokens, max_position_embeddings in "
             f"{os.path.join(model_path, 'config.json')}). Shorten data.max_prompt_length or "
             "data.max_response_length (the rollout's lengths follow them).")
+    roles = {"actor_rollout_ref.actor": True, "actor_rollout_ref.ref": needs_reference(cfg),
+             "critic": needs_critic(cfg)}
+    try:
+        check_megatron_roles(cfg, model_config, roles)
+    except (ValueError, RuntimeError) as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def to_container(cfg: DictConfig) -> dict:

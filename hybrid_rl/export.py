@@ -1,7 +1,8 @@
 """Export a training checkpoint as a plain Hugging Face model folder (safetensors).
 
 A checkpoint written by the trainer (see `hybrid_rl.checkpoint`) holds the model as a sharded
-`torch.distributed.checkpoint` (DCP) folder next to the optimizer state, plus a `huggingface/`
+`torch.distributed.checkpoint` (DCP) folder next to the optimizer state (the Megatron engine's is
+a megatron dist-checkpoint, which is DCP underneath, with megatron's names), plus a `huggingface/`
 folder with the config, tokenizer, chat template and generation config. This module reads only
 the model tensors of one role (`actor` or `critic`) in a single process, with no process group,
 and writes a folder that `transformers.AutoModel*.from_pretrained` and vLLM load directly:
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 from hybrid_rl.checkpoint import POINTER, STATE, STEP_DIR, CheckpointManager
+from hybrid_rl.engines.megatron import convert
 from hybrid_rl.hardware import TORCH_DTYPES
 
 logger = logging.getLogger(__name__)
@@ -111,9 +113,18 @@ def _root_cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text if len(text) <= 300 else text[:300] + '...'}"
 
 
+def is_megatron_checkpoint(role_dir: str | os.PathLike) -> bool:
+    """A Megatron dist-checkpoint (torch DCP underneath, with megatron's own metadata.json)."""
+    try:
+        return "sharded_backend" in json.loads((Path(role_dir) / "metadata.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
 def read_model_state(role_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The model tensors of a DCP folder written by `save_sharded`, gathered into full CPU tensors
-    in this process (no process group, optimizer state left unread)."""
+    in this process (no process group, optimizer state left unread). A Megatron checkpoint's
+    come with megatron's names (`convert.hf_state_from_dist_checkpoint` renames them)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
@@ -128,10 +139,15 @@ def read_model_state(role_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
             f"Cannot read the checkpoint metadata in {role_dir} ({_root_cause(exc)}); the checkpoint is "
             "corrupt or partially written. Export an earlier global_step_<N> folder.") from exc
     planner_data = metadata.planner_data or {}
+    megatron = is_megatron_checkpoint(role_dir)
     model: dict[str, torch.Tensor] = {}
     for flat_key, meta in metadata.state_dict_metadata.items():
         path = planner_data.get(flat_key)
-        if path is not None:
+        if megatron:  # flat megatron keys; layers' extra state is bytes, skipped below
+            if not flat_key.startswith(convert.DIST_CHECKPOINT_PREFIXES):
+                continue
+            name = flat_key
+        elif path is not None:
             if len(path) != 2 or path[0] != MODEL_KEY:
                 continue
             name = str(path[1])
@@ -140,14 +156,15 @@ def read_model_state(role_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
         else:
             continue
         if not isinstance(meta, TensorStorageMetadata):
-            logger.warning("Skipping non-tensor model entry %s in %s", name, role_dir)
+            if not megatron:
+                logger.warning("Skipping non-tensor model entry %s in %s", name, role_dir)
             continue
         model[name] = torch.empty(meta.size, dtype=meta.properties.dtype)
     if not model:
         raise ExportError(
             f"{role_dir} holds no '{MODEL_KEY}' tensors (keys: {sorted(metadata.state_dict_metadata)[:5]}...); "
             "it is not a model checkpoint written by hybrid-rl.")
-    state = {MODEL_KEY: model}
+    state = model if megatron else {MODEL_KEY: model}
     try:
         with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": intended
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
@@ -158,7 +175,7 @@ def read_model_state(role_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
             f"Cannot read the model tensors in {role_dir} ({_root_cause(exc)}); the "
             "checkpoint is corrupt or partially written (a shard file may be missing or truncated). "
             "Export an earlier global_step_<N> folder.") from exc
-    return state[MODEL_KEY]
+    return model
 
 
 # --------------------------------------------------------------------------- building the model
@@ -300,6 +317,9 @@ def export_checkpoint(checkpoint: str, out_dir: str, role: str = "actor", dtype:
 
     config, trust = _role_config(step, role)
     state = read_model_state(role_dir)
+    if is_megatron_checkpoint(role_dir):
+        layout = convert.Layout.from_hf_config(config, value_head=role == "critic")
+        state = convert.hf_state_from_dist_checkpoint(state, layout)
 
     def write(tmp: Path) -> None:
         save_hf_weights(state, config, tmp, role=role, dtype=torch_dtype, trust_remote_code=trust, source=role_dir)

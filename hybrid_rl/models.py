@@ -131,9 +131,11 @@ def model_config(path: str, model_cfg: Any, value_head: bool = False):
     config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
     if value_head:
         config.num_labels = 1
-        for key in ("classifier_dropout", "hidden_dropout"):
-            if hasattr(config, key):
-                setattr(config, key, 0.0)
+        # transformers' token-classification head falls back to dropout 0.1 when the config
+        # names none (Llama's does not), so it is set here, not only where present.
+        config.classifier_dropout = 0.0
+        if hasattr(config, "hidden_dropout"):
+            config.hidden_dropout = 0.0
     for key, value in (model_cfg.override_config or {}).items():
         setattr(config, key, value)
     return config

@@ -27,7 +27,7 @@ from hybrid_rl.algorithms import (
 )
 from hybrid_rl import seqlen_balancing
 from hybrid_rl.checkpoint import CheckpointManager, read_trainer_state
-from hybrid_rl.config import needs_critic, to_container
+from hybrid_rl.config import needs_critic, needs_reference, to_container
 from hybrid_rl.console import RunSummary, quiet_env
 from hybrid_rl.controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool, WorkerError, create_colocated_worker_cls
 from hybrid_rl.models import resolve_model_path
@@ -36,7 +36,7 @@ from hybrid_rl.metrics import Timer, compute_data_metrics, reduce_worker_metrics
 from hybrid_rl.protocol import Batch, BatchMeta, Sampling
 from hybrid_rl.rewards import RewardManager
 from hybrid_rl.tracking import Tracker
-from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker, needs_reference
+from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
 from hybrid_rl.workers.critic import CriticWorker
 
 logger = logging.getLogger(__name__)
@@ -335,7 +335,9 @@ class Trainer:
                     metrics.update(reduce_worker_metrics(self.workers.update_actor(batch)))
 
                 with timer.phase("update_weights"):
-                    self.workers.sync_rollout_weights()
+                    pushed = self.workers.sync_rollout_weights()
+                # Every rank's engine receives every weight, in the rollout's dtype.
+                metrics["perf/sync_gb_per_rank"] = pushed[0]["bytes"] / 1e9
 
         if cfg.trainer.rollout_data_dir:
             self.dump_generations(cfg.trainer.rollout_data_dir, batch, reward_extra)

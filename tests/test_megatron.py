@@ -15,12 +15,14 @@ import torch.multiprocessing as mp
 
 from hybrid_rl.engines.hf_model import ForwardOptions, response_log_probs
 from hybrid_rl.engines.megatron import convert
+from tests.conftest import build_tiny_model
 
 
 @pytest.fixture(scope="module")
 def gqa_layout():
     """4 query heads in 2 groups, an odd vocabulary (so TP=2 pads it), qkv bias (Qwen2)."""
-    return convert.Layout(num_layers=2, heads=4, groups=2, head_dim=3, vocab=11, tied=False, qkv_bias=True)
+    return convert.Layout(num_layers=2, heads=4, groups=2, head_dim=3, vocab=11, tied=False, qkv_bias=True,
+                          rope_theta=1e4)
 
 
 def test_qkv_and_gate_up_fuse_and_split_exactly(gqa_layout):
@@ -73,6 +75,21 @@ def test_unknown_architecture_is_refused(tiny_model_dir):
         convert.Layout.from_hf_config(config)
 
 
+def test_rotary_and_attention_settings_the_conversion_cannot_reproduce_are_refused(tiny_model_dir):
+    from transformers import AutoConfig, Qwen2Config
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    assert convert.Layout.from_hf_config(config).rope_theta == 1e4
+    config.rope_parameters = {"rope_type": "linear", "rope_theta": 5e5, "factor": 2.0}
+    with pytest.raises(ValueError, match="rope type 'linear'.*strategy=fsdp2"):
+        convert.Layout.from_hf_config(config)
+    qwen = Qwen2Config(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=64)
+    with pytest.raises(ValueError, match="sliding attention window"):
+        convert.Layout.from_hf_config(qwen)
+    qwen.use_sliding_window = False
+    assert convert.Layout.from_hf_config(qwen).qkv_bias
+
+
 def test_device_layer_restores_torch_and_checks_the_version(monkeypatch):
     from hybrid_rl.engines.megatron import cpu
 
@@ -119,7 +136,8 @@ def _rank_main(rank: int, world: int, init_file: str, tp: int, pp: int, model_di
         config = mmodel.transformer_config(hf_config, layout, None, sequence_parallel=False)
         chunks = mmodel.build_model(hf_config, layout, config)
         mmodel.load_hf_weights(chunks, config, model_dir, layout)
-        exported = dict(mmodel.iter_hf_weights(chunks, config, layout, torch.float32))
+        exported = {name: tensor.clone() for name, tensor in mmodel.iter_hf_weights(chunks, config, layout,
+                                                                                    torch.float32)}
         outputs = None
         if pp == 1:
             ids = torch.randint(5, layout.vocab, (2, 10), generator=torch.Generator().manual_seed(0))
@@ -135,8 +153,15 @@ def _rank_main(rank: int, world: int, init_file: str, tp: int, pp: int, model_di
     dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def rope_model_dir(tmp_path_factory, tiny_tokenizer):
+    """Not the default rotary base: SmolLM2's is 1e5, and transformers 5 keeps it in rope_parameters."""
+    return build_tiny_model(tmp_path_factory.mktemp("rope_1e5"), tiny_tokenizer, rope_theta=1e5)
+
+
 @pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)])
-def test_megatron_model_from_hf_round_trips_and_matches_transformers(tiny_model_dir, tp, pp):
+def test_megatron_model_from_hf_round_trips_and_matches_transformers(rope_model_dir, tp, pp):
+    tiny_model_dir = rope_model_dir
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -147,7 +172,9 @@ def test_megatron_model_from_hf_round_trips_and_matches_transformers(tiny_model_
         original = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
         for rank in range(world):  # every rank receives every full tensor
             exported = load_file(os.path.join(out_dir, f"export_rank{rank}.safetensors"))
-            assert exported.keys() == original.keys()
+            # The tied output layer is named as in transformers' state dict (vLLM needs it).
+            assert exported.keys() == original.keys() | {"lm_head.weight"}
+            assert torch.equal(exported["lm_head.weight"], original["model.embed_tokens.weight"])
             assert all(torch.equal(exported[k], original[k]) for k in original), "HF -> Megatron -> HF not exact"
         if pp == 1:
             hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)

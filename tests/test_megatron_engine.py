@@ -4,7 +4,6 @@ exactly; the data-parallel dispatch layout; what the engine refuses at start."""
 
 from __future__ import annotations
 
-import copy
 import os
 import tempfile
 
@@ -89,9 +88,14 @@ def _rank_main(rank, world, init_file, model_dir, out_dir, tp, pp):
     dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def tiny_model_dir4(tmp_path_factory, tiny_tokenizer):
+    return build_tiny_model(tmp_path_factory.mktemp("four_layers"), tiny_tokenizer, num_layers=4, rope_theta=1e5)
+
+
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
-def test_megatron_engine_matches_fsdp_and_resumes_exactly(tmp_path_factory, tiny_tokenizer, tp, pp):
-    model_dir = build_tiny_model(tmp_path_factory.mktemp("four_layers"), tiny_tokenizer, num_layers=4)
+def test_megatron_engine_matches_fsdp_and_resumes_exactly(tiny_model_dir4, tp, pp):
+    model_dir = tiny_model_dir4
     cfg = actor_config("fsdp2")
     fsdp = make_engine(cfg, model_dir)
     expected_infer = fsdp.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None)
@@ -107,7 +111,7 @@ def test_megatron_engine_matches_fsdp_and_resumes_exactly(tmp_path_factory, tiny
     for result in results:
         for key in ("log_probs", "entropy"):  # every rank of the replica returns the outputs
             assert (result["infer"][key] - expected_infer[key])[mask].abs().max() <= 1e-5
-        assert set(result["after"]) == set(expected_after) - {"lm_head.weight"}  # tied: HF keeps one copy
+        assert set(result["after"]) == set(expected_after)  # the tied lm_head.weight included, as vLLM needs
         update = torch.cat([(result["after"][k] - result["before"][k]).flatten() for k in result["after"]])
         expected_update = torch.cat([(expected_after[k] - result["before"][k]).flatten() for k in result["after"]])
         # Adam's first step is about lr x sign(grad): float noise shows only where |grad| ~ eps.
@@ -121,6 +125,68 @@ def test_megatron_engine_matches_fsdp_and_resumes_exactly(tmp_path_factory, tiny
     assert loss == pytest.approx(expected["actor/loss"], rel=1e-4)
 
 
+def critic_config(strategy: str, tp: int = 1, pp: int = 1):
+    return compose_config([
+        f"critic.strategy={strategy}", "critic.ppo_mini_batch_size=4", "critic.ppo_micro_batch_size_per_gpu=3",
+        "critic.use_dynamic_bsz=false", "critic.optim.lr=1e-3", "critic.optim.weight_decay=0.0",
+        f"critic.megatron.tensor_model_parallel_size={tp}", f"critic.megatron.pipeline_model_parallel_size={pp}"],
+        config_name="ppo_megatron_trainer")
+
+
+def value_loss_fn(out, micro, agg):
+    mask = micro["response_mask"]
+    loss = (((out["values"] - micro["advantages"]) ** 2) * mask).sum() * agg["dp_size"] / agg["global_num_tokens"]
+    return loss, {"loss": float(loss.detach())}
+
+
+def critic_run(cfg, model_dir) -> dict:
+    critic = build_engine(ModelSpec("critic", model_dir, cfg.critic.model, value_head=True, optim_cfg=cfg.critic.optim,
+                                    total_steps=4), cfg.critic, torch.device("cpu"))
+    values = critic.infer(rollout_batch(1), Output.VALUES, 1.0, 3, None)["values"]
+    before = weights(critic)
+    metrics = critic.update(rollout_batch(1), cfg.critic, rollout_n=2, seed=1, output=Output.VALUES,
+                            temperature=1.0, loss_fn=value_loss_fn)
+    return {"values": values, "metrics": metrics, "before": before, "after": weights(critic)}
+
+
+def _critic_rank_main(rank, world, init_file, model_dir, out_dir, tp, pp):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.save(critic_run(critic_config("megatron", tp, pp), model_dir), os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def value_model_dir(tiny_model_dir4, tmp_path_factory):
+    """A critic's own folder (LlamaForTokenClassification): the backbone plus a trained-looking head."""
+    from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+    model = AutoModelForTokenClassification.from_pretrained(tiny_model_dir4, num_labels=1)
+    with torch.no_grad():
+        model.score.bias.fill_(0.25)
+    folder = tmp_path_factory.mktemp("value_model")
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_model_dir4).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_megatron_critic_matches_fsdp(value_model_dir, tp, pp):
+    expected = critic_run(critic_config("fsdp2"), value_model_dir)
+    mask = rollout_batch(1)["response_mask"].bool()
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_critic_rank_main, args=(2, os.path.join(out_dir, "init"), value_model_dir, out_dir, tp, pp),
+                           nprocs=2, start_method="spawn")
+        results = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)]
+    for result in results:
+        assert (result["values"] - expected["values"])[mask].abs().max() <= 1e-5
+        assert result["metrics"]["critic/grad_norm"] == pytest.approx(expected["metrics"]["critic/grad_norm"], rel=1e-4)
+        assert set(result["after"]) == set(expected["after"])  # score.weight and score.bias, no lm_head
+        assert all(torch.equal(result["before"][k], expected["before"][k]) for k in expected["before"])
+        update = torch.cat([(result["after"][k] - result["before"][k]).flatten() for k in expected["after"]])
+        expected_update = torch.cat([(expected["after"][k] - expected["before"][k]).flatten() for k in expected["after"]])
+        assert (update - expected_update).norm() / expected_update.norm() <= 1e-3
+
+
 def test_dispatch_follows_the_data_parallel_layout():
     # TP=2 x DP=2 over 4 ranks: ranks 0, 1 are replica 0 (rank 0 answers), ranks 2, 3 replica 1.
     layout = [RankLayout(0, 2, True), RankLayout(0, 2, False), RankLayout(1, 2, True), RankLayout(1, 2, False)]
@@ -132,16 +198,53 @@ def test_dispatch_follows_the_data_parallel_layout():
         output_ranks([RankLayout(0, 1, True), RankLayout(0, 1, True)])
 
 
-def test_megatron_settings_this_engine_cannot_run_are_refused_at_start(tiny_model_dir):
+@pytest.mark.parametrize("overrides, expected", [
+    # tiny model: 4 layers, 2 attention heads, 1 key/value head; 2 ranks
+    (["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4", "trainer.n_gpus_per_node=4"],
+     r"actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4 does not fit the model's 2 attention heads"
+     r".*valid here: 1, 2\)"),
+    (["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=3", "trainer.n_gpus_per_node=3",
+      "data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=6"],
+     r"pipeline_model_parallel_size=3 x virtual_pipeline_model_parallel_size=1 does not divide the model's 4 layers"),
+    (["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2", "trainer.n_gpus_per_node=3",
+      "data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=6"],
+     r"tensor_model_parallel_size \(1\) x pipeline_model_parallel_size \(2\) must divide the number of ranks \(3"),
+    (["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+      "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2"],
+     "virtual pipeline stages need NCCL"),
+    (["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2", "actor_rollout_ref.actor.use_kl_loss=true",
+      "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=1"],
+     "must match.*actor_rollout_ref.actor: TP=1, PP=2, actor_rollout_ref.ref: TP=1, PP=1"),
+    (["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2", "algorithm.adv_estimator=gae"],
+     "must match.*actor_rollout_ref.actor: TP=1, PP=2, .*critic: TP=1, PP=1"),
+    (["actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_type=full"],
+     "kl_loss_type=full needs full-vocabulary logits"),
+])
+def test_megatron_layouts_the_model_cannot_take_are_refused_before_workers_start(tiny_model_dir4, overrides,
+                                                                               expected):
+    from hybrid_rl.config import ConfigError, check_model_limits, validate_config
+
+    cfg = validate_config(compose_config(["trainer.n_gpus_per_node=2", "trainer.device=cpu", *overrides],
+                                         config_name="ppo_megatron_trainer"))
+    with pytest.raises(ConfigError, match=expected):
+        check_model_limits(cfg, tiny_model_dir4)
+
+
+def test_megatron_layouts_that_fit_pass_the_start_checks(tiny_model_dir4):
+    from hybrid_rl.config import check_model_limits, validate_config
+
+    for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2)):
+        cfg = validate_config(compose_config([
+            "trainer.n_gpus_per_node=4", "trainer.device=cpu", "actor_rollout_ref.actor.use_kl_loss=true",
+            f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}",
+            f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}"], config_name="ppo_megatron_trainer"))
+        check_model_limits(cfg, tiny_model_dir4)  # the reference follows the actor's sizes in verl's tree
+
+
+def test_unbuilt_megatron_settings_are_refused():
     from hybrid_rl.config import validate_config
 
     cfg = compose_config(["actor_rollout_ref.actor.megatron.context_parallel_size=2"],
                          config_name="ppo_megatron_trainer")
     with pytest.raises(Exception, match="context_parallel_size=2 is not supported yet"):
-        validate_config(copy.deepcopy(cfg))
-    vpp = actor_config("megatron", pp=2, extra=["actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2"])
-    with pytest.raises(ValueError, match="virtual pipeline stages need NCCL"):
-        make_engine(vpp, tiny_model_dir)
-    with pytest.raises(ValueError, match="critic.strategy=megatron is not supported yet"):
-        build_engine(ModelSpec("critic", tiny_model_dir, cfg.critic.model, value_head=True), cfg.critic,
-                     torch.device("cpu"))
+        validate_config(cfg)

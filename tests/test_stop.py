@@ -16,7 +16,7 @@ import pytest
 from hybrid_rl.checkpoint import CheckpointManager
 from hybrid_rl.export import export_checkpoint
 from hybrid_rl.main import REPO_ROOT
-from tests.test_resume import STEPS, command, model_tensors, run, step_metrics
+from tests.test_resume import STEPS, command, final_weights, run, step_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -96,7 +96,7 @@ def test_sigterm_finishes_the_step_saves_and_resumes_exactly(tiny_model_dir, ari
         assert got[step].keys() == row.keys() - skipped, step
         for key, value in got[step].items():
             assert value == pytest.approx(row[key], rel=1e-6, abs=1e-6), (step, key)
-    a, b = model_tensors(straight / f"global_step_{STEPS}"), model_tensors(stopped / f"global_step_{STEPS}")
+    a, b = final_weights(straight), final_weights(stopped)
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
 
 

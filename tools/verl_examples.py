@@ -41,10 +41,11 @@ SUBSTITUTED = (
     "*.model.path", "*.tokenizer_path", "data.train_files", "data.val_files", "data.train_batch_size",
     "data.val_batch_size", "data.max_prompt_length", "data.max_response_length", "*ppo_mini_batch_size",
     "*micro_batch_size*", "*max_token_len*", "actor_rollout_ref.rollout.n", "*tensor_model_parallel_size",
-    "*gpu_memory_utilization", "*max_num_batched_tokens", "*max_model_len", "trainer.n_gpus_per_node",
-    "trainer.nnodes", "trainer.total_epochs", "trainer.total_training_steps", "trainer.val_before_train",
-    "trainer.test_freq", "trainer.save_freq", "trainer.default_local_dir", "trainer.resume_mode",
-    "trainer.resume_from_path", "trainer.final_model_dir", "trainer.progress_bar", "trainer.logger",
+    "*pipeline_model_parallel_size", "*gpu_memory_utilization", "*max_num_batched_tokens", "*max_model_len",
+    "trainer.n_gpus_per_node", "trainer.nnodes", "trainer.total_epochs", "trainer.total_training_steps",
+    "trainer.val_before_train", "trainer.test_freq", "trainer.save_freq", "trainer.default_local_dir",
+    "trainer.resume_mode", "trainer.resume_from_path", "trainer.final_model_dir", "trainer.progress_bar",
+    "trainer.logger",
 )
 ONE_STEP = ("trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.test_freq=-1",
             "trainer.save_freq=-1", "trainer.final_model_dir=null", "trainer.progress_bar=false",
@@ -196,8 +197,10 @@ def report(results: list[dict], source: str, ran: bool) -> str:
     ]
     if ran:
         tried = [r for r in started if "step" in r]
+        reused = sum(bool(r.get("reused")) for r in tried)
         lines.append(f"| train one step on CPU | {len(stepped)} of the {len(tried)} run "
-                     f"({len(started) - len(tried)} of those that start not run this time) |")
+                     f"({len(started) - len(tried)} of those that start not run this time; {reused} results "
+                     "taken from an earlier `--run` with `--reuse`, marked earlier below) |")
     lines += ["", "## Keys that stop scripts at start (not supported yet)", "", "| key | scripts |", "|---|---|"]
     lines += [f"| `{key}` | {n} |" for key, n in key_counts.most_common()]
     lines += ["", "## Per script", "", "| script | compose | start | step |", "|---|---|---|---|"]
@@ -208,7 +211,7 @@ def report(results: list[dict], source: str, ran: bool) -> str:
                 else start.splitlines()[0]
         step = r.get("step", "")
         if step:
-            step = f"{step} ({r['step_s']} s)"
+            step = f"{step} ({r['step_s']} s{', earlier' if r.get('reused') else ''})"
         compose = r["compose"]
         if compose.startswith(HYDRA_GRAMMAR_ERRORS):
             compose += " (the script's own text: Hydra's grammar, the same in verl, rejects it)"
@@ -249,7 +252,7 @@ def main() -> None:
             if args.run is not None and result.get("start") == "ok" and (
                     not args.run or any(fnmatch.fnmatchcase(name, g) for g in args.run)):
                 if name in earlier:
-                    result.update(step=earlier[name]["step"], step_s=earlier[name]["step_s"])
+                    result.update(step=earlier[name]["step"], step_s=earlier[name]["step_s"], reused=True)
                 else:
                     one_step(result, scratch, args.timeout)
             print(json.dumps({k: v for k, v in result.items() if "overrides" not in k}), flush=True)

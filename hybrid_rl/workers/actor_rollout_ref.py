@@ -17,6 +17,7 @@ from hybrid_rl.algorithms import (
     aggregate_loss, entropy_from_logits, full_kl_from_logits, get_policy_loss, kl_penalty, mismatch_metrics,
     token_log_probs,
 )
+from hybrid_rl.config import needs_reference
 from hybrid_rl.controller import Dispatch, register
 from hybrid_rl.engines import ModelSpec, Output, build_engine
 from hybrid_rl.engines.base import FORWARD_KEYS, token_share
@@ -25,10 +26,6 @@ from hybrid_rl.protocol import Batch, Sampling
 from hybrid_rl.workers.base import ModelWorker, peak_memory_gb
 from hybrid_rl.workers.rollout import HFRollout, VLLMRollout, assemble_rollout, greedy_settings, sampling_settings
 from hybrid_rl.workers.weight_sync import sync_weights
-
-
-def needs_reference(cfg: Any) -> bool:
-    return bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
 
 
 class ActorRolloutRefWorker(ModelWorker):

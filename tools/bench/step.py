@@ -2,7 +2,7 @@
 """One GRPO step, phase by phase: where the time goes, tokens/s, how close the update phase
 gets to this machine's matmul peak, and peak memory.
 
-    python tools/bench/step.py [--steps 4] [--json out.json] [dotted overrides ...]
+    python tools/bench/step.py [--steps 4] [--config-name ppo_trainer] [--json out.json] [dotted overrides ...]
 
 Runs the default job (or the one the overrides describe) for a few steps without validation and
 reports the mean of each phase over the steps after the first (warm-up). The matmul peak is
@@ -94,13 +94,26 @@ def head_memory_case(model_path: str, chunked: bool, rows: int, prompt: int, res
     return {"peak_rss_gb": peak / 2**20, "increase_gb": (peak - before) / 2**20}
 
 
-def run_steps(steps: int, overrides: list[str]) -> tuple[dict, list[dict]]:
+def update_dtype(cfg, device: str) -> str:
+    """The actor's compute dtype as its engine resolves it (`auto` follows this CPU or GPU)."""
+    import torch
+
+    from hybrid_rl.engines import hf_model
+
+    actor = cfg.actor_rollout_ref.actor
+    section = actor.megatron if actor.strategy == "megatron" else actor.fsdp_config
+    dtype = hf_model.compute_dtype(section.get("dtype", "auto") or "auto", torch.device(device))
+    return str(dtype).removeprefix("torch.")
+
+
+def run_steps(steps: int, overrides: list[str], config_name: str = "ppo_trainer") -> tuple[dict, list[dict]]:
     from hybrid_rl.main import build_trainer, compose_config
 
     run_dir = tempfile.mkdtemp(prefix="bench_step_")
     cfg = compose_config([f"trainer.total_training_steps={steps}", "trainer.val_before_train=false",
                           "trainer.test_freq=-1", "data.val_files=null", "trainer.logger=[jsonl]",
-                          f"trainer.default_local_dir={run_dir}", "trainer.progress_bar=false", *overrides])
+                          f"trainer.default_local_dir={run_dir}", "trainer.progress_bar=false", *overrides],
+                         config_name=config_name)
     trainer = build_trainer(cfg)
     trainer.val_dataset = None  # the built-in data set brings a validation split: keep it out
     try:
@@ -114,6 +127,7 @@ def run_steps(steps: int, overrides: list[str]) -> tuple[dict, list[dict]]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--config-name", default="ppo_trainer", help="ppo_megatron_trainer for the Megatron engine")
     ap.add_argument("--matmul-size", type=int, default=None, help="default 2048 on CPU, 8192 on CUDA")
     ap.add_argument("--head-memory", action="store_true")
     ap.add_argument("--json", help="write the results here")
@@ -124,9 +138,13 @@ def main(argv=None) -> int:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     size = args.matmul_size or (8192 if device == "cuda" else 2048)
-    peaks = {dtype: matmul_peak_tflops(device, dtype, size) for dtype in ("float32", "bfloat16")}
+    from hybrid_rl.main import compose_config
 
-    run, measured = run_steps(args.steps, args.overrides)
+    compute_dtype = update_dtype(compose_config(args.overrides, args.config_name), device)
+    # fp32 and the update's dtype only: a bf16 peak on a CPU without bf16 instructions takes minutes.
+    peaks = {dtype: matmul_peak_tflops(device, dtype, size) for dtype in dict.fromkeys(("float32", compute_dtype))}
+
+    run, measured = run_steps(args.steps, args.overrides, args.config_name)
     cfg = run["cfg"]
     mean = lambda key: sum(r.get(key, 0.0) for r in measured) / len(measured)  # noqa: E731
     phases = {p: mean(f"timing_s/{p}") for p in PHASES}
@@ -135,10 +153,10 @@ def main(argv=None) -> int:
     sequences = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
     response_tokens = mean("response_length/mean") * sequences / ranks
     update_flops = 6 * (nonembed * mean("actor/update_tokens") + head * response_tokens)
-    compute_dtype = "float32" if cfg.actor_rollout_ref.actor.fsdp_config.dtype in ("fp32", "float32") else "bfloat16"
     achieved = update_flops / phases["update_actor"] / 1e12
-    result = common.header({"steps": args.steps, "overrides": args.overrides, "device": device,
-                            "ranks": ranks, "sequences_per_step": sequences, "matmul_size": size})
+    result = common.header({"steps": args.steps, "config_name": args.config_name, "overrides": args.overrides,
+                            "device": device, "ranks": ranks, "sequences_per_step": sequences,
+                            "matmul_size": size}, packages=("torch", "vllm", "transformers", "megatron-core"))
     result.update({
         "steps_measured": len(measured),
         "phase_seconds": phases,
@@ -149,12 +167,14 @@ def main(argv=None) -> int:
                    "fraction_of_matmul_peak": achieved / peaks[compute_dtype]},
         "matmul_peak_tflops": peaks,
         "peak_memory_gb_per_rank": max(r.get("perf/max_memory_gb", 0.0) for r in measured),
+        "sync_gb_per_rank": mean("perf/sync_gb_per_rank"),
     })
     print(f"{'phase':<16}{'seconds':>10}{'share':>8}")
     for phase, seconds in phases.items():
         print(f"{phase:<16}{seconds:>10.2f}{seconds / phases['step']:>8.1%}")
     print(f"tokens/s per rank: {result['tokens_per_second_per_rank']:.1f}")
-    print(f"matmul peak: {peaks['float32']:.3f} TFLOP/s fp32, {peaks['bfloat16']:.3f} TFLOP/s bf16")
+    print(f"weight sync: {result['sync_gb_per_rank']:.3f} GB per rank in {phases['update_weights']:.2f} s")
+    print("matmul peak: " + ", ".join(f"{peak:.3f} TFLOP/s {dtype}" for dtype, peak in peaks.items()))
     print(f"update: {achieved:.3f} TFLOP/s ({compute_dtype}) = {result['update']['fraction_of_matmul_peak']:.1%} "
           f"of the matmul peak")
     print(f"peak memory per rank: {result['peak_memory_gb_per_rank']:.2f} GB")

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+# A critic's own folder (a value model saved by a run): the same backbones with a `score` head.
+VALUE_ARCHITECTURES = ("LlamaForTokenClassification", "Qwen2ForTokenClassification", "MistralForTokenClassification")
 
 
 @dataclass(frozen=True)
@@ -36,20 +38,39 @@ class Layout:
     vocab: int
     tied: bool
     qkv_bias: bool
+    rope_theta: float
+    value_head: bool = False  # a scalar head (HF `score`, token classification) instead of the LM head
 
     @classmethod
-    def from_hf_config(cls, config) -> "Layout":
+    def from_hf_config(cls, config, value_head: bool = False) -> "Layout":
+        """The layout of a model the conversion reproduces exactly; anything else is refused. A
+        value model (the critic) has no LM head, so nothing is tied to its embedding."""
         archs = list(getattr(config, "architectures", None) or [])
-        if not set(archs) & set(ARCHITECTURES):
+        if not set(archs) & set(ARCHITECTURES + VALUE_ARCHITECTURES):
             raise ValueError(f"The Megatron engine converts {', '.join(ARCHITECTURES)} models; this model is "
                              f"{archs or config.model_type}. Use strategy=fsdp2 for it.")
+        # transformers 5 keeps the rotary settings in `rope_parameters`, 4.x in rope_theta/rope_scaling.
+        rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+        theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        problems = [f"rope type {rope_type!r}"] if rope_type != "default" else []
+        if theta is None:
+            problems.append("missing rope_theta")
+        if getattr(config, "mlp_bias", False):
+            problems.append("mlp_bias=true")
+        sliding = getattr(config, "use_sliding_window", config.model_type == "mistral")  # Qwen2 has the switch
+        if sliding and getattr(config, "sliding_window", None):
+            problems.append("sliding attention window")
+        if problems:
+            raise ValueError(f"The Megatron engine does not reproduce this model's {', '.join(problems)} "
+                             "(config.json); use strategy=fsdp2 for it.")
         heads = config.num_attention_heads
         return cls(num_layers=config.num_hidden_layers, heads=heads,
                    groups=getattr(config, "num_key_value_heads", None) or heads,
                    head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-                   vocab=config.vocab_size, tied=bool(config.tie_word_embeddings),
-                   qkv_bias=bool(getattr(config, "attention_bias", False)
-                                 or config.model_type == "qwen2"))
+                   vocab=config.vocab_size, tied=bool(config.tie_word_embeddings) and not value_head,
+                   qkv_bias=bool(getattr(config, "attention_bias", False) or config.model_type == "qwen2"),
+                   rope_theta=float(theta), value_head=value_head)
 
     def padded_vocab(self, tp: int) -> int:
         return -(-self.vocab // tp) * tp
@@ -73,6 +94,8 @@ _GLOBAL_NAMES = {
     "embedding.word_embeddings.weight": ["model.embed_tokens.weight"],
     "decoder.final_layernorm.weight": ["model.norm.weight"],
     "output_layer.weight": ["lm_head.weight"],
+    "value_head.weight": ["score.weight"],
+    "value_head.bias": ["score.bias"],
 }
 _COLUMN_SPLIT = ("linear_proj.weight", "linear_fc2.weight")  # split along the input dimension
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -161,5 +184,28 @@ def merge_tp(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
 
 
 def is_tensor_parallel(name: str) -> bool:
-    """Whether TP ranks hold different shards of `name` (norms are replicated)."""
-    return not name.endswith("norm.weight") and not name.endswith("layer_norm_weight")
+    """Whether TP ranks hold different shards of `name` (norms and the value head are replicated)."""
+    return not name.endswith(("norm.weight", "layer_norm_weight")) and not name.startswith("value_head.")
+
+
+# The model's tensors in a Megatron dist-checkpoint (the optimizer's are under "optimizer.").
+DIST_CHECKPOINT_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+
+
+def hf_state_from_dist_checkpoint(tensors: dict[str, torch.Tensor], layout: Layout) -> dict[str, torch.Tensor]:
+    """HF-named tensors from a Megatron dist-checkpoint's model tensors, read whole: each
+    `decoder.layers.*` tensor stacks all layers along dim 0, and TP shards are already merged
+    (the vocabulary padding stays, `to_hf` drops it). A critic's `output_layer` is its value head."""
+    state = {}
+    for key, tensor in tensors.items():
+        if key.startswith("decoder.layers."):
+            rest = key[len("decoder.layers."):]
+            parts = [(f"decoder.layers.{index}.{rest}", layer) for index, layer in enumerate(tensor)]
+        elif layout.value_head and key.startswith("output_layer."):
+            parts = [(key.replace("output_layer.", "value_head."), tensor)]
+        else:
+            parts = [(key, tensor)]
+        for name, part in parts:
+            state.update(to_hf(name, part, layout))
+    return state
+

@@ -1,7 +1,7 @@
 """The Megatron-core engine: tensor, pipeline (with virtual stages) and data parallelism.
 
 The model is megatron's `GPTModel`, built from the HF folder and filled with the converted HF
-weights (`model.py`, `convert.py`). A trained model is wrapped in megatron's
+weights (`model.py`, `convert.py`); the critic's ends in a scalar value head. A trained model is wrapped in megatron's
 `DistributedDataParallel` (fp32 gradient buffers, reduced over the data-parallel group) and
 stepped by megatron's optimizer (the distributed one with `use_distributed_optimizer`);
 forward and backward run through megatron's pipeline schedules, so with PP > 1 only the last
@@ -21,6 +21,7 @@ import contextlib
 import logging
 import math
 import os
+import warnings
 from typing import Any, Callable, Iterator
 
 import torch
@@ -31,33 +32,21 @@ from hybrid_rl.engines import hf_model
 from hybrid_rl.engines.base import ModelSpec, Output, TrainEngine, all_reduce_scalar, lr_lambda
 from hybrid_rl.engines.megatron import convert
 from hybrid_rl.engines.megatron import model as mmodel
+from hybrid_rl.engines.megatron.checks import check_layout, parallel_sizes
 from hybrid_rl.models import model_config
 
 logger = logging.getLogger(__name__)
 
-def parallel_sizes(megatron_cfg: Any) -> tuple[int, int, int | None]:
-    """(tensor, pipeline, virtual pipeline) sizes of a role's `megatron` section."""
-    vpp = megatron_cfg.get("virtual_pipeline_model_parallel_size")
-    return (int(megatron_cfg.tensor_model_parallel_size), int(megatron_cfg.pipeline_model_parallel_size),
-            int(vpp) if vpp is not None and int(vpp) > 1 else None)
+# Without Transformer Engine and Apex (always on CPU) megatron-core warns at import that it uses
+# its torch fallbacks, which is what this engine asks for; 0.16.1's own TransformerConfig default
+# triggers its cuda_graph_scope deprecation warning.
+for _message in (r"(Transformer Engine and )?Apex (is|are) not installed", r"full scope is deprecated"):
+    warnings.filterwarnings("ignore", message=_message, category=UserWarning)
 
-
-def check_megatron_config(key: str, megatron_cfg: Any, device_type: str) -> None:
-    """Refuse, naming the key, a layout this engine cannot run (context and expert parallelism
-    are refused with the other unbuilt verl keys, `config_keys`)."""
-    tp, pp, vpp = parallel_sizes(megatron_cfg)
-    if tp < 1 or pp < 1:
-        raise ValueError(f"{key}.megatron.tensor_model_parallel_size and pipeline_model_parallel_size must be "
-                         f">= 1 (got {tp} and {pp}).")
-    if vpp is not None and pp == 1:
-        raise ValueError(f"{key}.megatron.virtual_pipeline_model_parallel_size={vpp} needs "
-                         "pipeline_model_parallel_size > 1.")
-    if vpp is not None and device_type == "cpu":
-        # Measured with megatron-core 0.16.1: over gloo the interleaved schedule's training pass
-        # pairs activations with the wrong micro-batches (batched p2p) or hangs (unbatched).
-        raise ValueError(f"{key}.megatron.virtual_pipeline_model_parallel_size={vpp}: virtual pipeline stages "
-                         "need NCCL (trainer.device=cuda); on CPU set it to null and keep "
-                         "pipeline_model_parallel_size.")
+# What forward_backward returns per micro-batch for each output it computes.
+OUTPUT_KEYS = {Output.LOG_PROBS: ("log_probs",), Output.LOG_PROBS_ENTROPY: ("log_probs", "entropy"),
+               Output.VALUES: ("values",)}
+ROLE_KEYS = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "critic": "critic"}
 
 
 class LambdaSchedules:
@@ -88,19 +77,17 @@ class MegatronEngine(TrainEngine):
     def __init__(self, spec: ModelSpec, role_cfg: Any, device: torch.device):
         from megatron.core import parallel_state
 
-        if spec.value_head:
-            raise ValueError("critic.strategy=megatron is not supported yet: the Megatron engine has no value "
-                             "head. Set critic.strategy=fsdp2 (the actor may stay on Megatron).")
         self.spec, self.device = spec, device
         megatron_cfg = role_cfg.megatron
-        check_megatron_config(spec.role, megatron_cfg, device.type)
+        hf_config = model_config(spec.path, spec.model_cfg)
+        self.layout = convert.Layout.from_hf_config(hf_config, value_head=spec.value_head)
+        check_layout(ROLE_KEYS[spec.role], megatron_cfg, self.layout, dist.get_world_size(), device.type)
         tp, pp, vpp = parallel_sizes(megatron_cfg)
+        seed = int(megatron_cfg.get("seed", 42))
         dtype = hf_model.compute_dtype(megatron_cfg.get("dtype", "auto") or "auto", device)
         trainable = spec.optim_cfg is not None
-        hf_config = model_config(spec.path, spec.model_cfg)
-        self.layout = convert.Layout.from_hf_config(hf_config)
         with self._megatron():
-            mmodel.initialize_parallel(tp, pp, vpp, int(megatron_cfg.get("seed", 42)))
+            mmodel.initialize_parallel(tp, pp, vpp, seed)
             if parallel_state.get_tensor_model_parallel_world_size() != tp or \
                     parallel_state.get_pipeline_model_parallel_world_size() != pp:
                 raise ValueError(f"{spec.role}.megatron sets TP={tp}, PP={pp}, but this process already runs "
@@ -118,7 +105,7 @@ class MegatronEngine(TrainEngine):
                                "activation memory).", spec.role)
                 sequence_parallel = False
             self.config = mmodel.transformer_config(hf_config, self.layout, vpp, sequence_parallel, overrides)
-            self.models = mmodel.build_model(hf_config, self.layout, self.config, te)
+            self.models = mmodel.build_model(hf_config, self.layout, self.config, te, seed)
             mmodel.load_hf_weights(self.models, self.config, spec.path, self.layout)
             self.chunks = [self._half(m) for m in self.models]
             if trainable:
@@ -212,10 +199,10 @@ class MegatronEngine(TrainEngine):
                          loss_fn: Callable | None = None) -> list[dict]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        if output not in (Output.LOG_PROBS, Output.LOG_PROBS_ENTROPY):
-            raise NotImplementedError(f"The Megatron engine computes log-probs and entropies, not {output.value}: "
-                                      "use strategy=fsdp2 for the full-vocabulary KL (kl_loss_type=full).")
-        with_entropy = output is Output.LOG_PROBS_ENTROPY
+        if output not in OUTPUT_KEYS:
+            raise NotImplementedError(f"The Megatron engine computes log-probs, entropies and values, not "
+                                      f"{output.value}: use strategy=fsdp2 for the full-vocabulary KL "
+                                      "(kl_loss_type=full).")
         # The interleaved schedule runs micro-batches in groups of PP; fillers (no response
         # tokens, so no loss and no gradient) complete the last group.
         fillers = self._filler_count(len(micros))
@@ -231,11 +218,15 @@ class MegatronEngine(TrainEngine):
             logits = model(ids, positions, None)
 
             def loss_func(logits: torch.Tensor):
-                log_probs, entropy = mmodel.logits_to_log_probs(logits, predict, micro["responses"], temperature,
-                                                                self.layout.vocab, with_entropy)
-                out = {"log_probs": log_probs, "entropy": entropy} if with_entropy else {"log_probs": log_probs}
+                if output is Output.VALUES:  # V(s_t): the value head's output before each response token
+                    out = {"values": logits[..., 0].gather(1, predict).float()}
+                else:
+                    log_probs, entropy = mmodel.logits_to_log_probs(
+                        logits, predict, micro["responses"], temperature, self.layout.vocab,
+                        output is Output.LOG_PROBS_ENTROPY)
+                    out = dict(zip(OUTPUT_KEYS[output], (log_probs, entropy)))
                 if loss_fn is None:
-                    return log_probs.new_zeros(()), out
+                    return logits.new_zeros(()), out
                 loss, terms = loss_fn(out, micro)
                 return loss * steps, terms  # the schedule divides every loss by the micro-batch count
 
@@ -249,7 +240,7 @@ class MegatronEngine(TrainEngine):
                 micro_batch_size=max(m["input_ids"].shape[0] for m in batch), forward_only=loss_fn is None)
         results = results[:len(micros)]
         if loss_fn is None and self.pp_size > 1:
-            results = self._from_last_stage(results, micros, with_entropy)
+            results = self._from_last_stage(results, micros, OUTPUT_KEYS[output])
         return results
 
     def _filler_count(self, count: int) -> int:
@@ -258,10 +249,9 @@ class MegatronEngine(TrainEngine):
         group = self.config.microbatch_group_size_per_vp_stage or self.pp_size
         return max(group, -(-count // group) * group) - count
 
-    def _from_last_stage(self, results: list[dict], micros: list[dict], with_entropy: bool) -> list[dict]:
+    def _from_last_stage(self, results: list[dict], micros: list[dict], keys: tuple[str, ...]) -> list[dict]:
         """The last stage's outputs on every stage, so every rank of a replica returns them."""
         src = dist.get_global_rank(self.pp_group, self.pp_size - 1)
-        keys = ("log_probs", "entropy") if with_entropy else ("log_probs",)
         out = []
         for index, micro in enumerate(micros):
             mine = results[index] if results else {}
@@ -310,6 +300,8 @@ class MegatronEngine(TrainEngine):
 
         os.makedirs(folder, exist_ok=True)  # megatron saves into an existing, empty folder
         with self._megatron():
+            for part in self.optimizer_parts:  # before the first step (critic warm-up, an early stop)
+                _create_adam_state(part.optimizer)
             dist_checkpointing.save(self._sharded_state(), folder)
 
     def _load_sharded(self, folder: str) -> None:
@@ -323,18 +315,22 @@ class MegatronEngine(TrainEngine):
                 model.load_state_dict(state[f"model{index}"])
             self.optimizer.load_state_dict(state["optimizer"])
             # Without Apex / Transformer Engine, megatron-core 0.16.1's distributed optimizer
-            # loads one `step` tensor into every parameter's state; torch's Adam increments it
-            # in place once per parameter, so each needs its own.
+            # restores the step count into its param groups only: the parameters' Adam states
+            # keep the step they had before loading (here 0), which skews Adam's bias correction.
+            # Each gets the saved count, in a tensor of its own (torch's Adam increments it in place).
             for part in self.optimizer_parts:
-                for param_state in part.optimizer.state.values():
-                    if torch.is_tensor(param_state.get("step")):
-                        param_state["step"] = param_state["step"].clone()
+                for group in part.optimizer.param_groups:
+                    for param in group["params"]:
+                        param_state = part.optimizer.state.get(param)
+                        if param_state and "step" in group:
+                            param_state["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
 
 
 @torch.no_grad()
 def _create_adam_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give every parameter its Adam state (a step at learning rate 0 on zero gradients, which
-    changes no weight), so a checkpoint has tensors to load into."""
+    """Give every parameter an Adam state equal to a fresh one (zero moments, step 0), made by a
+    step at learning rate 0 on zero gradients (which changes no weight): megatron saves and loads
+    only existing state."""
     if optimizer.state:
         return
     rates = [group["lr"] for group in optimizer.param_groups]
@@ -346,6 +342,8 @@ def _create_adam_state(optimizer: torch.optim.Optimizer) -> None:
     for group, rate in zip(optimizer.param_groups, rates):
         group["lr"] = rate
     optimizer.zero_grad(set_to_none=True)
+    for state in optimizer.state.values():
+        state["step"].zero_()
 
 
 def transformer_overrides(section: Any) -> dict:

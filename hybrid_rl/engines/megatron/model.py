@@ -35,10 +35,6 @@ def initialize_parallel(tp: int, pp: int, vpp: int | None, seed: int) -> None:
     """megatron's process groups (once per process) and its model-parallel RNG."""
     from megatron.core import parallel_state, tensor_parallel
 
-    world = dist.get_world_size()
-    if world % (tp * pp):
-        raise ValueError(f"tensor_model_parallel_size ({tp}) x pipeline_model_parallel_size ({pp}) must divide "
-                         f"the number of ranks ({world}, trainer.nnodes x trainer.n_gpus_per_node).")
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -52,15 +48,6 @@ def transformer_config(hf_config, layout: convert.Layout, vpp: int | None, seque
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    # Fewer key/value heads than TP ranks is fine when each head's ranks are whole (megatron
-    # gathers the fused qkv output then).
-    if layout.heads % tp or (layout.groups % tp and tp % layout.groups):
-        raise ValueError(f"tensor_model_parallel_size={tp} does not fit the model's {layout.heads} attention heads "
-                         f"and {layout.groups} key/value heads: it must divide the attention heads, and divide or "
-                         "be a multiple of the key/value heads.")
-    if layout.num_layers % (pp * (vpp or 1)):
-        raise ValueError(f"pipeline_model_parallel_size={pp} x virtual_pipeline_model_parallel_size={vpp or 1} "
-                         f"does not divide the model's {layout.num_layers} layers.")
     return TransformerConfig(
         num_layers=layout.num_layers, hidden_size=hf_config.hidden_size, num_attention_heads=layout.heads,
         num_query_groups=layout.groups, kv_channels=layout.head_dim, ffn_hidden_size=hf_config.intermediate_size,
@@ -90,8 +77,10 @@ def has_transformer_engine(device: torch.device) -> bool:
     return True
 
 
-def build_model(hf_config, layout: convert.Layout, config, transformer_engine: bool = False) -> list[torch.nn.Module]:
-    """This rank's model chunks (one per virtual pipeline stage), with random weights."""
+def build_model(hf_config, layout: convert.Layout, config, transformer_engine: bool = False,
+                seed: int = 0) -> list[torch.nn.Module]:
+    """This rank's model chunks (one per virtual pipeline stage), with random weights; with
+    `layout.value_head` the last stage ends in a `ValueHead` (initialised from `seed`)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -104,14 +93,38 @@ def build_model(hf_config, layout: convert.Layout, config, transformer_engine: b
     chunks = []
     for stage in range(config.virtual_pipeline_model_parallel_size or 1):
         vp_stage = _vp_stage(config, stage)
-        chunks.append(GPTModel(
+        chunk = GPTModel(
             config, spec, vocab_size=layout.padded_vocab(tp),
             max_sequence_length=hf_config.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             share_embeddings_and_output_weights=layout.tied, position_embedding_type="rope",
-            rotary_base=getattr(hf_config, "rope_theta", 10000), parallel_output=False, vp_stage=vp_stage))
+            rotary_base=layout.rope_theta, parallel_output=False, vp_stage=vp_stage)
+        if layout.value_head and chunk.post_process:
+            chunk.output_layer = ValueHead(config, getattr(hf_config, "initializer_range", 0.02), seed)
+        chunks.append(chunk)
     return chunks
+
+
+class ValueHead(torch.nn.Linear):
+    """The critic's scalar head in place of GPTModel's output layer: hidden -> 1 with a bias, as
+    transformers' token-classification `score`, replicated on the TP ranks. Under sequence
+    parallelism it gathers the sequence first, so every TP rank computes the same values and the
+    same head gradients."""
+
+    def __init__(self, config, init_std: float, seed: int):
+        super().__init__(config.hidden_size, 1, bias=True, dtype=config.params_dtype)
+        with torch.no_grad():  # the same fresh head on every rank
+            self.weight.copy_(torch.randn(self.weight.shape, generator=torch.Generator().manual_seed(seed)) * init_std)
+            self.bias.zero_()
+        self.sequence_parallel = config.sequence_parallel
+
+    def forward(self, hidden: torch.Tensor, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden)
+        return super().forward(hidden), None
 
 
 def global_names(chunk: torch.nn.Module, config, vp_stage: int | None) -> dict[str, str]:
@@ -119,8 +132,10 @@ def global_names(chunk: torch.nn.Module, config, vp_stage: int | None) -> dict[s
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
-    return {name: convert.with_layer_offset(name, offset) for name in chunk.state_dict()
-            if not name.endswith("_extra_state")}
+    value_head = isinstance(getattr(chunk, "output_layer", None), ValueHead)
+    return {name: convert.with_layer_offset(name.replace("output_layer.", "value_head.") if value_head else name,
+                                            offset)
+            for name in chunk.state_dict() if not name.endswith("_extra_state")}
 
 
 def _vp_stage(config, index: int) -> int | None:
@@ -152,6 +167,8 @@ def load_hf_weights(chunks: list[torch.nn.Module], config, path: str, layout: co
     for index, chunk in enumerate(chunks):
         state = chunk.state_dict()
         for local, name in global_names(chunk, config, _vp_stage(config, index)).items():
+            if name.startswith("value_head.") and not set(convert.hf_names(name)) <= files.keys():
+                continue  # a causal LM's folder: the critic starts from a fresh head, as in transformers
             full = convert.to_megatron(name, [read(n) for n in convert.hf_names(name)], layout)
             shard = convert.split_tp(name, full, tp, layout)[tp_rank]
             if shard.shape != state[local].shape:
@@ -165,7 +182,8 @@ def iter_hf_weights(chunks: list[torch.nn.Module], config, layout: convert.Layou
                     dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """Every weight as a full tensor with its HF name in `dtype`, on every rank, one at a time:
     the TP shards are gathered, and each pipeline stage's tensors are broadcast to the others.
-    With tied embeddings the last stage's copy of the output layer is skipped (HF keeps one)."""
+    With tied embeddings the first stage's embedding is sent as both `model.embed_tokens.weight`
+    and `lm_head.weight`, as transformers' state dict has it (the last stage's copy is skipped)."""
     from megatron.core import parallel_state
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -206,6 +224,10 @@ def iter_hf_weights(chunks: list[torch.nn.Module], config, layout: convert.Layou
                 dist.broadcast(full, src=dist.get_global_rank(pp_group, stage), group=pp_group)
             for hf_name, tensor in convert.to_hf(name, full, layout):
                 yield hf_name, tensor.to(dtype)
+                if layout.tied and hf_name == "model.embed_tokens.weight":
+                    # transformers' state dict names the tied output layer too, and vLLM's weight
+                    # reload leaves an unnamed one at its dummy values.
+                    yield "lm_head.weight", tensor.to(dtype)
 
 
 def left_aligned(micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,0 +1,93 @@
+"""What a Megatron layout needs, checked before any worker starts (no megatron import here).
+
+`check_roles` runs in the driver with the model's HF config: every role on `strategy=megatron`
+gets its parallel sizes checked against the world size, the model's heads and layers, the
+architectures the converter knows, the device, and what the engine computes; the engine checks
+its own section again (`check_layout`) when it is built outside a run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybrid_rl.engines.megatron import convert
+from hybrid_rl.engines.megatron.cpu import check_version
+
+
+def parallel_sizes(megatron_cfg: Any) -> tuple[int, int, int | None]:
+    """(tensor, pipeline, virtual pipeline) sizes of a role's `megatron` section."""
+    vpp = megatron_cfg.get("virtual_pipeline_model_parallel_size")
+    return (int(megatron_cfg.tensor_model_parallel_size), int(megatron_cfg.pipeline_model_parallel_size),
+            int(vpp) if vpp is not None and int(vpp) > 1 else None)
+
+
+def check_layout(key: str, megatron_cfg: Any, layout: convert.Layout, world: int, device_type: str) -> None:
+    """Refuse, naming the key and the fix, a layout this engine cannot run for this model on
+    `world` ranks (context and expert parallelism are refused with the other unbuilt verl keys,
+    `config_keys`)."""
+    tp, pp, vpp = parallel_sizes(megatron_cfg)
+    section = f"{key}.megatron"
+    if tp < 1 or pp < 1:
+        raise ValueError(f"{section}.tensor_model_parallel_size and pipeline_model_parallel_size must be "
+                         f">= 1 (got {tp} and {pp}).")
+    if world % (tp * pp):
+        raise ValueError(f"{section}.tensor_model_parallel_size ({tp}) x pipeline_model_parallel_size ({pp}) must "
+                         f"divide the number of ranks ({world}, trainer.nnodes x trainer.n_gpus_per_node): change "
+                         "one of them.")
+    # Fewer key/value heads than TP ranks is fine when each head's ranks are whole (megatron
+    # gathers the fused qkv output then).
+    if layout.heads % tp or (layout.groups % tp and tp % layout.groups):
+        raise ValueError(f"{section}.tensor_model_parallel_size={tp} does not fit the model's {layout.heads} "
+                         f"attention heads and {layout.groups} key/value heads: it must divide the attention "
+                         f"heads and divide or be a multiple of the key/value heads (valid here: "
+                         f"{', '.join(map(str, valid_tensor_parallel_sizes(layout)))}).")
+    if vpp is not None and pp == 1:
+        raise ValueError(f"{section}.virtual_pipeline_model_parallel_size={vpp} needs "
+                         "pipeline_model_parallel_size > 1.")
+    if layout.num_layers % (pp * (vpp or 1)):
+        raise ValueError(f"{section}.pipeline_model_parallel_size={pp} x virtual_pipeline_model_parallel_size="
+                         f"{vpp or 1} does not divide the model's {layout.num_layers} layers.")
+    if vpp is not None and device_type == "cpu":
+        # Measured with megatron-core 0.16.1: over gloo the interleaved schedule's training pass
+        # pairs activations with the wrong micro-batches (batched p2p) or hangs (unbatched).
+        raise ValueError(f"{section}.virtual_pipeline_model_parallel_size={vpp}: virtual pipeline stages "
+                         "need NCCL (trainer.device=cuda); on CPU set it to null and keep "
+                         "pipeline_model_parallel_size.")
+
+
+def valid_tensor_parallel_sizes(layout: convert.Layout) -> list[int]:
+    return [tp for tp in range(1, layout.heads + 1)
+            if not layout.heads % tp and (not layout.groups % tp or not tp % layout.groups)]
+
+
+def check_roles(cfg: Any, hf_config: Any, roles: dict[str, bool]) -> None:
+    """Check every role (`{"actor_rollout_ref.actor": in use, ...}`) whose strategy is megatron."""
+    megatron = {key: _section(cfg, key) for key, used in roles.items()
+                if used and _section(cfg, key).strategy == "megatron"}
+    if not megatron:
+        return
+    actor = cfg.actor_rollout_ref.actor
+    if actor.use_kl_loss and actor.kl_loss_type == "full":
+        raise ValueError("actor_rollout_ref.actor.kl_loss_type=full needs full-vocabulary logits, which the "
+                         "Megatron engine does not return (vocabulary-parallel heads): use k1/k2/k3 (kl, mse, "
+                         "low_var_kl), or strategy=fsdp2.")
+    if cfg.trainer.device == "cpu":
+        check_version()
+    layout = convert.Layout.from_hf_config(hf_config)
+    world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    for key in megatron:
+        check_layout(key, _section(cfg, key).megatron, layout, world, cfg.trainer.device)
+    # One process holds the actor, the reference and the critic, and megatron's groups are per process.
+    sizes = {key: parallel_sizes(_section(cfg, key).megatron)[:2] for key in megatron}
+    if len(set(sizes.values())) > 1:
+        found = ", ".join(f"{key}: TP={tp}, PP={pp}" for key, (tp, pp) in sizes.items())
+        raise ValueError(f"The roles on Megatron share one process layout, so their tensor_model_parallel_size and "
+                         f"pipeline_model_parallel_size must match ({found}): set the same values in each "
+                         "megatron section.")
+
+
+def _section(cfg: Any, key: str) -> Any:
+    node = cfg
+    for part in key.split("."):
+        node = node[part]
+    return node
