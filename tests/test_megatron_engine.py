@@ -183,7 +183,8 @@ def test_megatron_critic_matches_fsdp(value_model_dir, tp, pp):
         assert set(result["after"]) == set(expected["after"])  # score.weight and score.bias, no lm_head
         assert all(torch.equal(result["before"][k], expected["before"][k]) for k in expected["before"])
         update = torch.cat([(result["after"][k] - result["before"][k]).flatten() for k in expected["after"]])
-        expected_update = torch.cat([(expected["after"][k] - expected["before"][k]).flatten() for k in expected["after"]])
+        expected_update = torch.cat([(expected["after"][k] - expected["before"][k]).flatten()
+                                     for k in expected["after"]])
         assert (update - expected_update).norm() / expected_update.norm() <= 1e-3
 
 

@@ -208,4 +208,3 @@ def hf_state_from_dist_checkpoint(tensors: dict[str, torch.Tensor], layout: Layo
         for name, part in parts:
             state.update(to_hf(name, part, layout))
     return state
-

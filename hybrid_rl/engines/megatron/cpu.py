@@ -10,8 +10,9 @@ assertion in gradient clipping. Inside `cpu_device_layer()` each of those is ans
   return the tensor, and `Tensor.type()` answers the CUDA type name (`torch.cuda.FloatTensor`)
   that the optimizers sort parameters by;
 - `torch.cuda.current_device` answers the CPU device (the mode does not reach backward passes,
-  which place their buffers there), `synchronize` is a no-op, and the CUDA RNG calls megatron makes (`torch.cuda.get_rng_state`, `manual_seed`, its
-  `_get/_set_cuda_rng_state`) use the CPU generator, which is the one CPU dropout draws from;
+  which place their buffers there), `synchronize` is a no-op, and the CUDA RNG calls megatron
+  makes (`torch.cuda.get_rng_state`, `manual_seed`, its `_get/_set_cuda_rng_state`) use the CPU
+  generator, which is the one CPU dropout draws from;
 - gradient clipping by the total norm scales the gradients in place without the CUDA assertion.
 
 Everything is restored on exit, so vLLM and the FSDP engine in the same process never see it.

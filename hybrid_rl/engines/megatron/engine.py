@@ -1,12 +1,12 @@
 """The Megatron-core engine: tensor, pipeline (with virtual stages) and data parallelism.
 
 The model is megatron's `GPTModel`, built from the HF folder and filled with the converted HF
-weights (`model.py`, `convert.py`); the critic's ends in a scalar value head. A trained model is wrapped in megatron's
-`DistributedDataParallel` (fp32 gradient buffers, reduced over the data-parallel group) and
-stepped by megatron's optimizer (the distributed one with `use_distributed_optimizer`);
-forward and backward run through megatron's pipeline schedules, so with PP > 1 only the last
-stage sees outputs and runs the loss. Checkpoints are megatron dist-checkpoints (torch DCP
-underneath) of the model and optimizer.
+weights (`model.py`, `convert.py`); the critic's ends in a scalar value head. A trained model
+is wrapped in megatron's `DistributedDataParallel` (fp32 gradient buffers, reduced over the
+data-parallel group) and stepped by megatron's optimizer (the distributed one with
+`use_distributed_optimizer`); forward and backward run through megatron's pipeline
+schedules, so with PP > 1 only the last stage sees outputs and runs the loss. Checkpoints are
+megatron dist-checkpoints (torch DCP underneath) of the model and optimizer.
 
 Precision: `megatron.dtype` (`auto`: what `hybrid_rl.hardware` picks for this GPU or CPU) is
 either fp32 throughout, or megatron's own mixed precision: bf16/fp16 weights for compute, fp32
@@ -90,8 +90,8 @@ class MegatronEngine(TrainEngine):
             mmodel.initialize_parallel(tp, pp, vpp, seed)
             if parallel_state.get_tensor_model_parallel_world_size() != tp or \
                     parallel_state.get_pipeline_model_parallel_world_size() != pp:
-                raise ValueError(f"{spec.role}.megatron sets TP={tp}, PP={pp}, but this process already runs "
-                                 "another model with a different layout: the actor and reference must share "
+                raise ValueError(f"{ROLE_KEYS[spec.role]}.megatron sets TP={tp}, PP={pp}, but this process already "
+                                 "runs another model with a different layout: the roles on Megatron must share "
                                  "tensor_model_parallel_size and pipeline_model_parallel_size.")
             half = {} if dtype == torch.float32 else {
                 "bf16": dtype == torch.bfloat16, "fp16": dtype == torch.float16, "params_dtype": dtype}

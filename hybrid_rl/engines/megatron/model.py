@@ -223,11 +223,12 @@ def iter_hf_weights(chunks: list[torch.nn.Module], config, layout: convert.Layou
                     full = torch.empty(tuple(shape.tolist()), dtype=torch.float32, device=device)
                 dist.broadcast(full, src=dist.get_global_rank(pp_group, stage), group=pp_group)
             for hf_name, tensor in convert.to_hf(name, full, layout):
-                yield hf_name, tensor.to(dtype)
+                tensor = tensor.to(dtype)
+                yield hf_name, tensor
                 if layout.tied and hf_name == "model.embed_tokens.weight":
                     # transformers' state dict names the tied output layer too, and vLLM's weight
                     # reload leaves an unnamed one at its dummy values.
-                    yield "lm_head.weight", tensor.to(dtype)
+                    yield "lm_head.weight", tensor
 
 
 def left_aligned(micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
