@@ -339,12 +339,41 @@ def check_model_limits(cfg: DictConfig, model_path: str) -> None:
             f"{what} exceeds the model's context window ({limit} tokens, max_position_embeddings in "
             f"{os.path.join(model_path, 'config.json')}). Shorten data.max_prompt_length or "
             "data.max_response_length (the rollout's lengths follow them).")
+    check_rollout_parallel(cfg, model_config)
     roles = {"actor_rollout_ref.actor": True, "actor_rollout_ref.ref": needs_reference(cfg),
              "critic": needs_critic(cfg)}
     try:
         check_megatron_roles(cfg, model_config, roles)
     except (ValueError, RuntimeError) as exc:
         raise ConfigError(str(exc)) from None
+
+
+def check_rollout_parallel(cfg: DictConfig, hf_config) -> None:
+    """The rollout's tensor-parallel groups (consecutive ranks sharing one vLLM engine) must divide
+    the ranks and split the model's attention heads whole."""
+    from hybrid_rl.models import tensor_parallel_sizes
+
+    rollout = cfg.actor_rollout_ref.rollout
+    key = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+    tp = rollout.tensor_model_parallel_size
+    if not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"{key}={tp!r} must be a positive integer.")
+    if tp == 1:
+        return
+    if rollout.name != "vllm":
+        raise ConfigError(f"{key}={tp}: rollout.name={rollout.name} generates with the actor's own module, which "
+                          f"the training engine shards; set {key}=1 or actor_rollout_ref.rollout.name=vllm.")
+    world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    if world % tp:
+        raise ConfigError(f"{key}={tp} must divide the number of ranks ({world}, trainer.nnodes x "
+                          "trainer.n_gpus_per_node): change one of them.")
+    text_config = hf_config.get_text_config()
+    heads = text_config.num_attention_heads
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+    valid = tensor_parallel_sizes(heads, kv_heads)
+    if tp not in valid:
+        raise ConfigError(f"{key}={tp} does not fit the model's {heads} attention heads and {kv_heads} key/value "
+                          f"heads (vLLM gives each rank whole heads): valid here: {', '.join(map(str, valid))}.")
 
 
 def to_container(cfg: DictConfig) -> dict:

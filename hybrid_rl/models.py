@@ -139,3 +139,10 @@ def model_config(path: str, model_cfg: Any, value_head: bool = False):
     for key, value in (model_cfg.override_config or {}).items():
         setattr(config, key, value)
     return config
+
+
+def tensor_parallel_sizes(heads: int, kv_heads: int) -> list[int]:
+    """Tensor-parallel sizes a model's attention splits into (vLLM and Megatron alike): each rank
+    gets whole query heads, and the key/value heads are either split evenly or replicated
+    (fewer key/value heads than ranks)."""
+    return [tp for tp in range(1, heads + 1) if not heads % tp and (not kv_heads % tp or not tp % kv_heads)]

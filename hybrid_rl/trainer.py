@@ -131,9 +131,9 @@ class Trainer:
         if self.critic is not None:
             self.critic.init_model()
         # Last: the rollout engine sizes its cache after the trainers.
-        engine = self.workers.init_model()[0]["rollout"]
-        if engine:
-            logger.info("vLLM engine: %s", ", ".join(f"{k} {v}" for k, v in engine.items()))
+        self.engine_settings = self.workers.init_model()[0]["rollout"]
+        if self.engine_settings:
+            logger.info("vLLM engine: %s", ", ".join(f"{k} {v}" for k, v in self.engine_settings.items()))
 
     def restart_workers(self) -> None:
         """New worker processes, resuming from the latest checkpoint of this run (or from

@@ -176,3 +176,26 @@ def test_data_trust_remote_code_reaches_the_tokenizer(tiny_model_dir, monkeypatc
     for value in ("false", "true"):
         load_tokenizer(compose_config([f"data.trust_remote_code={value}"]), tiny_model_dir)
     assert seen == [False, True]
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    # tiny model: 2 attention heads, 1 key/value head
+    (["trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.tensor_model_parallel_size=4"],
+     r"rollout.tensor_model_parallel_size=4 does not fit the model's 2 attention heads and 1 key/value heads "
+     r".*valid here: 1, 2\."),
+    (["trainer.n_gpus_per_node=3", "data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=6",
+      "actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
+     r"tensor_model_parallel_size=2 must divide the number of ranks \(3"),
+    (["actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.name=hf"],
+     r"rollout.name=hf generates with the actor's own module"),
+    (["actor_rollout_ref.rollout.tensor_model_parallel_size=0"], r"tensor_model_parallel_size=0 must be a positive"),
+])
+def test_rollout_tensor_parallel_sizes_the_model_cannot_take_are_refused(tiny_model_dir, overrides, expected):
+    from hybrid_rl.config import check_model_limits
+
+    cfg = validate_config(compose_config(["trainer.n_gpus_per_node=2", "trainer.device=cpu", *overrides]))
+    with pytest.raises(ConfigError, match=expected):
+        check_model_limits(cfg, tiny_model_dir)
+    fits = validate_config(compose_config(["trainer.n_gpus_per_node=2", "trainer.device=cpu",
+                                           "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]))
+    check_model_limits(fits, tiny_model_dir)

@@ -3,6 +3,7 @@ vLLM engine, through the real driver, Ray worker group, rewards and trainer loop
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -38,18 +39,26 @@ def long_prompt_batch(tokenizer, pad_token_id, temperature):
     return batch
 
 
-@pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
-def test_two_ranks_vllm_grpo(eager, ray_session, tiny_model_dir, tiny_tokenizer, arithmetic_files, tmp_path):
+@pytest.mark.parametrize("eager, rollout_tp", [(True, 1), (False, 1), (True, 2)],
+                         ids=["eager", "compiled", "rollout_tp2"])
+def test_two_ranks_vllm_grpo(eager, rollout_tp, ray_session, tiny_model_dir, tiny_tokenizer, arithmetic_files,
+                             tmp_path):
     """Also with the engine's torch.compile'd model (enforce_eager=false, the default on GPU):
-    the synced weights must reach the compiled graph."""
+    the synced weights must reach the compiled graph; and with one vLLM engine split over both
+    ranks (rollout TP=2 while FSDP trains over both: verl's diff_tp)."""
     cfg = compose_config(run_overrides(tiny_model_dir, arithmetic_files, tmp_path, MAX_PROMPT, RESPONSE) + [
         f"actor_rollout_ref.rollout.enforce_eager={eager}",
+        f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp}",
         "trainer.n_gpus_per_node=2", "trainer.cpus_per_worker=1", "trainer.total_training_steps=2",
         "trainer.test_freq=-1", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.rollout.name=vllm",
     ])
+    shared_memory = set(glob.glob("/dev/shm/*"))
     trainer = build_trainer(cfg)
+    assert trainer.engine_settings["tensor_parallel"] == rollout_tp
+    # vLLM-CPU's group shared memory is unnamed once mapped: no later run trips on it, none leaks.
+    assert set(glob.glob("/dev/shm/*")) <= shared_memory
     probe = long_prompt_batch(tiny_tokenizer, trainer.pad_token_id, cfg.actor_rollout_ref.rollout.temperature)
     before_rollout = trainer.workers.generate_sequences(probe)
     before = trainer.workers.compute_log_prob(before_rollout)["old_log_probs"]
@@ -75,6 +84,7 @@ def test_two_ranks_vllm_grpo(eager, ray_session, tiny_model_dir, tiny_tokenizer,
 
     # After the sync, vLLM samples from exactly the trained weights.
     rollout = trainer.workers.generate_sequences(probe)
+    assert len(rollout) == len(probe)  # one answer per row, whatever the rollout's layout
     recomputed = trainer.workers.compute_log_prob(rollout)["old_log_probs"]
     mask = rollout["response_mask"].bool()
     assert mask.sum() > 0

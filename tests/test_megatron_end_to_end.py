@@ -1,6 +1,7 @@
 """GRPO and PPO with the Megatron engine through the real driver (`--config-name=ppo_megatron_trainer`):
-TP=2 and PP=2 over two gloo ranks, each with its in-process vLLM engine fed by the Megatron
-weight export; after every sync vLLM samples from exactly the trained weights. PPO's critic runs on
+TP=2 and PP=2 over two gloo ranks, feeding in-process vLLM engines (one per rank, or one split over
+both ranks) through the Megatron weight export; after every sync vLLM samples from exactly the
+trained weights. PPO's critic runs on
 Megatron as well."""
 
 from __future__ import annotations
@@ -30,17 +31,22 @@ PPO = ["algorithm.adv_estimator=gae", "critic.megatron.pipeline_model_parallel_s
        "critic.ppo_mini_batch_size=4", "critic.ppo_micro_batch_size_per_gpu=4"]
 
 
-@pytest.mark.parametrize("tp, pp, algorithm", [(2, 1, []), (1, 2, []), (1, 2, PPO)], ids=["tp2", "pp2", "ppo_pp2"])
-def test_megatron_syncs_exact_weights_into_vllm(tp, pp, algorithm, ray_session, tiny_model_dir, tiny_tokenizer,
-                                                     arithmetic_files, tmp_path):
+# The rollout's own tensor parallelism differs from training's in each case (verl's diff_tp): TP=2
+# training into one vLLM engine per rank, PP=2 training into one engine split over both ranks.
+@pytest.mark.parametrize("tp, pp, rollout_tp, algorithm", [(2, 1, 1, []), (1, 2, 2, []), (1, 2, 1, PPO)],
+                         ids=["tp2", "pp2_rollout_tp2", "ppo_pp2"])
+def test_megatron_syncs_exact_weights_into_vllm(tp, pp, rollout_tp, algorithm, ray_session, tiny_model_dir,
+                                                     tiny_tokenizer, arithmetic_files, tmp_path):
     cfg = compose_config(run_overrides(tiny_model_dir, arithmetic_files, tmp_path, MAX_PROMPT, RESPONSE) + [
         *megatron_overrides(tp, pp), *algorithm, "trainer.n_gpus_per_node=2", "trainer.cpus_per_worker=1",
+        f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp}",
         "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1",
         "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.optim.lr=1e-3",
         "actor_rollout_ref.actor.use_kl_loss=true",
     ], config_name="ppo_megatron_trainer")
     trainer = build_trainer(cfg)
+    assert trainer.engine_settings["tensor_parallel"] == rollout_tp
     probe = long_prompt_batch(tiny_tokenizer, trainer.pad_token_id, cfg.actor_rollout_ref.rollout.temperature)
     before_rollout = trainer.workers.generate_sequences(probe)
     before = trainer.workers.compute_log_prob(before_rollout)["old_log_probs"]

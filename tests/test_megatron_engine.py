@@ -44,8 +44,10 @@ def loss_fn(out, micro, agg):
     return loss, {"loss": float(loss.detach())}
 
 
-def actor_config(strategy: str, tp: int = 1, pp: int = 1, extra=()):
+def actor_config(strategy: str, tp: int = 1, pp: int = 1, extra=(), dtype: str = "fp32"):
+    """fp32 for the exact comparisons (`auto` is bf16 on CPUs with bf16 instructions)."""
     return compose_config([
+        f"actor_rollout_ref.actor.fsdp_config.dtype={dtype}", f"actor_rollout_ref.actor.megatron.dtype={dtype}",
         f"actor_rollout_ref.actor.strategy={strategy}", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3", "actor_rollout_ref.actor.use_dynamic_bsz=false",
         "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.optim.weight_decay=0.0",
@@ -88,6 +90,16 @@ def _rank_main(rank, world, init_file, model_dir, out_dir, tp, pp):
     dist.destroy_process_group()
 
 
+def _bf16_rank_main(rank, world, init_file, model_dir, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    cfg = actor_config("megatron", tp=2, dtype="bf16")
+    engine = make_engine(cfg, model_dir)
+    infer = engine.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None)
+    torch.save({"infer": infer, "first": step(engine, cfg, 1), "dtype": engine.config.params_dtype},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def tiny_model_dir4(tmp_path_factory, tiny_tokenizer):
     return build_tiny_model(tmp_path_factory.mktemp("four_layers"), tiny_tokenizer, num_layers=4, rope_theta=1e5)
@@ -125,9 +137,28 @@ def test_megatron_engine_matches_fsdp_and_resumes_exactly(tiny_model_dir4, tp, p
     assert loss == pytest.approx(expected["actor/loss"], rel=1e-4)
 
 
+def test_megatron_engine_trains_in_bf16(tiny_model_dir4):
+    """Half precision as on GPUs and bf16 CPUs (megatron's Float16Module over fp32 optimizer
+    masters): close to the fp32 FSDP engine within bf16's resolution."""
+    cfg = actor_config("fsdp2")
+    fsdp = make_engine(cfg, tiny_model_dir4)
+    expected_infer = fsdp.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None)
+    expected = step(fsdp, cfg, 1)
+    mask = rollout_batch(1)["response_mask"].bool()
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_bf16_rank_main, args=(2, os.path.join(out_dir, "init"), tiny_model_dir4, out_dir),
+                           nprocs=2, start_method="spawn")
+        results = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)]
+    for result in results:
+        assert result["dtype"] == torch.bfloat16
+        diff = (result["infer"]["log_probs"] - expected_infer["log_probs"])[mask].abs().max()
+        assert 0 < diff <= 0.1  # bf16 weights and activations, not fp32 ones
+        assert result["first"]["actor/grad_norm"] == pytest.approx(expected["actor/grad_norm"], rel=0.05)
+
+
 def critic_config(strategy: str, tp: int = 1, pp: int = 1):
     return compose_config([
-        f"critic.strategy={strategy}", "critic.ppo_mini_batch_size=4", "critic.ppo_micro_batch_size_per_gpu=3",
+        "critic.fsdp_config.dtype=fp32", "critic.megatron.dtype=fp32", f"critic.strategy={strategy}", "critic.ppo_mini_batch_size=4", "critic.ppo_micro_batch_size_per_gpu=3",
         "critic.use_dynamic_bsz=false", "critic.optim.lr=1e-3", "critic.optim.weight_decay=0.0",
         f"critic.megatron.tensor_model_parallel_size={tp}", f"critic.megatron.pipeline_model_parallel_size={pp}"],
         config_name="ppo_megatron_trainer")

@@ -57,6 +57,16 @@ class WorkerError(RuntimeError):
         self.cause = cause
 
 
+def exception_text(traceback_str: str) -> str:
+    """The exception's own lines at the end of a formatted traceback (after the last frame)."""
+    lines = traceback_str.rstrip().splitlines()
+    last_frame = max((i for i, line in enumerate(lines) if line.startswith("  File ")), default=-1)
+    rest = lines[last_frame + 1:]
+    while rest and rest[0][:1].isspace():  # the frame's source line and its ^^^ markers
+        rest.pop(0)
+    return "\n".join(rest) or traceback_str
+
+
 # ---------------------------------------------------------------------------
 # Resource pool
 # ---------------------------------------------------------------------------
@@ -410,7 +420,11 @@ class RayWorkerGroup:
 
     def _wrap_error(self, err: BaseException, rank: int, method: str) -> WorkerError:
         cause = getattr(err, "cause", None)
-        if isinstance(err, ray.exceptions.RayTaskError) and cause is not None:
+        if isinstance(err, ray.exceptions.RayTaskError) and type(cause) is ray.exceptions.RayError:
+            # Ray replaced an exception it could not pickle (e.g. pydantic's, raised in vLLM's
+            # config) by a note; the original's text is at the end of the worker's traceback.
+            what = exception_text(err.traceback_str)
+        elif isinstance(err, ray.exceptions.RayTaskError) and cause is not None:
             what = f"{type(cause).__name__}: {cause}"
         elif isinstance(err, ray.exceptions.RayActorError):
             what = f"worker actor died ({err})"

