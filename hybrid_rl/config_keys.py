@@ -31,7 +31,9 @@ logger = logging.getLogger(__name__)
 WORKS, NO_EFFECT, NOT_YET = "works", "no effect", "not supported yet"
 # Offloading to host memory means nothing when the model already lives there.
 NO_EFFECT_ON_CPU = "no effect on CPU; not supported yet on GPU"
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+# The Hydra tree: the checkout's top-level conf/ (hybrid_rl/conf links to it), copied into the
+# package when it is built, so an installed hybrid-rl finds it too (also as pkg://hybrid_rl.conf).
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 VERL_KEY_FILES = ("ppo_trainer.yaml", "ppo_megatron_trainer.yaml", "legacy.yaml", "legacy_megatron.yaml")
 
 
@@ -155,8 +157,8 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NO_EFFECT, "entropy is always computed and logged (actor/entropy)",
             "actor_rollout_ref.actor.calculate_entropy"),
     *_rules(NOT_YET, "checkpoints always hold model, optimizer and trainer state; for a Hugging Face "
-            "folder use tools/export_hf.py or trainer.final_model_dir", "*.checkpoint.save_contents",
-            "*.checkpoint.load_contents"),
+            "folder use hybrid-rl-export (tools/export_hf.py) or trainer.final_model_dir",
+            "*.checkpoint.save_contents", "*.checkpoint.load_contents"),
     *_rules(NOT_YET, "checkpoints are written synchronously", "*.checkpoint.async_save"),
     *_rules(NOT_YET, "checkpoints always load strictly", "*.checkpoint.strict"),
     # --- model

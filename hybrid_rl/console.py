@@ -14,6 +14,8 @@ import os
 import warnings
 from dataclasses import dataclass, field
 
+PLOT_TOOL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "plot_metrics.py")
+
 QUIET_ENV = {
     "VLLM_LOGGING_LEVEL": "ERROR",
     "TRANSFORMERS_VERBOSITY": "error",
@@ -86,10 +88,12 @@ class RunSummary:
             out.append(f"  validation score (val/score/mean): {first[1]:.3f} at step {first[0]} -> best "
                        f"{best[1]:.3f} at step {best[0]} -> final {final[1]:.3f} at step {final[0]}")
         if self.metrics_file:
-            out.append(f"  metrics:     {self.metrics_file} (plot: python tools/plot_metrics.py {self.metrics_file})")
+            # The plotting tool lives in a checkout's tools/, not in an installed package.
+            plot = f" (plot: python tools/plot_metrics.py {self.metrics_file})" if os.path.isfile(PLOT_TOOL) else ""
+            out.append(f"  metrics:     {self.metrics_file}{plot}")
         if self.checkpoint:
-            out.append(f"  checkpoint:  {self.checkpoint} (rerun the same command to resume; export: python "
-                       f"tools/export_hf.py {self.checkpoint} <out_dir>)")
+            out.append(f"  checkpoint:  {self.checkpoint} (rerun the same command to resume; export: "
+                       f"hybrid-rl-export {self.checkpoint} <out_dir>)")
         if self.final_model:
             out.append(f"  final model: {self.final_model} (Hugging Face folder; serve: vllm serve "
                        f"{self.final_model})")

@@ -11,15 +11,18 @@ and writes a folder that `transformers.AutoModel*.from_pretrained` and vLLM load
     export_checkpoint("checkpoints/run1", "exported/run1")      # latest step of a run
     export_checkpoint("checkpoints/run1/global_step_40", "exported/step40", dtype="bfloat16")
 
-or from the command line: `python tools/export_hf.py CHECKPOINT OUT_DIR [--role] [--dtype]`.
+or from the command line: `hybrid-rl-export CHECKPOINT OUT_DIR [--role] [--dtype]` (in a checkout
+also `python tools/export_hf.py ...`).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
 import shutil
+import sys
 import uuid
 import warnings
 from pathlib import Path
@@ -342,3 +345,40 @@ def save_hf_weights(state: dict[str, torch.Tensor], config, folder: str | os.Pat
     model.config.dtype = dtype
     model.eval()
     model.save_pretrained(str(folder), safe_serialization=True)
+
+
+EXPORT_USAGE = """Export a hybrid-rl checkpoint as a Hugging Face model folder (safetensors).
+
+    hybrid-rl-export checkpoints/my_run exported/my_run
+    hybrid-rl-export checkpoints/my_run/global_step_40 exported/critic40 --role critic --dtype bfloat16
+
+CHECKPOINT is a run folder (trainer.default_local_dir; its latest checkpoint is exported) or one of
+its global_step_<N> folders. OUT_DIR gets config.json, model.safetensors, the tokenizer files, the
+chat template and generation_config.json, and loads with transformers' from_pretrained or vLLM.
+Only the model weights are read; the optimizer state is left on disk.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `hybrid-rl-export` command (and `tools/export_hf.py`)."""
+    ap = argparse.ArgumentParser(prog="hybrid-rl-export", description=EXPORT_USAGE,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoint", help="run folder or global_step_<N> folder")
+    ap.add_argument("out_dir", help="folder to write (must not exist or be empty, unless --overwrite)")
+    ap.add_argument("--role", choices=ROLES, default="actor", help="actor (policy) or critic (value model)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                    help="dtype of the saved weights")
+    ap.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it already exists")
+    args = ap.parse_args(argv)
+
+    try:
+        step = resolve_step_folder(args.checkpoint)
+        out = export_checkpoint(args.checkpoint, args.out_dir, role=args.role, dtype=args.dtype,
+                                overwrite=args.overwrite)
+    except (ValueError, OSError) as exc:  # clear messages from hybrid_rl.export; no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"exported {args.role} of {step} ({args.dtype}) to {out}:")
+    for name in sorted(os.listdir(out)):
+        print(f"  {name}  ({os.path.getsize(os.path.join(out, name)):,} bytes)")
+    return 0

@@ -258,7 +258,7 @@ class SetupError(RuntimeError):
     """Bad input found before any worker started."""
 
 
-@hydra.main(config_path="../conf", config_name="ppo_trainer", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="ppo_trainer", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     OmegaConf.resolve(cfg)
     from hybrid_rl.trainer import WorkerFailure
@@ -334,8 +334,13 @@ def unknown_override_keys(argv: list[str]) -> list[str]:
     return errors
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """`python -m hybrid_rl.main` and the `hybrid-rl-train` command."""
     if errors := unknown_override_keys(sys.argv[1:]):
         print("\n".join(f"error: {e}" for e in errors), file=sys.stderr)
         sys.exit(2)
     main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -41,7 +41,7 @@ def test_stopped_run_without_checkpoints_says_why_nothing_was_kept():
 def test_resumed_run_counts_from_its_checkpoint():
     summary = summary_of(2, 6, first_step=5, checkpoint="run/global_step_6")
     assert summary.lines()[0].startswith("Run summary: finished 6 steps (2 this run)")
-    assert any("checkpoint:  run/global_step_6" in line and "export_hf.py" in line for line in summary.lines())
+    assert any("checkpoint:  run/global_step_6" in line and "hybrid-rl-export run/global_step_6" in line for line in summary.lines())
 
 
 def test_quiet_env_keeps_the_users_settings(monkeypatch):

