@@ -172,13 +172,28 @@ def checked_trainer(cfg: DictConfig):
 def start_ray(cfg: DictConfig) -> None:
     from hybrid_rl.controller import init_ray
 
-    # Workers must import hybrid_rl even when it runs from a source checkout.
+    # Workers must import hybrid_rl even when it runs from a source checkout; inside a Ray job
+    # (`ray job submit`) the job's runtime env (its working_dir) already brings it to them.
     pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
     ray_init = cfg.ray_kwargs.ray_init
-    runtime_env = {"env_vars": {"PYTHONPATH": pythonpath}}
+    in_ray_job = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
+    runtime_env = {} if in_ray_job else {"env_vars": {"PYTHONPATH": pythonpath}}
     if ray_init.runtime_env.py_executable:
         runtime_env["py_executable"] = ray_init.runtime_env.py_executable
-    init_ray(address=cfg.trainer.ray_address, num_cpus=ray_init.num_cpus, runtime_env=runtime_env)
+    try:
+        init_ray(address=cfg.trainer.ray_address, num_cpus=ray_init.num_cpus, runtime_env=runtime_env)
+    except (ConnectionError, RuntimeError) as exc:  # Ray's own error runs over many lines
+        address = cfg.trainer.ray_address or os.environ.get("RAY_ADDRESS")
+        chain, err = [], exc
+        while err is not None:
+            chain += str(err).splitlines()
+            err = err.__cause__ or err.__context__
+        cause = next((line for line in chain if "InvalidAuthToken" in line), chain[0] if chain else type(exc).__name__)
+        raise SetupError(
+            f"cannot join the Ray cluster at {address} ({cause.split('. ')[0]}). Check that its head is up (`ray status "
+            f"--address {address}` on a node of the cluster) and the address is right (trainer.ray_address or "
+            "RAY_ADDRESS). A cluster with token authentication also needs RAY_AUTH_MODE=token and its token "
+            "here (~/.ray/auth_token or RAY_AUTH_TOKEN): docs/cluster.md.") from exc
 
 
 class GracefulStop:
@@ -214,7 +229,7 @@ class GracefulStop:
 def run(cfg: DictConfig, stop: GracefulStop):
     """Train; after a worker failure, restart the workers from the last checkpoint up to
     `trainer.max_restarts` times. Returns the run's `RunSummary`."""
-    from hybrid_rl.controller import WorkerError
+    from hybrid_rl.controller import PlacementError, WorkerError
     from hybrid_rl.trainer import WorkerFailure
 
     trainer = checked_trainer(cfg)
@@ -226,6 +241,8 @@ def run(cfg: DictConfig, stop: GracefulStop):
             trainer.init_workers()
         except WorkerError as exc:
             raise SetupError(f"the workers failed to start: {str(exc).splitlines()[0]}") from exc
+        except PlacementError as exc:
+            raise SetupError(str(exc)) from exc
         stop.trainer = trainer
         while True:
             try:

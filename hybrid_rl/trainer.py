@@ -58,6 +58,17 @@ def worker_env(cfg: DictConfig, cpus_per_worker: float) -> dict[str, str]:
     return env
 
 
+def default_cpus_per_worker(trainer_cfg: DictConfig) -> float:
+    """Each worker's share of a node: the CPUs of the smallest Ray node that can host workers
+    (one with GPUs when training on them; a head started with --num-cpus=0 hosts none) over
+    `trainer.n_gpus_per_node`."""
+    import ray
+
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    hosts = [r["CPU"] for r in nodes if r.get("CPU", 0) > 0 and (trainer_cfg.device != "cuda" or r.get("GPU", 0) > 0)]
+    return max(0.5, min(hosts, default=os.cpu_count() or 1) / trainer_cfg.n_gpus_per_node)
+
+
 def _plain(value):
     """numpy and torch scalars (reward functions return them) as JSON numbers."""
     return value.item() if hasattr(value, "item") else str(value)
@@ -113,7 +124,7 @@ class Trainer:
     # ------------------------------------------------------------------ workers
     def init_workers(self) -> None:
         cfg = self.cfg
-        cpus = cfg.trainer.cpus_per_worker or max(0.5, (os.cpu_count() or 1) / cfg.trainer.n_gpus_per_node)
+        cpus = cfg.trainer.cpus_per_worker or default_cpus_per_worker(cfg.trainer)
         self.resource_pool = pool = ResourcePool([cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes,
                             use_gpu=cfg.trainer.device == "cuda", cpus_per_process=cpus)
         config = to_container(cfg)
@@ -128,6 +139,9 @@ class Trainer:
         views = self.group.spawn(roles)
         self.workers, self.critic = views["actor_rollout_ref"], views.get("critic")
         self.node_info = self.group.get_node_info()
+        if len({info["node_id"] for info in self.node_info}) > 1:
+            logger.info("Ranks on Ray nodes: %s", ", ".join(
+                f"{info['rank']} on {info['node_id'][:12]} ({info['hostname']}, {info['ip']})" for info in self.node_info))
         if self.critic is not None:
             self.critic.init_model()
         # Last: the rollout engine sizes its cache after the trainers.

@@ -83,7 +83,8 @@ def ray_session():
 
     from hybrid_rl.main import REPO_ROOT
 
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": REPO_ROOT}})
+    # A new local instance even when `ray start` runs on this machine.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": REPO_ROOT}})
     yield
     ray.shutdown()
 

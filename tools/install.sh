@@ -2,7 +2,7 @@
 # Create (or update) a virtualenv with hybrid-rl and its CPU stack.
 #
 #   bash tools/install.sh          # run-time dependencies
-#   bash tools/install.sh --test   # plus test dependencies
+#   bash tools/install.sh --test   # plus test dependencies (megatron-core, MLflow, ray[default] included)
 #   bash tools/install.sh --bench  # plus TRL, for tools/bench/vs_trl.py
 #   bash tools/install.sh --mlflow # plus MLflow, for trainer.logger=mlflow (--test includes it)
 #   bash tools/install.sh --megatron # plus megatron-core, for strategy=megatron (--test includes it)

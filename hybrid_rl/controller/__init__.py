@@ -10,6 +10,7 @@ from hybrid_rl.controller.ray_utils import init_ray
 from hybrid_rl.controller.worker import Worker
 from hybrid_rl.controller.worker_group import (
     ClassWithInitArgs,
+    PlacementError,
     RayWorkerGroup,
     ResourcePool,
     WorkerError,
@@ -23,6 +24,7 @@ __all__ = [
     "register",
     "Worker",
     "ResourcePool",
+    "PlacementError",
     "ClassWithInitArgs",
     "RayWorkerGroup",
     "WorkerError",

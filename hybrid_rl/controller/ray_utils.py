@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from typing import Any, Dict, Optional
 
 __all__ = ["init_ray"]
@@ -32,6 +33,7 @@ def init_ray(
         return "existing"
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address:
+        check_reachable(address)
         kwargs: Dict[str, Any] = {"address": address}
         if runtime_env is not None:
             kwargs["runtime_env"] = runtime_env
@@ -41,5 +43,19 @@ def init_ray(
     n = num_cpus if num_cpus is not None else (os.cpu_count() or 1)
     logger.debug("init_ray: starting a local Ray instance with num_cpus=%s (no dashboard)", n)
     # ERROR: Ray's start-up notices (token file written, instance started) are not news to a user.
-    ray.init(num_cpus=n, include_dashboard=False, runtime_env=runtime_env, logging_level=logging.ERROR)
+    # address="local": a new instance even when `ray start` runs on this machine (Ray would join it).
+    ray.init(address="local", num_cpus=n, include_dashboard=False, runtime_env=runtime_env,
+             logging_level=logging.ERROR)
     return "local"
+
+
+def check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """Fail within `timeout_s` when nothing listens at a `host:port` cluster address: Ray's own
+    connect retries take many minutes there. (`auto` and `ray://` addresses are left to Ray.)"""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConnectionError(f"nothing answers at {address}: {exc}") from exc

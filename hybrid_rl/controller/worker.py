@@ -101,7 +101,10 @@ class Worker:
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def get_node_info(self) -> Dict[str, Any]:
+        import ray
+
         return {
+            "node_id": ray.get_runtime_context().get_node_id(),
             "hostname": socket.gethostname(),
             "ip": get_node_ip(),
             "pid": os.getpid(),

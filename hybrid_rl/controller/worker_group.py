@@ -45,6 +45,10 @@ logger = logging.getLogger(__name__)
 _RESERVED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+class PlacementError(RuntimeError):
+    """The Ray cluster cannot host the requested processes (checked with a bounded wait)."""
+
+
 class WorkerError(RuntimeError):
     """A remote worker method failed.  ``rank``, ``method`` and ``cause`` (the
     original exception, when Ray could deserialize it) are attributes; the
@@ -125,7 +129,7 @@ class ResourcePool:
                     remove_placement_group(pg)
                 except Exception:  # pragma: no cover
                     pass
-            raise RuntimeError(self._not_enough_resources_message()) from None
+            raise PlacementError(self._not_enough_resources_message()) from None
         self.placement_groups = pgs
 
     # -- info
@@ -161,8 +165,12 @@ class ResourcePool:
         try:
             total = ray.cluster_resources()
             avail = ray.available_resources()
+            nodes = [n for n in ray.nodes() if n.get("Alive")]
         except Exception:  # pragma: no cover
-            total, avail = {}, {}
+            total, avail, nodes = {}, {}, []
+        # Per node: several Ray nodes on one host share its address (resource "node:<ip>").
+        node_list = "; ".join(f"{n.get('NodeManagerAddress', '?')} CPU={n['Resources'].get('CPU', 0):g} "
+                              f"GPU={n['Resources'].get('GPU', 0):g}" for n in nodes)
         per_node = ", ".join(
             f"node{i}: {k} x {self.bundle}" for i, k in enumerate(self.process_on_nodes)
         )
@@ -172,7 +180,7 @@ class ResourcePool:
             f"(each node's processes must fit on ONE node, strategy STRICT_PACK), but the Ray cluster has "
             f"CPU={total.get('CPU', 0):g} GPU={total.get('GPU', 0):g} in total "
             f"(currently available: CPU={avail.get('CPU', 0):g} GPU={avail.get('GPU', 0):g}, "
-            f"nodes={len([k for k in total if k.startswith('node:') and not k.startswith('node:__')])}). "
+            f"{len(nodes)} node(s): {node_list}). "
             f"Fix: lower trainer.n_gpus_per_node and/or trainer.nnodes, or lower trainer.cpus_per_worker "
             f"(fractions such as 0.5 are allowed), or start Ray with more resources "
             f"(ray.init(num_cpus=...)/ray start --num-cpus=... --num-gpus=...)."

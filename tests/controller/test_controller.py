@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import os
+import re
+import socket
 import time
 
 import pytest
 import ray
 import torch
+from omegaconf import OmegaConf
 
 from hybrid_rl.controller import (
     ClassWithInitArgs,
     Dispatch,
+    PlacementError,
     RayWorkerGroup,
     ResourcePool,
     Worker,
@@ -20,8 +24,10 @@ from hybrid_rl.controller import (
     register,
 )
 from hybrid_rl.controller.decorator import DISPATCH_ATTR, registered_methods
+from hybrid_rl.controller.ray_utils import check_reachable
 from hybrid_rl.controller.worker_group import WorkerError
 from hybrid_rl.protocol import Batch, BatchMeta
+from hybrid_rl.trainer import default_cpus_per_worker
 
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
 
@@ -147,7 +153,7 @@ def ray_session():
     here = os.path.dirname(os.path.abspath(__file__))
     repo = os.path.dirname(os.path.dirname(here))
     path = os.pathsep.join(p for p in (here, repo, os.environ.get("PYTHONPATH", "")) if p)
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
     yield
     ray.shutdown()
 
@@ -179,12 +185,31 @@ def test_init_ray_reuses_running_session():
 
 def test_resource_pool_too_big_fails_clearly():
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError) as exc:
+    with pytest.raises(PlacementError) as exc:
         ResourcePool([3], use_gpu=False, cpus_per_process=1.0, timeout_s=3)
     assert time.monotonic() - t0 < 20
     msg = str(exc.value)
     assert "3 CPUs" in msg and "CPU=2" in msg
+    assert re.search(r"1 node\(s\): [\d.]+ CPU=2 GPU=0\)", msg)  # each node's resources
     assert "n_gpus_per_node" in msg and "cpus_per_worker" in msg
+
+
+def test_a_cluster_address_where_nothing_listens_fails_at_once():
+    with socket.socket() as probe:  # a port that was free a moment ago
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"nothing answers at 127.0.0.1:{port}"):
+        check_reachable(f"127.0.0.1:{port}")
+    assert time.monotonic() - t0 < 10
+    check_reachable("auto")  # left to Ray
+    check_reachable("ray://head:10001")
+
+
+def test_default_cpus_per_worker_is_a_share_of_the_smallest_node():
+    trainer = OmegaConf.create({"device": "cpu", "n_gpus_per_node": 4})
+    assert default_cpus_per_worker(trainer) == 0.5  # this session's one node has 2 CPUs
+    assert default_cpus_per_worker(OmegaConf.merge(trainer, {"n_gpus_per_node": 1})) == 2
 
 
 # --------------------------------------------------------------------------- 2 x 1.0 CPU

@@ -1,0 +1,100 @@
+"""A real two-node Ray cluster on this machine (a head and a second node, each started with
+`ray start`, one CPU each, token authentication on), and the training job submitted to it through
+the Jobs API (`tools/cluster/ray_job.sh`): one rank per node, the job's exit code and logs reach
+the submitter. Skipped where Ray's dashboard (ray[default], the `cluster` extra) is missing."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hybrid_rl.main import REPO_ROOT
+from tests.conftest import run_overrides
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("aiohttp_cors") is None,
+                                                   reason="ray[default] (the cluster extra) is not installed")]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_node_cluster(tmp_path_factory):
+    """Head + one more node; `ray start --block` stops what it started when terminated, so other
+    Ray instances on the machine are left alone."""
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    temp = tmp_path_factory.mktemp("ray")
+    port, dashboard = free_port(), free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+    env.pop("RAY_ADDRESS", None)
+    common = ["--num-cpus=1", "--num-gpus=0", "--disable-usage-stats", "--block"]
+    nodes = [subprocess.Popen([ray_bin, "start", "--head", f"--port={port}", f"--temp-dir={temp}",
+                               "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", *common],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        wait_for_nodes(ray_bin, f"127.0.0.1:{port}", 1, env)
+        nodes.append(subprocess.Popen([ray_bin, "start", f"--address=127.0.0.1:{port}", *common], env=env,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        wait_for_nodes(ray_bin, f"127.0.0.1:{port}", 2, env)
+        yield {"env": env, "dashboard": f"http://127.0.0.1:{dashboard}"}
+    finally:
+        for node in reversed(nodes):
+            node.terminate()
+            node.wait(timeout=60)
+
+
+def wait_for_nodes(ray_bin: str, address: str, count: int, env: dict, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done = subprocess.run([ray_bin, "status", f"--address={address}"], env=env, capture_output=True, text=True)
+        if done.returncode == 0 and len(re.findall(r"^ 1 node_", done.stdout, re.M)) >= count:
+            return
+        time.sleep(2)
+    raise TimeoutError(f"{count} Ray node(s) did not come up within {timeout_s} s: {done.stdout}{done.stderr}")
+
+
+def test_a_job_submitted_to_two_nodes_trains_with_one_rank_on_each(two_node_cluster, tiny_model_dir,
+                                                                   arithmetic_files, tmp_path):
+    env = {**two_node_cluster["env"], "RAY_ADDRESS": two_node_cluster["dashboard"], "RAY_JOB_PYTHON": sys.executable}
+    overrides = run_overrides(tiny_model_dir, arithmetic_files, tmp_path, 64, 8) + [
+        "trainer.nnodes=2", "trainer.n_gpus_per_node=1", "trainer.total_training_steps=2", "trainer.test_freq=-1",
+        "trainer.val_before_train=false", "trainer.logger=[console,jsonl]", "data.train_batch_size=4",
+        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "trainer.final_model_dir=null"]
+    script = os.path.join(REPO_ROOT, "tools", "cluster", "ray_job.sh")
+    done = subprocess.run(["bash", script, *overrides], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    placed = re.search(r"Ranks on Ray nodes: 0 on (\w+) .*, 1 on (\w+) ", done.stdout)
+    assert placed and placed[1] != placed[2], done.stdout[-4000:]
+    steps = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [m["step"] for m in steps] == [1, 2]
+
+    # A failing job fails the submission, with the driver's one-line error in its logs.
+    failed = subprocess.run(["bash", script, *overrides, "data.train_batch_size=3"], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert failed.returncode != 0
+    assert "error: actor_rollout_ref.actor.ppo_mini_batch_size (4) is larger than data.train_batch_size (3)" in (
+        failed.stdout + failed.stderr)
+
+
+def test_the_submission_script_dry_run_prints_the_command():
+    done = subprocess.run(["bash", os.path.join(REPO_ROOT, "tools", "cluster", "ray_job.sh"), "--dry-run",
+                           "trainer.nnodes=2", "data.train_files=/data/my train.parquet"],
+                          env={**os.environ, "RAY_ADDRESS": "http://head:8265"}, capture_output=True, text=True)
+    assert done.returncode == 0 and shutil.which("bash")
+    assert done.stdout.strip() == ("ray job submit --address http://head:8265 --runtime-env tools/cluster/runtime_env.yaml "
+                                   r"-- python -m hybrid_rl.main trainer.nnodes=2 data.train_files=/data/my\ train.parquet")
