@@ -21,8 +21,9 @@ import pytest
 from hybrid_rl.main import REPO_ROOT
 from tests.conftest import run_overrides
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("aiohttp_cors") is None,
-                                                   reason="ray[default] (the cluster extra) is not installed")]
+pytestmark = pytest.mark.slow
+needs_dashboard = pytest.mark.skipif(importlib.util.find_spec("aiohttp_cors") is None,
+                                     reason="ray[default] (the cluster extra) is not installed")
 
 
 def free_port() -> int:
@@ -67,6 +68,7 @@ def wait_for_nodes(ray_bin: str, address: str, count: int, env: dict, timeout_s:
     raise TimeoutError(f"{count} Ray node(s) did not come up within {timeout_s} s: {done.stdout}{done.stderr}")
 
 
+@needs_dashboard
 def test_a_job_submitted_to_two_nodes_trains_with_one_rank_on_each(two_node_cluster, tiny_model_dir,
                                                                    arithmetic_files, tmp_path):
     env = {**two_node_cluster["env"], "RAY_ADDRESS": two_node_cluster["dashboard"], "RAY_JOB_PYTHON": sys.executable}
