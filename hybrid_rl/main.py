@@ -180,20 +180,28 @@ def start_ray(cfg: DictConfig) -> None:
     runtime_env = {} if in_ray_job else {"env_vars": {"PYTHONPATH": pythonpath}}
     if ray_init.runtime_env.py_executable:
         runtime_env["py_executable"] = ray_init.runtime_env.py_executable
+    address = cfg.trainer.ray_address or os.environ.get("RAY_ADDRESS")
     try:
         init_ray(address=cfg.trainer.ray_address, num_cpus=ray_init.num_cpus, runtime_env=runtime_env)
-    except (ConnectionError, RuntimeError) as exc:  # Ray's own error runs over many lines
-        address = cfg.trainer.ray_address or os.environ.get("RAY_ADDRESS")
-        chain, err = [], exc
-        while err is not None:
-            chain += str(err).splitlines()
-            err = err.__cause__ or err.__context__
-        cause = next((line for line in chain if "InvalidAuthToken" in line), chain[0] if chain else type(exc).__name__)
+    except (ConnectionError, RuntimeError) as exc:
+        if not address:
+            raise
         raise SetupError(
-            f"cannot join the Ray cluster at {address} ({cause.split('. ')[0]}). Check that its head is up (`ray status "
+            f"cannot join the Ray cluster at {address} ({join_failure(exc)}). Check that its head is up (`ray status "
             f"--address {address}` on a node of the cluster) and the address is right (trainer.ray_address or "
             "RAY_ADDRESS). A cluster with token authentication also needs RAY_AUTH_MODE=token and its token "
             "here (~/.ray/auth_token or RAY_AUTH_TOKEN): docs/cluster.md.") from exc
+
+
+def join_failure(exc: BaseException) -> str:
+    """The telling sentence of Ray's many-line, chained connection error: an authentication
+    failure if there is one, else the first line."""
+    lines, err = [], exc
+    while err is not None:
+        lines += str(err).splitlines()
+        err = err.__cause__ or err.__context__
+    line = next((line for line in lines if "InvalidAuthToken" in line), lines[0] if lines else type(exc).__name__)
+    return line.split(". ")[0]
 
 
 class GracefulStop:

@@ -160,7 +160,7 @@ def test_the_sbatch_script_trains_on_two_nodes_and_scancel_stops_ray(slurm, tiny
     out2 = tmp_path / "job2.out"
     job = submit(slurm, out2, [o.replace(str(tmp_path / "run"), str(run2)) for o in overrides]
                  + ["trainer.total_training_steps=50", "trainer.save_freq=1"])
-    wait_for(lambda: out2.exists() and "step 2:" in out2.read_text(), 600, "step 2 of the second job")
+    wait_for(lambda: out2.exists() and "step 1:" in out2.read_text(), 600, "step 1 of the second job")
     subprocess.run(["scancel", job], env=slurm, check=True)
     wait_for(lambda: job_state(slurm, job)[0] in ("CANCELLED", "GONE"), 120, f"job {job} cancelled")
     wait_for(lambda: ray_processes() <= before, 90, "Ray processes left after scancel")

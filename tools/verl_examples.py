@@ -55,10 +55,13 @@ ONE_STEP = ("trainer.total_training_steps=1", "trainer.val_before_train=false", 
 # Ascend's set_env.sh) are absent here, and stand-ins that do nothing let the script reach its
 # main_ppo line as it would there.
 CLUSTER_STANDINS = r"""
-# A missing launcher (srun, ray job submit, torchrun) runs the python command it wraps.
-command_not_found_handle() {
+# A launcher (srun, ray job submit, torchrun) runs the python command it wraps: srun even where
+# SLURM is installed, any other when it is missing.
+run_wrapped() {
   while [ $# -gt 0 ]; do case "$1" in python|python3) "$@"; return 0 ;; esac; shift; done; return 0
 }
+srun() { run_wrapped "$@"; }
+command_not_found_handle() { run_wrapped "$@"; }
 source() { if [ -f "$1" ]; then builtin source "$@"; fi; }
 # As in a one-node SLURM allocation; other cluster variables are unset here, so -e and -u, which
 # would stop the script early, are dropped.

@@ -323,3 +323,20 @@ class TestHalfCpuAndColocation:
         finally:
             colo.kill()
             pool.remove()
+
+
+def test_a_failed_join_is_told_by_its_telling_line():
+    from hybrid_rl.main import join_failure
+
+    try:
+        try:
+            raise RuntimeError("Failed to connect to GCS. Last connection error: Traceback (most recent call last):\n"
+                               "ray.exceptions.AuthenticationError: RPC error: InvalidAuthToken: Authentication "
+                               "token is missing or incorrect. Note: RAY_AUTH_MODE is currently 'disabled'")
+        except RuntimeError as inner:
+            raise ConnectionError("Failed to connect to Ray cluster at 10.0.0.1:6379") from inner
+    except ConnectionError as exc:
+        assert join_failure(exc) == ("ray.exceptions.AuthenticationError: RPC error: InvalidAuthToken: "
+                                     "Authentication token is missing or incorrect")
+    assert join_failure(ConnectionError("nothing answers at h:1: [Errno 111] Connection refused")) == (
+        "nothing answers at h:1: [Errno 111] Connection refused")
