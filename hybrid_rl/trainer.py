@@ -140,8 +140,9 @@ class Trainer:
         self.workers, self.critic = views["actor_rollout_ref"], views.get("critic")
         self.node_info = self.group.get_node_info()
         if len({info["node_id"] for info in self.node_info}) > 1:
-            logger.info("Ranks on Ray nodes: %s", ", ".join(
-                f"{info['rank']} on {info['node_id'][:12]} ({info['hostname']}, {info['ip']})" for info in self.node_info))
+            placed = (f"{info['rank']} on {info['node_id'][:12]} ({info['hostname']}, {info['ip']})"
+                      for info in self.node_info)
+            logger.info("Ranks on Ray nodes: %s", ", ".join(placed))
         if self.critic is not None:
             self.critic.init_model()
         # Last: the rollout engine sizes its cache after the trainers.

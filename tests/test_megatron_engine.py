@@ -158,7 +158,8 @@ def test_megatron_engine_trains_in_bf16(tiny_model_dir4):
 
 def critic_config(strategy: str, tp: int = 1, pp: int = 1):
     return compose_config([
-        "critic.fsdp_config.dtype=fp32", "critic.megatron.dtype=fp32", f"critic.strategy={strategy}", "critic.ppo_mini_batch_size=4", "critic.ppo_micro_batch_size_per_gpu=3",
+        "critic.fsdp_config.dtype=fp32", "critic.megatron.dtype=fp32", f"critic.strategy={strategy}",
+        "critic.ppo_mini_batch_size=4", "critic.ppo_micro_batch_size_per_gpu=3",
         "critic.use_dynamic_bsz=false", "critic.optim.lr=1e-3", "critic.optim.weight_decay=0.0",
         f"critic.megatron.tensor_model_parallel_size={tp}", f"critic.megatron.pipeline_model_parallel_size={pp}"],
         config_name="ppo_megatron_trainer")

@@ -27,8 +27,8 @@ class ModelWorker(Worker):
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def dispatch_layout(self, mesh: str) -> RankLayout:
         """The data-parallel layout of the engine named `mesh` (`actor`, `ref`, `critic`,
-        `rollout`): the tensor and pipeline parallel ranks of one replica get the same rows. Without that engine
-        every rank stands alone, so the method called says what is missing."""
+        `rollout`): the tensor and pipeline parallel ranks of one replica get the same rows.
+        Without that engine every rank stands alone, so the method called says what is missing."""
         engine = getattr(self, mesh, None)
         if engine is None:
             return RankLayout(self.rank, self.world_size, True)
