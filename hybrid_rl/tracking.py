@@ -85,7 +85,12 @@ class Tracker:
         if self.tb:
             self.tb.close()
         if self.wandb:
+            import wandb
+
             self.wandb.finish()
+            # finish() returns before wandb's service process has flushed the run file; teardown waits for it
+            # (the atexit hook that would otherwise do so is skipped when Ray or a signal ends the driver).
+            wandb.teardown()
         if self.mlflow:
             self.mlflow.end_run()
 
