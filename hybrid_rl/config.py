@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hybrid_rl.algorithms import ADV_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_RS_MODES
 from hybrid_rl.config_keys import check_verl_keys
+from hybrid_rl.controller.worker_group import PLACEMENT_STRATEGIES
 from hybrid_rl.engines import ENGINES
 from hybrid_rl.engines.megatron.checks import check_roles as check_megatron_roles
 from hybrid_rl.hardware import TORCH_DTYPES, resolve_dtype
@@ -96,6 +97,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
                           ("critic.strategy", cfg.critic.strategy)):
         _choice(strategy, ENGINES.names(), key)
     _choice(trainer.device, DEVICES, "trainer.device", {"npu": "Ascend NPUs are not supported; use cuda or cpu"})
+    _choice(trainer.placement_strategy, PLACEMENT_STRATEGIES, "trainer.placement_strategy")
     _choice(data.truncation, ("error", "left", "right", "middle"), "data.truncation")
     loggers = [trainer.logger] if isinstance(trainer.logger, str) else list(trainer.logger)
     for name in loggers:

@@ -126,7 +126,8 @@ class Trainer:
         cfg = self.cfg
         cpus = cfg.trainer.cpus_per_worker or default_cpus_per_worker(cfg.trainer)
         self.resource_pool = pool = ResourcePool([cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes,
-                            use_gpu=cfg.trainer.device == "cuda", cpus_per_process=cpus)
+                            use_gpu=cfg.trainer.device == "cuda", cpus_per_process=cpus,
+                            strategy=cfg.trainer.placement_strategy)
         config = to_container(cfg)
         roles = {"actor_rollout_ref": ClassWithInitArgs(ActorRolloutRefWorker, config, self.model_path,
                                                         self.total_steps)}

@@ -1,7 +1,8 @@
 """A real two-node Ray cluster on this machine (a head and a second node, each started with
-`ray start`, one CPU each, token authentication on), and the training job submitted to it through
-the Jobs API (`tools/cluster/ray_job.sh`): one rank per node, the job's exit code and logs reach
-the submitter. Skipped where Ray's dashboard (ray[default], the `cluster` extra) is missing."""
+`ray start`, two CPUs each, token authentication on): placement on distinct nodes, and the training
+job submitted to it through the Jobs API (`tools/cluster/ray_job.sh`): one rank per node, the job's
+exit code and logs reach the submitter. The job test is skipped where Ray's dashboard (ray[default],
+the `cluster` extra) is missing."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def two_node_cluster(tmp_path_factory):
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
     env.pop("RAY_ADDRESS", None)
-    common = ["--num-cpus=1", "--num-gpus=0", "--disable-usage-stats", "--block"]
+    common = ["--num-cpus=2", "--num-gpus=0", "--disable-usage-stats", "--block"]
     nodes = [subprocess.Popen([ray_bin, "start", "--head", f"--port={port}", f"--temp-dir={temp}",
                                "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", *common],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
@@ -51,7 +52,7 @@ def two_node_cluster(tmp_path_factory):
         nodes.append(subprocess.Popen([ray_bin, "start", f"--address=127.0.0.1:{port}", *common], env=env,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         wait_for_nodes(ray_bin, f"127.0.0.1:{port}", 2, env)
-        yield {"env": env, "dashboard": f"http://127.0.0.1:{dashboard}"}
+        yield {"env": env, "dashboard": f"http://127.0.0.1:{dashboard}", "address": f"127.0.0.1:{port}"}
     finally:
         for node in reversed(nodes):
             node.terminate()
@@ -68,12 +69,42 @@ def wait_for_nodes(ray_bin: str, address: str, count: int, env: dict, timeout_s:
     raise TimeoutError(f"{count} Ray node(s) did not come up within {timeout_s} s: {done.stdout}{done.stderr}")
 
 
+SPREAD_CHECK = """
+import json, sys, ray
+from hybrid_rl.controller.worker_group import PlacementError, ResourcePool
+ray.init(address=sys.argv[1], logging_level="ERROR")
+# Each node has room for both groups, so only the strategy keeps them apart.
+pool = ResourcePool([1, 1], cpus_per_process=1, strategy="STRICT_SPREAD", timeout_s=60)
+nodes = [pool.node_id_of(0), pool.node_id_of(1)]
+pool.remove()
+try:
+    ResourcePool([1, 1, 1], cpus_per_process=1, strategy="STRICT_SPREAD", timeout_s=10)
+    error = None
+except PlacementError as e:
+    error = str(e)
+# What the failed attempt reserved was freed: the two groups fit again.
+ResourcePool([1, 1], cpus_per_process=1, strategy="STRICT_SPREAD", timeout_s=60).remove()
+print(json.dumps({"nodes": nodes, "error": error}))
+"""
+
+
+def test_strict_spread_gives_every_node_group_a_ray_node_of_its_own(two_node_cluster):
+    # A process of its own: Ray reads RAY_AUTH_MODE once per process.
+    done = subprocess.run([sys.executable, "-c", SPREAD_CHECK, two_node_cluster["address"]], cwd=REPO_ROOT,
+                          env=two_node_cluster["env"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["nodes"][0] != result["nodes"][1]
+    assert "each on a Ray node of its own" in result["error"] and "2 node(s)" in result["error"]
+
+
 @needs_dashboard
 def test_a_job_submitted_to_two_nodes_trains_with_one_rank_on_each(two_node_cluster, tiny_model_dir,
                                                                    arithmetic_files, tmp_path):
     env = {**two_node_cluster["env"], "RAY_ADDRESS": two_node_cluster["dashboard"], "RAY_JOB_PYTHON": sys.executable}
     overrides = run_overrides(tiny_model_dir, arithmetic_files, tmp_path, 64, 8) + [
-        "trainer.nnodes=2", "trainer.n_gpus_per_node=1", "trainer.total_training_steps=2", "trainer.test_freq=-1",
+        "trainer.nnodes=2", "trainer.n_gpus_per_node=1", "trainer.placement_strategy=STRICT_SPREAD",
+        "trainer.cpus_per_worker=1", "trainer.total_training_steps=2", "trainer.test_freq=-1",
         "trainer.val_before_train=false", "trainer.logger=[console,jsonl]", "data.train_batch_size=4",
         "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "trainer.final_model_dir=null"]
@@ -100,3 +131,32 @@ def test_the_submission_script_dry_run_prints_the_command():
     assert done.returncode == 0 and shutil.which("bash")
     assert done.stdout.strip() == ("ray job submit --address http://head:8265 --runtime-env tools/cluster/runtime_env.yaml "
                                    r"-- python -m hybrid_rl.main trainer.nnodes=2 data.train_files=/data/my\ train.parquet")
+
+
+def test_the_kuberay_manifest_matches_its_entrypoint_and_our_config():
+    """The RayJob's pods hold exactly the ranks its entrypoint asks for, on the Ray version we
+    install, and our config accepts the entrypoint's overrides. (Its schema was checked against
+    KubeRay's RayJob CRD once, by hand: docs/cluster.md.)"""
+    import shlex
+
+    import ray
+    import yaml
+
+    from hybrid_rl.config import validate_config
+    from hybrid_rl.main import compose_config
+
+    with open(os.path.join(REPO_ROOT, "tools", "cluster", "kuberay_rayjob.yaml")) as f:
+        job = yaml.safe_load(f)
+    assert (job["apiVersion"], job["kind"]) == ("ray.io/v1", "RayJob")
+    command = shlex.split(job["spec"]["entrypoint"])
+    assert command[:3] == ["python", "-m", "hybrid_rl.main"]
+    cfg = compose_config(command[3:] + ["trainer.device=cpu"])
+    validate_config(cfg)
+    cluster = job["spec"]["rayClusterSpec"]
+    assert cluster["rayVersion"] == ray.__version__
+    (workers,) = cluster["workerGroupSpecs"]
+    assert workers["replicas"] == workers["minReplicas"] == workers["maxReplicas"] == cfg.trainer.nnodes
+    (container,) = workers["template"]["spec"]["containers"]
+    assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == cfg.trainer.n_gpus_per_node
+    assert cfg.trainer.placement_strategy == "STRICT_SPREAD"
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"

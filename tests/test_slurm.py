@@ -178,4 +178,5 @@ def test_dry_run_names_every_node_in_its_own_srun():
     starts = [line for line in lines if "ray start" in line]
     assert [re.search(r" -w (\S+) ", line)[1] for line in starts] == ["gpu-a", "gpu-b", "gpu-c"]
     assert "--head" in starts[0] and all("--address=HEAD_IP:6379" in line for line in starts[1:])
-    assert lines[-1].strip() == "python -m hybrid_rl.main trainer.total_epochs=2 trainer.nnodes=3 trainer.n_gpus_per_node=8"
+    assert lines[-1].strip() == ("python -m hybrid_rl.main trainer.placement_strategy=STRICT_SPREAD "
+                                "trainer.total_epochs=2 trainer.nnodes=3 trainer.n_gpus_per_node=8")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import time
 import uuid
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -76,14 +77,20 @@ def exception_text(traceback_str: str) -> str:
 # ---------------------------------------------------------------------------
 
 
+PLACEMENT_STRATEGIES = ("PACK", "STRICT_SPREAD")
+
+
 class ResourcePool:
     """One STRICT_PACK placement group per node.
 
     ``process_on_nodes[i]`` processes (bundles) are reserved on node ``i``;
     every bundle is ``{"CPU": cpus_per_process}`` (+ ``{"GPU": 1}`` when
-    ``use_gpu``).  The constructor waits up to ``timeout_s`` for the groups to
-    be placed and raises ``RuntimeError`` (after freeing what it reserved) when
-    the cluster cannot host them.
+    ``use_gpu``).  ``strategy`` says how the groups relate: ``PACK`` lets Ray
+    put several groups on one Ray node that has room for them, ``STRICT_SPREAD``
+    gives every group a Ray node of its own (each group is placed after the
+    previous one, on a node not taken yet).  The constructor waits up to
+    ``timeout_s`` for the groups to be placed and raises ``PlacementError``
+    (after freeing what it reserved) when the cluster cannot host them.
     """
 
     def __init__(
@@ -93,6 +100,7 @@ class ResourcePool:
         cpus_per_process: float = 1.0,
         name_prefix: str = "",
         timeout_s: float = 120.0,
+        strategy: str = "PACK",
     ) -> None:
         process_on_nodes = [int(n) for n in process_on_nodes]
         if not process_on_nodes or any(n <= 0 for n in process_on_nodes):
@@ -101,6 +109,8 @@ class ResourcePool:
             raise ValueError(f"cpus_per_process must be >= 0, got {cpus_per_process}")
         if not use_gpu and cpus_per_process == 0:
             raise ValueError("cpus_per_process must be > 0 when use_gpu=False (a bundle needs some resource)")
+        if strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(f"placement strategy must be one of {PLACEMENT_STRATEGIES}, got {strategy!r}")
         if not ray.is_initialized():
             raise RuntimeError("Ray is not initialized; call hybrid_rl.controller.init_ray() first")
 
@@ -109,6 +119,7 @@ class ResourcePool:
         self.cpus_per_process = float(cpus_per_process)
         self.name_prefix = name_prefix
         self.timeout_s = float(timeout_s)
+        self.strategy = strategy
 
         bundle: Dict[str, float] = {}
         if self.cpus_per_process > 0:
@@ -117,12 +128,19 @@ class ResourcePool:
             bundle["GPU"] = 1
         self.bundle = bundle
 
-        pgs = []
-        for node_idx, n in enumerate(process_on_nodes):
-            name = f"{name_prefix}pg{node_idx}_{uuid.uuid4().hex[:6]}" if name_prefix else ""
-            pgs.append(placement_group([dict(bundle) for _ in range(n)], strategy="STRICT_PACK", name=name))
+        pgs, taken_nodes = [], []
+        deadline = time.monotonic() + self.timeout_s
         try:
-            ray.get([pg.ready() for pg in pgs], timeout=self.timeout_s)
+            for node_idx, n in enumerate(process_on_nodes):
+                name = f"{name_prefix}pg{node_idx}_{uuid.uuid4().hex[:6]}" if name_prefix else ""
+                # Ray's default node label; "!in(...)" keeps this group off the nodes already taken.
+                selector = [{"ray.io/node-id": f"!in({','.join(taken_nodes)})"}] * n if taken_nodes else None
+                pgs.append(placement_group([dict(bundle) for _ in range(n)], strategy="STRICT_PACK", name=name,
+                                           bundle_label_selector=selector))
+                if strategy == "STRICT_SPREAD":
+                    ray.get(pgs[-1].ready(), timeout=max(0.0, deadline - time.monotonic()))
+                    taken_nodes.append(placement_group_table(pgs[-1])["bundles_to_node_id"][0])
+            ray.get([pg.ready() for pg in pgs], timeout=max(0.0, deadline - time.monotonic()))
         except ray.exceptions.GetTimeoutError:
             for pg in pgs:
                 try:
@@ -174,10 +192,12 @@ class ResourcePool:
         per_node = ", ".join(
             f"node{i}: {k} x {self.bundle}" for i, k in enumerate(self.process_on_nodes)
         )
+        spread = ", each on a Ray node of its own (trainer.placement_strategy=STRICT_SPREAD)" \
+            if self.strategy == "STRICT_SPREAD" else ""
         return (
             f"ResourcePool could not be placed within {self.timeout_s:g} s: requested {n} processes "
             f"on {len(self.process_on_nodes)} node(s) ({per_node}) = {cpu_req:g} CPUs and {gpu_req} GPUs "
-            f"(each node's processes must fit on ONE node, strategy STRICT_PACK), but the Ray cluster has "
+            f"(each node's processes must fit on ONE Ray node{spread}), but the Ray cluster has "
             f"CPU={total.get('CPU', 0):g} GPU={total.get('GPU', 0):g} in total "
             f"(currently available: CPU={avail.get('CPU', 0):g} GPU={avail.get('GPU', 0):g}, "
             f"{len(nodes)} node(s): {node_list}). "
