@@ -51,7 +51,8 @@ def prepare(cfg: DictConfig):
     """Everything the run needs before workers start; raises on bad input."""
     from hybrid_rl.config import needs_critic
     from hybrid_rl.data import RLDataset
-    from hybrid_rl.rewards import RewardManager, load_custom_reward_fn
+    from hybrid_rl.rewards import RewardManager, default_compute_score, load_custom_reward_fn
+    from hybrid_rl.rewards.mixture import sources_from_config
 
     validate_config(cfg)
     check_resume(cfg)
@@ -74,16 +75,20 @@ def prepare(cfg: DictConfig):
 
     key, custom = custom_reward_function(cfg)
     compute_score = load_custom_reward_fn(custom.path, custom.name, custom.reward_kwargs, key=key)
+    sources = sources_from_config(cfg.reward, ConfigError)
+    if sources is not None and compute_score is not None:
+        raise ConfigError(f"both reward.funcs and {key}.path are set; list the function in reward.funcs "
+                          f"(as '{custom.path}:{custom.name}') and leave {key}.path unset.")
     if len(train_dataset) < cfg.data.train_batch_size:
         raise ConfigError(
             f"data.train_files has {len(train_dataset)} usable prompts, fewer than data.train_batch_size="
             f"{cfg.data.train_batch_size}, so there is not a single full training batch. Lower "
             f"data.train_batch_size to at most {len(train_dataset)} or add data.")
-    if compute_score is None:
+    if compute_score is None and (sources is None or any(s.fn is default_compute_score for s in sources)):
         check_builtin_data_sources(train_dataset, "data.train_files")
         if val_dataset is not None:
             check_builtin_data_sources(val_dataset, "data.val_files")
-    faults = dict(on_error=cfg.reward_model.on_error, timeout_s=cfg.reward_model.timeout_s)
+    faults = dict(on_error=cfg.reward_model.on_error, timeout_s=cfg.reward_model.timeout_s, sources=sources)
     reward_fn = RewardManager(tokenizer, compute_score, cfg.data.reward_fn_key, cfg.reward_model.num_examine, **faults)
     val_reward_fn = RewardManager(tokenizer, compute_score, cfg.data.reward_fn_key, 0, **faults)
     return model_path, tokenizer, train_dataset, val_dataset, reward_fn, val_reward_fn

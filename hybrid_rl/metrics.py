@@ -63,3 +63,17 @@ def throughput_metrics(batch: Batch, step_seconds: float, n_ranks: int) -> dict[
     tokens = float(batch["attention_mask"].sum())
     return {"perf/total_num_tokens": tokens, "perf/time_per_step": step_seconds,
             "perf/throughput": tokens / (step_seconds * n_ranks)}
+
+
+def reward_source_metrics(reward_extra: dict, sandbox_failures: dict[str, int], prefix: str = "") -> dict[str, float]:
+    """Per source of a reward mixture: its mean score over the samples it scored (abstentions and
+    failed samples left out), and the samples whose sandbox run timed out or crashed."""
+    metrics = {}
+    for key, values in reward_extra.items():
+        if key.startswith("reward/"):
+            scored = [float(v) for v in values if v is not None]
+            if scored:
+                metrics[f"{prefix}{key}/mean"] = sum(scored) / len(scored)
+    for name, count in sandbox_failures.items():
+        metrics[f"{prefix}reward/{name}/sandbox_failures"] = float(count)
+    return metrics

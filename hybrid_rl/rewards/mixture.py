@@ -1,0 +1,90 @@
+"""Several reward sources combined with weights (TRL's ``reward_funcs`` / ``reward_weights``).
+
+``reward.funcs`` lists the sources, ``reward.weights`` their weights (null: all 1.0). A source is
+
+* ``rule``: the built-in scorer chosen by the row's data source (as without a mixture);
+* ``code_tests``: the response's program run in the sandbox against the row's unit tests
+  (``hybrid_rl.rewards.code``; limits in ``reward.sandbox``);
+* a function: ``{path: file.py, name: fn, reward_kwargs: {...}}`` or the string ``"file.py:fn"``,
+  called like ``custom_reward_function``; it may return None for a sample to abstain.
+
+Without ``reward.funcs`` the single source of verl's keys is used (``custom_reward_function``,
+else ``rule``), unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+__all__ = ["RewardSource", "combine", "sources_from_config"]
+
+BUILTIN_SOURCES = ("rule", "code_tests")
+
+
+@dataclass
+class RewardSource:
+    """``fn`` scores one sample like a reward function; ``batch_fn(responses, ground_truths)``
+    scores a whole batch and returns ``(scores, failed)``. Exactly one of them is set."""
+
+    name: str
+    weight: float
+    fn: Callable | None = None
+    batch_fn: Callable | None = None
+
+
+def combine(values: Sequence[float | None], weights: Sequence[float]) -> float:
+    """One sample's reward: ``r = sum_i w_i * r_i`` over the sources that did not abstain
+    (``r_i`` is None), as TRL's ``nansum`` does; 0.0 when every source abstains."""
+    return math.fsum(w * v for v, w in zip(values, weights) if v is not None)
+
+
+def _unique(name: str, taken: set) -> str:
+    candidate, k = name, 2
+    while candidate in taken:
+        candidate, k = f"{name}_{k}", k + 1
+    taken.add(candidate)
+    return candidate
+
+
+def sources_from_config(reward_cfg: Any, config_error: type[Exception]) -> list[RewardSource] | None:
+    """The configured mixture, or None when ``reward.funcs`` is empty (a single source)."""
+    from . import default_compute_score, load_custom_reward_fn
+    from .code import CodeTestsScorer
+    from .sandbox import Sandbox
+
+    funcs = list(reward_cfg.funcs or [])
+    if not funcs:
+        return None
+    weights = reward_cfg.weights
+    if weights is None:
+        weights = [1.0] * len(funcs)
+    weights = list(weights)
+    if len(weights) != len(funcs):
+        raise config_error(f"reward.weights has {len(weights)} entries but reward.funcs has {len(funcs)}; give "
+                           "one weight per source, or set reward.weights=null to weigh every source 1.0.")
+    for i, w in enumerate(weights):
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            raise config_error(f"reward.weights[{i}]={w!r} is not a finite number.")
+    sources, taken = [], set()
+    for i, (entry, weight) in enumerate(zip(funcs, weights)):
+        key = f"reward.funcs[{i}]"
+        if entry == "rule":
+            sources.append(RewardSource(_unique("rule", taken), float(weight), fn=default_compute_score))
+        elif entry == "code_tests":
+            sandbox = Sandbox(**dict(reward_cfg.sandbox)).start()
+            sources.append(RewardSource(_unique("code_tests", taken), float(weight), batch_fn=CodeTestsScorer(sandbox)))
+        elif isinstance(entry, str) and ":" in entry and entry.rsplit(":", 1)[0].endswith(".py"):
+            path, name = entry.rsplit(":", 1)
+            fn = load_custom_reward_fn(path, name, key=key)
+            sources.append(RewardSource(_unique(name, taken), float(weight), fn=fn))
+        elif hasattr(entry, "get") and entry.get("path"):
+            name = entry.get("name") or "compute_score"
+            fn = load_custom_reward_fn(entry["path"], name, entry.get("reward_kwargs"), key=key)
+            sources.append(RewardSource(_unique(name, taken), float(weight), fn=fn))
+        else:
+            raise config_error(
+                f"{key}={entry!r} is not a reward source. Use one of {', '.join(BUILTIN_SOURCES)}, "
+                "'path/to/file.py:function', or {path: file.py, name: function, reward_kwargs: {}}.")
+    return sources
