@@ -89,7 +89,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     _choice(rollout.name, ROLLOUT_ENGINES, "actor_rollout_ref.rollout.name", VERL_ONLY_ROLLOUT_ENGINES)
     _choice(rollout.dtype, ("auto", "float32", "bfloat16", "float16"), "actor_rollout_ref.rollout.dtype")
     for key, fsdp in (("actor_rollout_ref.actor", actor.fsdp_config), ("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.fsdp_config),
-                      ("critic", cfg.critic.fsdp_config)):
+                      ("critic", cfg.critic.fsdp_config), ("reward_model.model", cfg.reward_model.model.fsdp_config)):
         _choice(fsdp.dtype, ("auto", *TORCH_DTYPES), f"{key}.fsdp_config.dtype")
     _choice(rollout.enforce_eager, (None, True, False), "actor_rollout_ref.rollout.enforce_eager")
     for key, strategy in (("actor_rollout_ref.actor.strategy", actor.strategy),
@@ -111,7 +111,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
                           "full logits at rollout time); use actor_rollout_ref.actor.use_kl_loss=true "
                           "actor_rollout_ref.actor.kl_loss_type=full for the exact KL.")
     _choice(algo.kl_ctrl.type, ("fixed", "adaptive"), "algorithm.kl_ctrl.type")
-    _choice(cfg.reward_model.on_error, ("zero", "raise"), "reward_model.on_error")
+    check_reward_model_config(cfg.reward_model)
     if algo.kl_ctrl.type == "adaptive" and not algo.kl_ctrl.horizon > 0:
         raise ConfigError(f"algorithm.kl_ctrl.horizon={algo.kl_ctrl.horizon} must be positive for the adaptive "
                           "KL controller.")
@@ -219,12 +219,24 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
+def check_reward_model_config(rm: DictConfig) -> None:
+    _choice(rm.on_error, ("zero", "raise"), "reward_model.on_error")
+    if not rm.enable:
+        return
+    _choice(rm.strategy, ("fsdp", "fsdp2"), "reward_model.strategy",
+            {"megatron": "reward models run on the FSDP engine; set reward_model.strategy=fsdp"})
+    _positive(rm.micro_batch_size_per_gpu, "reward_model.micro_batch_size_per_gpu")
+    _positive(rm.forward_max_token_len_per_gpu, "reward_model.forward_max_token_len_per_gpu")
+    if rm.max_length is not None:
+        _positive(rm.max_length, "reward_model.max_length")
+
+
 def resolve_dtypes(cfg: DictConfig) -> None:
     """Replace every `dtype: auto` by what this machine computes fast (`hybrid_rl.hardware`),
     log the choice once and warn about explicit choices that are slow here."""
     device = cfg.trainer.device
     fsdp_configs = [cfg.actor_rollout_ref.actor.fsdp_config, cfg.actor_rollout_ref.ref.fsdp_config,
-                    cfg.critic.fsdp_config]
+                    cfg.critic.fsdp_config, cfg.reward_model.model.fsdp_config]
     train_choices = [resolve_dtype(fsdp.dtype, device, "train") for fsdp in fsdp_configs]
     for fsdp, choice in zip(fsdp_configs, train_choices):
         fsdp.dtype = choice.dtype

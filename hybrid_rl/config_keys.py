@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 WORKS, NO_EFFECT, NOT_YET = "works", "no effect", "not supported yet"
 # Offloading to host memory means nothing when the model already lives there.
 NO_EFFECT_ON_CPU = "no effect on CPU; not supported yet on GPU"
+REMOTE_SANDBOX = ("verl's remote sandbox service is not used; code rewards run in the local sandbox "
+                  "(reward.funcs=[code_tests])")
 # The Hydra tree: the checkout's top-level conf/ (hybrid_rl/conf links to it), copied into the
 # package when it is built, so an installed hybrid-rl finds it too (also as pkg://hybrid_rl.conf).
 CONF_DIR = Path(__file__).resolve().parent / "conf"
@@ -111,6 +113,7 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NO_EFFECT, "verl copies the actor's qat settings here", "actor_rollout_ref.rollout.qat"),
     *_rules(NO_EFFECT, "read only with qat.enable=true, which is not supported yet", "*.qat.*"),
     # --- training engine (Megatron)
+    *_rules(NO_EFFECT, "reward models run on the FSDP engine (reward_model.strategy=fsdp)", "reward_model.megatron.*"),
     *_rules(WORKS, "the Megatron engine's layout, precision and optimizer sharding (CPU: no virtual "
             "pipeline stages; sequence parallelism needs Transformer Engine on CUDA, elsewhere it is off "
             "with a warning)", *(f"*.megatron.{k}" for k in (
@@ -217,15 +220,24 @@ RULES: tuple[Rule, ...] = tuple([
             "data.image_*", "data.video_key", "data.audio_key", "data.return_multi_modal_inputs",
             "data.mm_processor_kwargs"),
     # --- rewards
-    *_rules(NOT_YET, "reward models are not built yet; score with a function (custom_reward_function.path)",
-            "reward.reward_model.enable", "reward_model.model.path"),
-    *_rules(NO_EFFECT, "read only by a reward model, which is not supported yet", "reward.reward_model.*",
-            "reward_model.rollout.*", "reward_model.model.*", "reward_model.num_workers",
-            "reward_model.enable_resource_pool", "reward_model.n_gpus_per_node", "reward_model.nnodes",
-            "reward_model.reward_loop_*"),
+    *_rules(NOT_YET, "verl 0.9 serves this reward model from a rollout engine; the reward model here is a "
+            "sequence classifier on the FSDP engine: reward_model.enable=true reward_model.model.path=<folder>",
+            "reward.reward_model.enable"),
+    *_rules(NO_EFFECT, "read only with reward.reward_model.enable, which is not supported yet",
+            "reward.reward_model.*", "reward_model.rollout.*", "reward_model.num_workers", "reward_model.reward_loop_*"),
+    *_rules(NO_EFFECT, "the reward model's tokenizer is compared with the policy's own, and responses are "
+            "re-templated exactly when vocabulary or chat template differ", "reward_model.model.input_tokenizer"),
+    *_rules(NOT_YET, "the reward model shares the actor's worker processes", "reward_model.enable_resource_pool"),
+    *_rules(NO_EFFECT, "read only with reward_model.enable_resource_pool, which is not supported yet",
+            "reward_model.n_gpus_per_node", "reward_model.nnodes"),
+    *_rules(NO_EFFECT_ON_CPU, "offloading to host memory; on CPU the model is already there",
+            "reward_model.model.fsdp_config.param_offload"),
+    *_rules(NOT_YET, "use reward_model.micro_batch_size_per_gpu (the global form is deprecated in verl too)",
+            "reward_model.micro_batch_size"),
+    *_rules(NOT_YET, "the reward model runs padded batches", "reward_model.model.use_remove_padding"),
     *_rules(NOT_YET, "only the naive reward manager is built", "reward.reward_manager.*"),
     *_rules(NO_EFFECT, "rewards are scored in the driver process", "reward.num_workers"),
-    *_rules(NOT_YET, "sandboxed code execution is not built yet", "sandbox_fusion.url", "reward.sandbox_fusion.url"),
+    *_rules(NOT_YET, REMOTE_SANDBOX, "sandbox_fusion.url", "reward.sandbox_fusion.url"),
     *_rules(NO_EFFECT, "read only with a sandbox url, which is not supported yet", "sandbox_fusion.*",
             "reward.sandbox_fusion.*"),
     # --- algorithm
@@ -280,13 +292,12 @@ RULES: tuple[Rule, ...] = tuple([
             "reward_manager.module.path"),
     *_rules(NO_EFFECT, "read only with reward_manager.module.path, which is not supported yet",
             "reward_manager.module.name"),
-    *_rules(NOT_YET, "sandboxed code execution is not built yet", "reward_model.sandbox_fusion.url"),
+    *_rules(NOT_YET, REMOTE_SANDBOX, "reward_model.sandbox_fusion.url"),
     *_rules(NO_EFFECT, "read only with a sandbox url, which is not supported yet", "reward_model.sandbox_fusion.*"),
     *_rules(NO_EFFECT, "rewards are scored in the driver process", "reward_model.use_reward_loop",
             "reward_model.launch_reward_fn_async"),
-    *_rules(NO_EFFECT, "read only by a reward model, which is not supported yet", "reward_model.strategy",
-            "reward_model.forward_max_token_len_per_gpu", "reward_model.max_length", "reward_model.micro_batch_size*",
-            "reward_model.nccl_timeout", "reward_model.use_dynamic_bsz"),
+    *_rules(NO_EFFECT, "the reward model shares the actor's process group (actor_rollout_ref.nccl_timeout)",
+            "reward_model.nccl_timeout"),
 ])
 
 
@@ -415,7 +426,9 @@ DEVIATIONS: dict[str, str] = {
                   "actor_rollout_ref.actor.strategy", "critic.strategy"),
     **_deviations("verl leaves it required; vllm is the engine here", "actor_rollout_ref.rollout.name"),
     **_deviations("the same behaviour as verl's null", "custom_reward_function.name",
-                  "reward_model.reward_manager", "reward_model.enable"),
+                  "reward_model.reward_manager", "reward_model.enable", "reward_model.model.trust_remote_code"),
+    **_deviations("follows actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu (verl leaves it required)",
+                  "reward_model.micro_batch_size_per_gpu"),
     **_deviations("this project's run names and folder", "trainer.project_name", "trainer.experiment_name",
                   "trainer.default_local_dir"),
     **_deviations("a run needs no account or network; add wandb, mlflow or tensorboard", "trainer.logger"),

@@ -198,15 +198,16 @@ def _role_config(step: Path, role: str):
               else (run_cfg.get("actor_rollout_ref") or {})).get("model") or {}
     # A checkpoint's config may come from a version without these keys: their defaults then.
     model_cfg = OmegaConf.create({"trust_remote_code": False, "override_config": {}, **stored})
-    config = model_config(str(step / HF_DIR), model_cfg, value_head=role == "critic")
+    config = model_config(str(step / HF_DIR), model_cfg, scalar_head=role == "critic")
     return config, bool(model_cfg.trust_remote_code)
 
 
 def _build_empty_model(config, role: str, trust: bool):
     from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
-    auto = AutoModelForTokenClassification if role == "critic" else AutoModelForCausalLM
+    auto = {"critic": AutoModelForTokenClassification,
+            "reward_model": AutoModelForSequenceClassification}.get(role, AutoModelForCausalLM)
     # Parameters on the meta device (no memory, no random init); buffers such as rotary
     # frequencies are real, as they are not in checkpoints.
     with init_empty_weights(include_buffers=False):

@@ -61,6 +61,8 @@ def prepare(cfg: DictConfig):
         resolve_model_path(cfg.critic.model.path, key="critic.model.path")
     check_model_limits(cfg, model_path)
     tokenizer = load_checked_tokenizer(cfg, model_path)
+    if cfg.reward_model.enable:
+        check_reward_model(cfg.reward_model, "reward_model.model.path")
 
     train_files, val_files = cfg.data.train_files, cfg.data.val_files
     if train_files is None:
@@ -75,7 +77,12 @@ def prepare(cfg: DictConfig):
 
     key, custom = custom_reward_function(cfg)
     compute_score = load_custom_reward_fn(custom.path, custom.name, custom.reward_kwargs, key=key)
-    sources = sources_from_config(cfg.reward, ConfigError)
+    sources = sources_from_config(cfg.reward, ConfigError, reward_model=cfg.reward_model.enable)
+    if cfg.reward_model.enable and not cfg.reward.funcs and compute_score is not None:
+        logger.warning("reward_model.enable=true and %s.path=%s: the reward model alone scores the responses, as in "
+                       "verl. To add the function, set reward.funcs=[reward_model,'%s:%s'].", key, custom.path,
+                       custom.path, custom.name)
+        compute_score = None
     if sources is not None and compute_score is not None:
         raise ConfigError(f"both reward.funcs and {key}.path are set; list the function in reward.funcs "
                           f"(as '{custom.path}:{custom.name}') and leave {key}.path unset.")
@@ -92,6 +99,27 @@ def prepare(cfg: DictConfig):
     reward_fn = RewardManager(tokenizer, compute_score, cfg.data.reward_fn_key, cfg.reward_model.num_examine, **faults)
     val_reward_fn = RewardManager(tokenizer, compute_score, cfg.data.reward_fn_key, 0, **faults)
     return model_path, tokenizer, train_dataset, val_dataset, reward_fn, val_reward_fn
+
+
+def check_reward_model(rm_cfg: DictConfig, key: str) -> str:
+    """The reward model's folder: it must hold a sequence classifier with one label."""
+    from transformers import AutoConfig
+
+    if not rm_cfg.model.path:
+        raise ConfigError(f"reward_model.enable=true needs {key}: a sequence-classification model folder (train one "
+                          "from a policy with python tools/train_reward_model.py).")
+    path = resolve_model_path(rm_cfg.model.path, key=key)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=rm_cfg.model.trust_remote_code)
+    architectures = list(getattr(config, "architectures", None) or [])
+    if not any(name.endswith("ForSequenceClassification") for name in architectures):
+        raise ModelPathError(
+            f"{key}={rm_cfg.model.path} holds {', '.join(architectures) or 'a model without architectures'} "
+            "(config.json), not a sequence classifier. A reward model is an AutoModelForSequenceClassification with "
+            "one label; train one from a policy with python tools/train_reward_model.py.")
+    if config.num_labels != 1:
+        raise ModelPathError(f"{key}={rm_cfg.model.path} has {config.num_labels} labels; a reward model gives one "
+                             "score per response (num_labels=1).")
+    return path
 
 
 def check_resume(cfg: DictConfig) -> None:

@@ -1,6 +1,6 @@
 """The driver-side training loop. One GRPO step, top to bottom, is `Trainer.fit`'s loop body:
 
-    prompts -> generate -> reward -> [balance over ranks] -> [old log-probs] -> [reference log-probs]
+    prompts -> generate -> [reward model] -> reward -> [balance over ranks] -> [old log-probs] -> [reference log-probs]
             -> advantages -> actor update -> weight sync into the rollout engine -> [validation] -> log
 """
 
@@ -39,6 +39,7 @@ from hybrid_rl.rewards import RewardManager
 from hybrid_rl.tracking import Tracker
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
 from hybrid_rl.workers.critic import CriticWorker
+from hybrid_rl.workers.reward_model import RewardModelWorker
 
 logger = logging.getLogger(__name__)
 
@@ -135,11 +136,16 @@ class Trainer:
         if self.use_critic:
             critic_path = resolve_model_path(cfg.critic.model.path) if cfg.critic.model.path else self.model_path
             roles["critic"] = ClassWithInitArgs(CriticWorker, config, critic_path, self.total_steps)
+        if cfg.reward_model.enable:
+            rm_path = resolve_model_path(cfg.reward_model.model.path, key="reward_model.model.path")
+            roles["reward_model"] = ClassWithInitArgs(RewardModelWorker, config, rm_path, self.total_steps,
+                                                      self.model_path)
         # All roles share one process per rank (and its CPUs/GPU).
         self.group = RayWorkerGroup(pool, create_colocated_worker_cls(roles), name_prefix="worker_",
                                     env_vars=worker_env(cfg, cpus))
         views = self.group.spawn(roles)
         self.workers, self.critic = views["actor_rollout_ref"], views.get("critic")
+        self.reward_model = views.get("reward_model")
         self.node_info = self.group.get_node_info()
         if len({info["node_id"] for info in self.node_info}) > 1:
             placed = (f"{info['rank']} on {info['node_id'][:12]} ({info['hostname']}, {info['ip']})"
@@ -147,6 +153,10 @@ class Trainer:
             logger.info("Ranks on Ray nodes: %s", ", ".join(placed))
         if self.critic is not None:
             self.critic.init_model()
+        if self.reward_model is not None:
+            if self.reward_model.init_model()[0]["retemplate"]:
+                logger.info("The reward model's tokenizer or chat template differs from the policy's: each response "
+                            "is decoded and re-templated for it.")
         # Last: the rollout engine sizes its cache after the trainers.
         self.engine_settings = self.workers.init_model()[0]["rollout"]
         if self.engine_settings:
@@ -310,6 +320,10 @@ class Trainer:
                 with timer.phase("gen_max"):
                     batch["reward_baselines"] = self.greedy_baseline(prompts).repeat_interleave(n)
 
+            if self.reward_model is not None:
+                with timer.phase("reward_model"):
+                    metrics.update(self.add_rm_scores(batch))
+
             with timer.phase("reward"):
                 scores, reward_extra = self.reward_fn(batch)
                 if "step_mask" in reward_extra:
@@ -368,11 +382,20 @@ class Trainer:
             metrics["critic/acc/mean"] = float(np.mean(accuracies))
         return metrics
 
+    def add_rm_scores(self, batch: Batch) -> dict[str, float]:
+        """The reward model's scores of the batch's responses (`rm_scores`), when there is one."""
+        if self.reward_model is None:
+            return {}
+        batch.union(self.reward_model.compute_rm_score(batch))
+        return {"reward_model/truncated": float(batch["rm_truncated"].sum())}
+
     def greedy_baseline(self, prompts: Batch) -> torch.Tensor:
         """ReMax: the reward of a greedy response to each prompt."""
         greedy = prompts.select()
         greedy.meta = replace(prompts.meta, sampling=Sampling.GREEDY)
-        scores, _ = self.reward_fn(self.workers.generate_sequences(greedy))
+        greedy = self.workers.generate_sequences(greedy)
+        self.add_rm_scores(greedy)
+        scores, _ = self.reward_fn(greedy)
         return scores.sum(-1)
 
     def shaped_rewards(self, batch: Batch) -> torch.Tensor:
@@ -429,6 +452,7 @@ class Trainer:
         batch.meta = BatchMeta(temperature=cfg.actor_rollout_ref.rollout.temperature, sampling=Sampling.VALIDATE)
         batch = batch.repeat(n, interleave=True)
         batch = self.workers.generate_sequences(batch)
+        self.add_rm_scores(batch)
         scores, reward_extra = self.val_reward_fn(batch)
         batch["token_level_scores"] = scores
         sample_scores = scores.sum(-1)

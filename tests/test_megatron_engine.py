@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hybrid_rl.controller.decorator import RankLayout, output_ranks, split_by_layout
-from hybrid_rl.engines import ModelSpec, Output, build_engine
+from hybrid_rl.engines import Head, ModelSpec, Output, build_engine
 from hybrid_rl.main import compose_config
 from hybrid_rl.protocol import Batch
 from tests.conftest import build_tiny_model
@@ -172,7 +172,7 @@ def value_loss_fn(out, micro, agg):
 
 
 def critic_run(cfg, model_dir) -> dict:
-    critic = build_engine(ModelSpec("critic", model_dir, cfg.critic.model, value_head=True, optim_cfg=cfg.critic.optim,
+    critic = build_engine(ModelSpec("critic", model_dir, cfg.critic.model, head=Head.VALUE, optim_cfg=cfg.critic.optim,
                                     total_steps=4), cfg.critic, torch.device("cpu"))
     values = critic.infer(rollout_batch(1), Output.VALUES, 1.0, 3, None)["values"]
     before = weights(critic)

@@ -105,7 +105,7 @@ def read_rows(files: str | os.PathLike | Sequence[str | os.PathLike]) -> list[di
 
 
 # ------------------------------------------------------------------------ helpers
-def _to_messages(prompt: Any, row_id: int) -> list[dict]:
+def to_messages(prompt: Any, row_id: int) -> list[dict]:
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
     if isinstance(prompt, np.ndarray):
@@ -206,7 +206,7 @@ class RLDataset(Dataset):
                 positions = positions[: int(max_samples)]
 
         try:
-            messages = [_to_messages(rows[p][prompt_key], p) for p in positions]
+            messages = [to_messages(rows[p][prompt_key], p) for p in positions]
         except ValueError as exc:
             raise ValueError(
                 f"{self.files}: column {prompt_key!r}: {exc}. Fix those rows, or set data.prompt_key "

@@ -1,7 +1,7 @@
 """Training engines behind one interface (`base.TrainEngine`), chosen by a role's `strategy`."""
 
 from hybrid_rl.algorithms.registry import Registry
-from hybrid_rl.engines.base import ModelSpec, Output, TrainEngine
+from hybrid_rl.engines.base import Head, ModelSpec, Output, TrainEngine
 from hybrid_rl.engines.fsdp import FSDPEngine
 from hybrid_rl.engines.megatron.engine import MegatronEngine
 
@@ -15,4 +15,4 @@ def build_engine(spec: ModelSpec, role_cfg, device) -> TrainEngine:
     return ENGINES.get(role_cfg.strategy)(spec, role_cfg, device)
 
 
-__all__ = ["ENGINES", "FSDPEngine", "MegatronEngine", "ModelSpec", "Output", "TrainEngine", "build_engine"]
+__all__ = ["ENGINES", "FSDPEngine", "Head", "MegatronEngine", "ModelSpec", "Output", "TrainEngine", "build_engine"]

@@ -44,16 +44,25 @@ class Output(enum.Enum):
     LOG_PROBS_ENTROPY = "log_probs_entropy"  # {"log_probs", "entropy"}
     LOGITS = "logits"  # {"logits"}: (B, T, V) float32, divided by the temperature
     VALUES = "values"  # {"values"}: V(s_t), read at the position before each response token
+    SCORES = "scores"  # {"scores"}: (B,) a reward model's score, read at each row's last real token
+
+
+class Head(enum.Enum):
+    """What sits on top of the backbone."""
+
+    LM = "lm"  # the language-model head: the actor and the reference policy
+    VALUE = "value"  # a scalar on every position (token classification): the critic
+    SCORE = "score"  # a scalar read at the last token (sequence classification): a reward model
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     """Which model an engine builds and whether it trains it."""
 
-    role: str  # actor, ref or critic: names metrics and errors
+    role: str  # actor, ref, critic or reward_model: names metrics and errors
     path: str  # local Hugging Face folder
-    model_cfg: Any  # actor_rollout_ref.model or critic.model
-    value_head: bool = False  # a scalar head on every position (the critic) instead of the LM head
+    model_cfg: Any  # actor_rollout_ref.model, critic.model or reward_model.model
+    head: Head = Head.LM
     optim_cfg: Any = None  # None: frozen (the reference policy)
     total_steps: int = 1  # for the learning-rate schedule
 

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from hybrid_rl.engines import hf_model
-from hybrid_rl.engines.base import ModelSpec, Output, TrainEngine, lr_lambda
+from hybrid_rl.engines.base import Head, ModelSpec, Output, TrainEngine, lr_lambda
 
 
 @functools.cache
@@ -74,8 +74,11 @@ class FSDPEngine(TrainEngine):
         fsdp_cfg = role_cfg.fsdp_config
         dtype = hf_model.compute_dtype(fsdp_cfg.dtype, device)
         trainable = spec.optim_cfg is not None
-        if spec.value_head:  # the value forward runs on padded rows (`hf_model.response_values`)
+        if spec.head is Head.VALUE:  # the value forward runs on padded rows (`hf_model.response_values`)
             model = hf_model.load_value_model(spec.path, spec.model_cfg, device)
+        elif spec.head is Head.SCORE:
+            model = hf_model.load_score_model(spec.path, spec.model_cfg, device, trainable=trainable)
+            self.autocast_dtype = hf_model.cpu_autocast_dtype(dtype, device)
         else:
             model = hf_model.load_causal_lm(spec.path, spec.model_cfg, device, trainable=trainable)
             self.options = hf_model.forward_options(spec.model_cfg, dtype, device)
@@ -106,6 +109,8 @@ class FSDPEngine(TrainEngine):
         """One micro-batch through the model (with gradients where enabled)."""
         if output is Output.VALUES:
             return {"values": hf_model.response_values(self.module, micro)}
+        if output is Output.SCORES:
+            return {"scores": hf_model.sequence_scores(self.module, micro, self.autocast_dtype)}
         if output is Output.LOGITS:
             return {"logits": hf_model.response_logits(self.module, micro, temperature, self.options)}
         with_entropy = output is Output.LOG_PROBS_ENTROPY

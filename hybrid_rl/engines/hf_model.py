@@ -47,7 +47,7 @@ def load_value_model(path: str, model_cfg: Any, device: torch.device):
     initialised linear value head on every position."""
     from transformers import AutoModelForTokenClassification
 
-    config = model_config(path, model_cfg, value_head=True)
+    config = model_config(path, model_cfg, scalar_head=True)
     model = AutoModelForTokenClassification.from_pretrained(
         path, config=config, dtype=torch.float32, attn_implementation="sdpa",
         trust_remote_code=model_cfg.trust_remote_code)
@@ -55,6 +55,27 @@ def load_value_model(path: str, model_cfg: Any, device: torch.device):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     return model.to(device).train()
+
+
+def load_score_model(path: str, model_cfg: Any, device: torch.device, trainable: bool):
+    """`AutoModelForSequenceClassification` with one label (a reward model). From a folder that
+    holds a causal LM (training a reward model from a policy), the score head is new."""
+    from transformers import AutoModelForSequenceClassification
+
+    config = model_config(path, model_cfg, scalar_head=True)
+    if config.pad_token_id is None:
+        # transformers' own pooling refuses batches without a pad id; `sequence_scores` reads
+        # each row's last real token from the attention mask and ignores that pooling.
+        config.pad_token_id = config.eos_token_id if isinstance(config.eos_token_id, int) else 0
+    model = AutoModelForSequenceClassification.from_pretrained(
+        path, config=config, dtype=torch.float32, attn_implementation=attn_implementation(device),
+        trust_remote_code=model_cfg.trust_remote_code)
+    if not isinstance(getattr(model, "score", None), torch.nn.Linear):
+        raise ValueError(f"{type(model).__name__} has no linear `score` head; reward models of the Llama, Qwen2, "
+                         "Mistral or Gemma families (transformers' generic sequence classifier) are supported.")
+    model.config.use_cache = False
+    model.requires_grad_(trainable)
+    return model.to(device).train(trainable)
 
 
 @dataclass(frozen=True)
@@ -82,7 +103,13 @@ def forward_options(model_cfg: Any, dtype: torch.dtype, device: torch.device) ->
         remove_padding=remove_padding,
         share_prompts=remove_padding and dense and bool(model_cfg.share_prompt_prefix),
         dense_mask=dense, head_chunk_size=int(model_cfg.head_chunk_size),
-        autocast_dtype=dtype if device.type == "cpu" and dtype != torch.float32 else None)
+        autocast_dtype=cpu_autocast_dtype(dtype, device))
+
+
+def cpu_autocast_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
+    """The dtype to autocast a float32 model to on CPU (None: none; on GPU the engine casts the
+    weights itself)."""
+    return dtype if device.type == "cpu" and dtype != torch.float32 else None
 
 
 CPU_ATTENTION = "hybrid_rl_sdpa_float32"
@@ -186,3 +213,25 @@ def response_values(model: torch.nn.Module, micro: dict[str, torch.Tensor]) -> t
     out = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
                 position_ids=micro["position_ids"], use_cache=False)
     return out.logits[:, -resp_len - 1:-1, 0].float()
+
+
+def sequence_scores(model: torch.nn.Module, micro: dict[str, torch.Tensor],
+                    autocast_dtype: torch.dtype | None) -> torch.Tensor:
+    """A sequence classifier's score (B,) at each row's last real token (the rightmost position
+    of the attention mask, so left- and right-padded rows both work). The score head runs on
+    every position inside the model's forward (where FSDP has gathered it); its output is read
+    here rather than through transformers' pooling, which looks for pad ids instead of the mask."""
+    captured = {}
+    hook = model.score.register_forward_hook(lambda module, args, out: captured.update(scores=out))
+    mask = micro["attention_mask"]
+    autocast = torch.autocast(mask.device.type, dtype=autocast_dtype or torch.bfloat16,
+                              enabled=autocast_dtype is not None)
+    try:
+        with autocast:
+            model(input_ids=micro["input_ids"], attention_mask=mask, position_ids=micro["position_ids"],
+                  use_cache=False)
+    finally:
+        hook.remove()
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    last = (positions * mask.bool()).argmax(-1)
+    return captured["scores"][torch.arange(len(last), device=mask.device), last, 0].float()

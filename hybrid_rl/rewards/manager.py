@@ -354,13 +354,20 @@ class RewardManager:
         return score, extras
 
     # ------------------------------------------------------------------ mixture
-    def _batch_source_scores(self, solutions: list[str], ground_truths: list) -> dict[str, list[float]]:
-        """Scores of the sources that take the whole batch at once (e.g. the code sandbox)."""
+    def _batch_source_scores(self, batch, solutions: list[str], ground_truths: list) -> dict[str, list[float]]:
+        """Scores of the sources that take the whole batch at once (the code sandbox) or that
+        were computed before (the reward model's, in the batch)."""
         scores = {}
         for source in self.sources or []:
             if source.batch_fn is not None:
                 scores[source.name], failed = source.batch_fn(solutions, ground_truths)
                 self.sandbox_failures[source.name] = int(sum(failed))
+            elif source.batch_key is not None:
+                if source.batch_key not in batch:
+                    raise KeyError(f"reward source {source.name} reads the batch's {source.batch_key!r}, which it "
+                                   f"does not have (available keys: {batch.keys()}); the reward model's workers "
+                                   "compute it before the reward.")
+                scores[source.name] = batch[source.batch_key].tolist()
         return scores
 
     def _mixture_result(self, i: int, data_source, solution_str: str, ground_truth, extra_info,
@@ -371,7 +378,7 @@ class RewardManager:
 
         values = {}
         for source in self.sources:
-            if source.batch_fn is not None:
+            if source.fn is None:
                 values[source.name] = batch_scores[source.name][i]
                 continue
             result = self._call(i, data_source, solution_str, ground_truth, extra_info, fn=source.fn)
@@ -442,7 +449,7 @@ class RewardManager:
             samples.append((ids, self.tokenizer.decode(ids, skip_special_tokens=True), _as_python(data_sources[i]),
                             _as_python(rm["ground_truth"]),
                             _as_python(extra_infos[i]) if extra_infos is not None else None))
-        batch_scores = self._batch_source_scores([s[1] for s in samples], [s[3] for s in samples])
+        batch_scores = self._batch_source_scores(batch, [s[1] for s in samples], [s[3] for s in samples])
 
         for i, (ids, solution_str, data_source, ground_truth, extra_info) in enumerate(samples):
             n_valid = len(ids)

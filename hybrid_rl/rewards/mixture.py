@@ -5,11 +5,13 @@
 * ``rule``: the built-in scorer chosen by the row's data source (as without a mixture);
 * ``code_tests``: the response's program run in the sandbox against the row's unit tests
   (``hybrid_rl.rewards.code``; limits in ``reward.sandbox``);
+* ``reward_model``: the reward model's score (``reward_model.enable``; computed on the workers
+  and read from the batch's ``rm_scores``);
 * a function: ``{path: file.py, name: fn, reward_kwargs: {...}}`` or the string ``"file.py:fn"``,
   called like ``custom_reward_function``; it may return None for a sample to abstain.
 
-Without ``reward.funcs`` the single source of verl's keys is used (``custom_reward_function``,
-else ``rule``), unchanged.
+Without ``reward.funcs`` the single source of verl's keys is used: the reward model when
+``reward_model.enable`` (alone, as in verl), else ``custom_reward_function``, else ``rule``.
 """
 
 from __future__ import annotations
@@ -20,18 +22,22 @@ from typing import Any, Callable, Sequence
 
 __all__ = ["RewardSource", "combine", "sources_from_config"]
 
-BUILTIN_SOURCES = ("rule", "code_tests")
+BUILTIN_SOURCES = ("rule", "code_tests", "reward_model")
+RM_SCORES = "rm_scores"  # the batch's tensor of reward-model scores (workers/reward_model.py)
 
 
 @dataclass
 class RewardSource:
     """``fn`` scores one sample like a reward function; ``batch_fn(responses, ground_truths)``
-    scores a whole batch and returns ``(scores, failed)``. Exactly one of them is set."""
+    scores a whole batch and returns ``(scores, failed)``; ``batch_key`` names a (B,) tensor of
+    the batch that holds the scores. Exactly one of them is set."""
 
     name: str
     weight: float
     fn: Callable | None = None
     batch_fn: Callable | None = None
+    batch_key: str | None = None
+
 
 
 def combine(values: Sequence[float | None], weights: Sequence[float]) -> float:
@@ -48,15 +54,22 @@ def _unique(name: str, taken: set) -> str:
     return candidate
 
 
-def sources_from_config(reward_cfg: Any, config_error: type[Exception]) -> list[RewardSource] | None:
-    """The configured mixture, or None when ``reward.funcs`` is empty (a single source)."""
+def sources_from_config(reward_cfg: Any, config_error: type[Exception],
+                        reward_model: bool = False) -> list[RewardSource] | None:
+    """The configured mixture, or None when ``reward.funcs`` is empty (a single source).
+    ``reward_model``: whether ``reward_model.enable`` is on."""
     from . import default_compute_score, load_custom_reward_fn
     from .code import CodeTestsScorer
     from .sandbox import Sandbox
 
     funcs = list(reward_cfg.funcs or [])
     if not funcs:
-        return None
+        return [RewardSource("reward_model", 1.0, batch_key=RM_SCORES)] if reward_model else None
+    if reward_model and "reward_model" not in funcs:
+        raise config_error("reward_model.enable=true, but reward.funcs does not list reward_model; add it (e.g. "
+                           "reward.funcs=[reward_model,rule]) or set reward_model.enable=false.")
+    if funcs.count("reward_model") > 1:
+        raise config_error("reward.funcs lists reward_model more than once; give it one entry.")
     weights = reward_cfg.weights
     if weights is None:
         weights = [1.0] * len(funcs)
@@ -72,6 +85,11 @@ def sources_from_config(reward_cfg: Any, config_error: type[Exception]) -> list[
         key = f"reward.funcs[{i}]"
         if entry == "rule":
             sources.append(RewardSource(_unique("rule", taken), float(weight), fn=default_compute_score))
+        elif entry == "reward_model":
+            if not reward_model:
+                raise config_error(f"{key}=reward_model needs reward_model.enable=true and reward_model.model.path "
+                                   "(a sequence-classification model folder; tools/train_reward_model.py trains one).")
+            sources.append(RewardSource(_unique("reward_model", taken), float(weight), batch_key=RM_SCORES))
         elif entry == "code_tests":
             sandbox = Sandbox(**dict(reward_cfg.sandbox)).start()
             sources.append(RewardSource(_unique("code_tests", taken), float(weight), batch_fn=CodeTestsScorer(sandbox)))

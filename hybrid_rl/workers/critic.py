@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hybrid_rl.algorithms import compute_value_loss
 from hybrid_rl.controller import Dispatch, register
-from hybrid_rl.engines import ModelSpec, Output, build_engine
+from hybrid_rl.engines import Head, ModelSpec, Output, build_engine
 from hybrid_rl.engines.base import FORWARD_KEYS, token_share
 from hybrid_rl.protocol import Batch
 from hybrid_rl.workers.base import ModelWorker
@@ -16,7 +16,7 @@ class CriticWorker(ModelWorker):
     def init_model(self) -> dict:
         self.device = self.setup_device()
         critic_cfg = self.cfg.critic
-        spec = ModelSpec("critic", self.model_path, critic_cfg.model, value_head=True, optim_cfg=critic_cfg.optim,
+        spec = ModelSpec("critic", self.model_path, critic_cfg.model, head=Head.VALUE, optim_cfg=critic_cfg.optim,
                          total_steps=self.total_steps)
         self.critic = build_engine(spec, critic_cfg, self.device)
         return {"rank": self.rank, "params": self.critic.num_params()}

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from hybrid_rl.config_keys import plain
 from hybrid_rl.engines import hf_model
-from hybrid_rl.engines.base import ModelSpec, Output, TrainEngine, all_reduce_scalar, lr_lambda
+from hybrid_rl.engines.base import Head, ModelSpec, Output, TrainEngine, all_reduce_scalar, lr_lambda
 from hybrid_rl.engines.megatron import convert
 from hybrid_rl.engines.megatron import model as mmodel
 from hybrid_rl.engines.megatron.checks import check_layout, parallel_sizes
@@ -77,10 +77,13 @@ class MegatronEngine(TrainEngine):
     def __init__(self, spec: ModelSpec, role_cfg: Any, device: torch.device):
         from megatron.core import parallel_state
 
+        if spec.head is Head.SCORE:
+            raise ValueError(f"{spec.role}: sequence-classification models (reward models) run on the FSDP engine; "
+                             "set its strategy to fsdp.")
         self.spec, self.device = spec, device
         megatron_cfg = role_cfg.megatron
         hf_config = model_config(spec.path, spec.model_cfg)
-        self.layout = convert.Layout.from_hf_config(hf_config, value_head=spec.value_head)
+        self.layout = convert.Layout.from_hf_config(hf_config, value_head=spec.head is Head.VALUE)
         check_layout(ROLE_KEYS[spec.role], megatron_cfg, self.layout, dist.get_world_size(), device.type)
         tp, pp, vpp = parallel_sizes(megatron_cfg)
         seed = int(megatron_cfg.get("seed", 42))

@@ -1,0 +1,90 @@
+"""What a reward model reads: rows of token ids built from rollouts or from labelled text.
+
+When the reward model's tokenizer and chat template are the policy's, it reads the rollout's own
+token rows; otherwise each row is decoded and re-templated for it (the row's chat plus the
+response as the assistant's turn, through the reward model's chat template). A row longer than
+`reward_model.max_length` keeps its last tokens (the response end, where the score is read).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid_rl.engines.base import FORWARD_KEYS
+from hybrid_rl.protocol import Batch
+
+
+def pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+
+
+def same_tokenizer(a, b) -> bool:
+    """Whether two tokenizers turn a chat into the same ids (vocabulary and chat template)."""
+    return a.get_vocab() == b.get_vocab() and a.chat_template == b.chat_template
+
+
+class RewardInputs:
+    """The reward model's rows ([left-padded prompt | right-padded response], as the engines
+    take them) for a batch of rollouts."""
+
+    def __init__(self, policy_tokenizer, reward_tokenizer, max_length: int | None):
+        self.policy, self.reward = policy_tokenizer, reward_tokenizer
+        self.retemplate = not same_tokenizer(policy_tokenizer, reward_tokenizer)
+        if self.retemplate and not reward_tokenizer.chat_template:
+            raise ValueError("The reward model's tokenizer differs from the policy's, so each response is re-templated "
+                             "for it, but it has no chat template. Add one (chat_template in its tokenizer_config.json) "
+                             "or use a reward model that shares the policy's tokenizer.")
+        if self.retemplate and not reward_tokenizer.is_fast:
+            raise ValueError("The reward model's tokenizer differs from the policy's and is a slow (Python) tokenizer; "
+                             "re-templating needs a fast one (a tokenizer.json in the reward model's folder).")
+        self.max_length = max_length
+        self.pad_token_id = pad_id(reward_tokenizer)
+
+    def __call__(self, batch: Batch) -> tuple[Batch, torch.Tensor]:
+        """The rows, and which of them were cut to `max_length` (B,) bool."""
+        if not self.retemplate and (self.max_length is None or batch["input_ids"].shape[1] <= self.max_length):
+            return batch.select(list(FORWARD_KEYS), non_tensor_keys=[]), torch.zeros(len(batch), dtype=torch.bool)
+        resp_width = batch["responses"].shape[1]
+        prompt_width = batch["input_ids"].shape[1] - resp_width
+        rows, cut = [], torch.zeros(len(batch), dtype=torch.bool)
+        for i in range(len(batch)):
+            mask = batch["attention_mask"][i].bool()
+            prompt_ids = batch["input_ids"][i, :prompt_width][mask[:prompt_width]].tolist()
+            response_ids = batch["responses"][i][mask[prompt_width:]].tolist()
+            if self.retemplate:
+                answer = self.policy.decode(response_ids, skip_special_tokens=True)
+                prompt_ids, response_ids = template_ids(self.reward, batch["raw_prompt"][i], answer)
+            excess = len(prompt_ids) + len(response_ids) - (self.max_length or 10**12)
+            if excess > 0:
+                cut[i] = True
+                prompt_ids, response_ids = prompt_ids[excess:], response_ids[max(0, excess - len(prompt_ids)):]
+            rows.append((prompt_ids, response_ids))
+        return collate_rows(rows, self.pad_token_id), cut
+
+
+def template_ids(tokenizer, chat, answer: str) -> tuple[list[int], list[int]]:
+    """`tokenizer`'s ids of the chat up to the assistant's turn, and of that turn (`answer`
+    through its chat template)."""
+    messages = [dict(m) for m in chat]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    full = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": answer}], tokenize=False)
+    if not full.startswith(prompt):  # a template that rewrites earlier turns: score it as one piece
+        prompt = ""
+    # The whole text is tokenized at once and split where the answer starts.
+    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    split = sum(1 for start, _ in encoded["offset_mapping"] if start < len(prompt))
+    return encoded["input_ids"][:split], encoded["input_ids"][split:]
+
+
+def collate_rows(rows: list[tuple[list[int], list[int]]], pad_token_id: int) -> Batch:
+    """(prompt ids, response ids) pairs as [left-padded prompt | right-padded response] rows."""
+    prompt_width = max(len(p) for p, _ in rows)
+    resp_width = max(1, max(len(r) for _, r in rows))
+    ids = torch.full((len(rows), prompt_width + resp_width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (prompt, response) in enumerate(rows):
+        start = prompt_width - len(prompt)
+        ids[i, start:prompt_width + len(response)] = torch.tensor(prompt + response, dtype=torch.long)
+        mask[i, start:prompt_width + len(response)] = 1
+    return Batch(tensors={"input_ids": ids, "attention_mask": mask,
+                          "position_ids": (mask.cumsum(-1) - 1).clamp_min(0), "responses": ids[:, prompt_width:]})

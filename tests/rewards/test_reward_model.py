@@ -1,0 +1,171 @@
+"""The reward model: its scores against a plain transformers forward of the same model on the same
+text, re-templating for a reward model with another chat template, truncation, the mixture source
+and the start-up checks of a bad reward model."""
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from transformers import AutoModelForSequenceClassification, LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+from hybrid_rl.config import ConfigError
+from hybrid_rl.engines import Head, ModelSpec, Output, build_engine
+from hybrid_rl.main import check_reward_model, compose_config, prepare
+from hybrid_rl.models import ModelPathError
+from hybrid_rl.protocol import Batch
+from hybrid_rl.rewards import RewardManager
+from hybrid_rl.rewards.mixture import sources_from_config
+from hybrid_rl.rewards.model_inputs import RewardInputs
+from tests.conftest import CHAT_TEMPLATE, run_overrides
+from tests.rewards.test_mixture import FUNCS, reward_cfg
+
+OTHER_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}" \
+                 "{% if add_generation_prompt %}[assistant] {% endif %}"
+CHATS = [[{"role": "user", "content": "What is 12 + 34?"}],
+         [{"role": "system", "content": "Answer with just the number."}, {"role": "user", "content": "12 + 3?"}],
+         [{"role": "user", "content": "minus 17"}]]
+ANSWERS = ["The answer is 46. #### 46", "15", "-17 and 1,024 dollars"]
+
+
+def build_reward_model(path, tokenizer, num_labels=1, seed=0) -> str:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         num_labels=num_labels)
+    LlamaForSequenceClassification(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tmp_path_factory, tiny_tokenizer):
+    return build_reward_model(tmp_path_factory.mktemp("rm"), tiny_tokenizer)
+
+
+def rollouts(tokenizer) -> Batch:
+    """[left-padded prompt | right-padded response] rows of the policy's tokens, as the rollout
+    gives them (responses end with EOS)."""
+    prompts = [tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True) for chat in CHATS]
+    prompts = [p["input_ids"] if hasattr(p, "keys") else p for p in prompts]
+    responses = [tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for a in ANSWERS]
+    pw, rw = max(map(len, prompts)), max(map(len, responses)) + 2
+    ids = torch.full((len(CHATS), pw + rw), tokenizer.pad_token_id)
+    mask = torch.zeros_like(ids)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, pw - len(p):pw + len(r)] = torch.tensor(p + r)
+        mask[i, pw - len(p):pw + len(r)] = 1
+    return Batch(tensors={"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp_min(0),
+                          "responses": ids[:, pw:]},
+                 non_tensors={"raw_prompt": CHATS})
+
+
+def engine(path, micro_rows=8, dtype="fp32"):
+    model_cfg = OmegaConf.create({"trust_remote_code": False, "override_config": {}})
+    role_cfg = OmegaConf.create({"strategy": "fsdp", "fsdp_config": {"dtype": dtype, "reshard_after_forward": True}})
+    return build_engine(ModelSpec("reward_model", path, model_cfg, head=Head.SCORE), role_cfg, torch.device("cpu"))
+
+
+def plain_scores(path, texts_ids) -> list[float]:
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model(input_ids=torch.tensor([ids])).logits[0, 0].item() for ids in texts_ids]
+
+
+@pytest.mark.parametrize("micro_rows,max_tokens", [(8, None), (1, None), (2, 40)])
+def test_scores_equal_a_plain_transformers_forward(reward_model_dir, tiny_tokenizer, micro_rows, max_tokens):
+    batch = rollouts(tiny_tokenizer)
+    rows, cut = RewardInputs(tiny_tokenizer, tiny_tokenizer, None)(batch)
+    assert not cut.any() and torch.equal(rows["input_ids"], batch["input_ids"])  # the rollout's own tokens
+    scores = engine(reward_model_dir).infer(rows, Output.SCORES, 1.0, micro_rows, max_tokens)["scores"]
+    texts = [ids[m.bool()].tolist() for ids, m in zip(batch["input_ids"], batch["attention_mask"])]
+    expected = plain_scores(reward_model_dir, texts)
+    assert scores.shape == (3,)
+    assert torch.allclose(scores, torch.tensor(expected), atol=1e-5), (scores, expected)
+
+
+def test_a_reward_model_with_another_chat_template_scores_its_own_template(tmp_path, tiny_tokenizer, make_tokenizer):
+    rm_tokenizer = make_tokenizer(OTHER_TEMPLATE)
+    path = build_reward_model(tmp_path / "rm", rm_tokenizer, seed=1)
+    inputs = RewardInputs(tiny_tokenizer, rm_tokenizer, None)
+    assert inputs.retemplate
+    rows, _ = inputs(rollouts(tiny_tokenizer))
+    texts = [rm_tokenizer.apply_chat_template(chat + [{"role": "assistant", "content": answer}], tokenize=False)
+             for chat, answer in zip(CHATS, ANSWERS)]
+    assert texts[0] == "[user] What is 12 + 34?\n[assistant] The answer is 46. #### 46\n"
+    text_ids = [rm_tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    # each row holds exactly the template's tokens (the prompt part and the answer part split the text)
+    assert [ids[m.bool()].tolist() for ids, m in zip(rows["input_ids"], rows["attention_mask"])] == text_ids
+    scores = engine(path).infer(rows, Output.SCORES, 1.0, 8, None)["scores"]
+    assert torch.allclose(scores, torch.tensor(plain_scores(path, text_ids)), atol=1e-5)
+
+
+def test_max_length_keeps_the_last_tokens(reward_model_dir, tiny_tokenizer):
+    batch = rollouts(tiny_tokenizer)
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    limit = sorted(lengths)[1]  # the longest row is cut, the others are not
+    rows, cut = RewardInputs(tiny_tokenizer, tiny_tokenizer, limit)(batch)
+    assert cut.tolist() == [n > limit for n in lengths]
+    for i, n in enumerate(lengths):
+        full = batch["input_ids"][i][batch["attention_mask"][i].bool()].tolist()
+        assert rows["input_ids"][i][rows["attention_mask"][i].bool()].tolist() == full[-limit:]
+
+
+def test_a_reward_model_without_chat_template_but_another_tokenizer_is_refused(tiny_tokenizer, make_tokenizer):
+    with pytest.raises(ValueError, match="has no chat template"):
+        RewardInputs(tiny_tokenizer, make_tokenizer(None), None)
+
+
+def test_the_reward_model_as_a_weighted_source(tiny_tokenizer, tmp_path):
+    from tests.rewards.test_reward_manager import make_batch
+
+    (tmp_path / "funcs.py").write_text(FUNCS)
+    sources = sources_from_config(reward_cfg(["reward_model", f"{tmp_path}/funcs.py:even_rows_only"], [1.0, 0.5]),
+                                  ConfigError, reward_model=True)
+    batch, lengths = make_batch(tiny_tokenizer, ["q"] * 3, ["3", "4", "12"], ["3", "3", "2"])
+    batch["rm_scores"] = torch.tensor([0.25, -1.5, 2.0])
+    reward, extra = RewardManager(tiny_tokenizer, sources=sources)(batch)
+    expected = [0.25 + 0.5 * 2.0, -1.5, 2.0 + 0.5 * 2.0]  # even_rows_only: 2 on even rows, abstains on odd
+    assert [reward[i, lengths[i] - 1].item() for i in range(3)] == expected
+    assert extra["reward/reward_model"] == [0.25, -1.5, 2.0]
+    # enabled without reward.funcs: the reward model alone, as in verl
+    alone = sources_from_config(reward_cfg([]), ConfigError, reward_model=True)
+    reward, _ = RewardManager(tiny_tokenizer, sources=alone)(batch)
+    assert [reward[i, lengths[i] - 1].item() for i in range(3)] == [0.25, -1.5, 2.0]
+
+
+def test_reward_model_sources_that_cannot_work_are_refused():
+    with pytest.raises(ConfigError, match="needs reward_model.enable=true"):
+        sources_from_config(reward_cfg(["reward_model", "rule"]), ConfigError, reward_model=False)
+    with pytest.raises(ConfigError, match="does not list reward_model"):
+        sources_from_config(reward_cfg(["rule"]), ConfigError, reward_model=True)
+    with pytest.raises(ConfigError, match="more than once"):
+        sources_from_config(reward_cfg(["reward_model", "reward_model"]), ConfigError, reward_model=True)
+
+
+def test_bad_reward_models_are_refused_at_start(tmp_path, tiny_tokenizer, tiny_model_dir, reward_model_dir,
+                                                arithmetic_files):
+    def cfg(*extra):
+        return compose_config(run_overrides(tiny_model_dir, arithmetic_files, tmp_path / "run")
+                              + ["reward_model.enable=true", *extra])
+
+    with pytest.raises(ConfigError, match="needs reward_model.model.path"):
+        prepare(cfg())
+    with pytest.raises(ModelPathError, match="holds LlamaForCausalLM .* not a sequence classifier"):
+        prepare(cfg(f"reward_model.model.path={tiny_model_dir}"))
+    two = build_reward_model(tmp_path / "two", tiny_tokenizer, num_labels=2)
+    with pytest.raises(ModelPathError, match="has 2 labels"):
+        check_reward_model(cfg(f"reward_model.model.path={two}").reward_model, "reward_model.model.path")
+    with pytest.raises(ModelPathError, match="neither a model folder"):
+        prepare(cfg(f"reward_model.model.path={tmp_path}/missing"))
+    with pytest.raises(ConfigError, match="reward_model.strategy=megatron is not supported yet"):
+        prepare(cfg(f"reward_model.model.path={reward_model_dir}", "reward_model.strategy=megatron"))
+    *_, reward_fn, _ = prepare(cfg(f"reward_model.model.path={reward_model_dir}"))
+    assert [s.name for s in reward_fn.sources] == ["reward_model"]
+
+
+def test_a_causal_lm_folder_becomes_a_fresh_score_head(tiny_model_dir):
+    """Training a reward model from a policy: the backbone is the policy's, the head is new."""
+    rm = engine(tiny_model_dir)
+    policy = LlamaForCausalLM.from_pretrained(tiny_model_dir)
+    assert torch.equal(rm.module.model.embed_tokens.weight, policy.model.embed_tokens.weight)
+    assert rm.module.score.weight.shape == (1, policy.config.hidden_size)

@@ -1,0 +1,102 @@
+"""Training a reward model with hybrid-rl-reward-model: sampling and labelling, pair forming, a
+pointwise and a pairwise run that learn held-out prompts, the saved folder, bad data files."""
+
+import json
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification
+
+from hybrid_rl.main import check_reward_model
+from hybrid_rl.rewards.model_inputs import collate_rows
+from hybrid_rl.rewards.training import (RewardDataError, main, pairs_from_labels, read_examples, token_rows,
+                                        train_reward_model)
+from tests.conftest import write_jsonl
+
+
+def labelled_rows(n_prompts: int, seed: int = 0) -> list[dict]:
+    """Two good and two bad responses per prompt; good ones give a number, bad ones refuse."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n_prompts):
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        prompt = [{"role": "user", "content": f"What is {a} + {b}?"}]
+        for good in (f"The answer is {a + b}. #### {a + b}", f"{a + b}"):
+            rows.append({"prompt": prompt, "response": good, "label": 1.0})
+        for bad in ("minus and dollars", "What is it?"):
+            rows.append({"prompt": prompt, "response": bad, "label": 0.0})
+    return rows
+
+
+def test_pairs_pair_the_best_with_the_worst_while_labels_differ():
+    prompt = [{"role": "user", "content": "q"}]
+    rows = [{"prompt": prompt, "response": str(k), "label": label} for k, label in enumerate([0.0, 1.0, 0.5, 1.0])]
+    pairs = pairs_from_labels(rows, random.Random(0))
+    assert [(b["label"], w["label"]) for b, w in pairs] == [(1.0, 0.0), (1.0, 0.5)]
+    assert pairs_from_labels([dict(r, label=1.0) for r in rows], random.Random(0)) == []
+
+
+@pytest.mark.parametrize("loss", ["pointwise", "pairwise"])
+def test_training_learns_held_out_prompts_and_saves_a_reward_model(tmp_path, tiny_model_dir, loss):
+    data = write_jsonl(tmp_path / "labelled.jsonl", labelled_rows(40))
+    out = tmp_path / "rm"
+    result = train_reward_model(data, str(out), tiny_model_dir, loss=loss, epochs=3, lr=1e-3, batch_size=16,
+                                micro_batch_size=8, val_fraction=0.25, dtype="fp32")
+    before, after = result["before"], result["after"]
+    assert result["val_rows"] == 40 and after["pairs"] == 20  # 10 held-out prompts, 2 pairs each
+    assert after["pairwise_loss"] < before["pairwise_loss"] and after["pairwise_accuracy"] >= 0.9
+    if loss == "pointwise":
+        assert after["pointwise_loss"] < before["pointwise_loss"] and after["pointwise_accuracy"] >= 0.9
+    # The folder is a reward model that transformers loads and our start-up check accepts, and it
+    # scores as the trained engine did.
+    assert check_reward_model_folder(out)
+    model = AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()
+    rows, _ = read_examples(data)
+    from transformers import AutoTokenizer
+
+    tokens = token_rows([(r, "response") for r in rows[:4]], AutoTokenizer.from_pretrained(out))
+    with torch.no_grad():
+        scores = [model(input_ids=torch.tensor([p + r])).logits[0, 0].item() for p, r in tokens]
+    assert scores[0] > 0 > scores[2] if loss == "pointwise" else scores[0] > scores[2]
+    saved = json.loads((out / "reward_model_training.json").read_text())
+    assert saved["after"] == after and len(saved["curve"]) == 3 * -(-result["train_examples"] // (
+        16 if loss == "pointwise" else 8))
+
+
+def check_reward_model_folder(path) -> bool:
+    from omegaconf import OmegaConf
+
+    check_reward_model(OmegaConf.create({"model": {"path": str(path), "trust_remote_code": False}}), "--out")
+    return True
+
+
+def test_sampled_rows_carry_the_policys_tokens_and_rule_labels(tmp_path, tiny_model_dir, arithmetic_files):
+    out = tmp_path / "samples.jsonl"
+    assert main(["sample", "--prompts", arithmetic_files[1], "--out", str(out), "--model", tiny_model_dir,
+                 "--n", "2", "--max-response-length", "6"]) == 0
+    rows = [json.loads(line) for line in open(out)]
+    assert len(rows) == 12  # 6 prompts x 2
+    for row in rows:
+        assert row["label"] in (0.0, 1.0) and row["data_source"] == "arithmetic"
+        assert 0 < len(row["response_ids"]) <= 6 and row["prompt"][-1]["role"] == "user"
+    # the rows train as the very tokens the policy saw and wrote
+    (prompt, response), = token_rows([(rows[0], "response")], None)
+    assert (prompt, response) == (rows[0]["prompt_ids"], rows[0]["response_ids"])
+    assert collate_rows([(prompt, response)], 0)["responses"][0].tolist() == response
+
+
+def test_bad_data_files_are_refused(tmp_path, tiny_model_dir, capsys):
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "q", "answer": "a"}])
+    with pytest.raises(RewardDataError, match="needs prompt,\\s+response and label"):
+        read_examples(bad)
+    out_of_range = write_jsonl(tmp_path / "range.jsonl", [{"prompt": "q", "response": "a", "label": 3}])
+    with pytest.raises(RewardDataError, match="label 3 is not a number in"):
+        read_examples(out_of_range)
+    prefs = write_jsonl(tmp_path / "prefs.jsonl", [{"prompt": "q", "chosen": "a", "rejected": "b"}])
+    assert main(["train", "--data", prefs, "--out", str(tmp_path / "rm"), "--base", tiny_model_dir]) == 2
+    assert "train with --loss pairwise" in capsys.readouterr().err
+    same = write_jsonl(tmp_path / "same.jsonl", [{"prompt": "q", "response": r, "label": 1.0} for r in "ab"])
+    with pytest.raises(RewardDataError, match="no training examples"):
+        train_reward_model(same, str(tmp_path / "rm"), tiny_model_dir, loss="pairwise", val_fraction=0.0)
+    assert not (tmp_path / "rm").exists()
