@@ -227,6 +227,10 @@ def check_reward_model_config(rm: DictConfig) -> None:
             {"megatron": "reward models run on the FSDP engine; set reward_model.strategy=fsdp"})
     _positive(rm.micro_batch_size_per_gpu, "reward_model.micro_batch_size_per_gpu")
     _positive(rm.forward_max_token_len_per_gpu, "reward_model.forward_max_token_len_per_gpu")
+    separator = rm.process.step_separator
+    if rm.process.enable and (not isinstance(separator, str) or not separator):
+        raise ConfigError(f"reward_model.process.step_separator={separator!r}: a process reward model splits responses "
+                          "into steps at this string; give a non-empty one (e.g. a newline).")
     if rm.max_length is not None:
         _positive(rm.max_length, "reward_model.max_length")
 

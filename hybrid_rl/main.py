@@ -77,7 +77,8 @@ def prepare(cfg: DictConfig):
 
     key, custom = custom_reward_function(cfg)
     compute_score = load_custom_reward_fn(custom.path, custom.name, custom.reward_kwargs, key=key)
-    sources = sources_from_config(cfg.reward, ConfigError, reward_model=cfg.reward_model.enable)
+    sources = sources_from_config(cfg.reward, ConfigError, reward_model=cfg.reward_model.enable,
+                                  process=cfg.reward_model.process.enable)
     if cfg.reward_model.enable and not cfg.reward.funcs and compute_score is not None:
         logger.warning("reward_model.enable=true and %s.path=%s: the reward model alone scores the responses, as in "
                        "verl. To add the function, set reward.funcs=[reward_model,'%s:%s'].", key, custom.path,
@@ -102,20 +103,35 @@ def prepare(cfg: DictConfig):
 
 
 def check_reward_model(rm_cfg: DictConfig, key: str) -> str:
-    """The reward model's folder: it must hold a sequence classifier with one label."""
+    """The reward model's folder: a sequence classifier with one label, or with
+    `reward_model.process.enable` a token classifier with one or two labels."""
     from transformers import AutoConfig
 
+    process = bool(rm_cfg.process.enable)
+    kind = "token-classification" if process else "sequence-classification"
     if not rm_cfg.model.path:
-        raise ConfigError(f"reward_model.enable=true needs {key}: a sequence-classification model folder (train one "
-                          "from a policy with python tools/train_reward_model.py).")
+        raise ConfigError(f"reward_model.enable=true needs {key}: a {kind} model folder"
+                          + ("." if process else " (train one from a policy with python tools/train_reward_model.py)."))
     path = resolve_model_path(rm_cfg.model.path, key=key)
     config = AutoConfig.from_pretrained(path, trust_remote_code=rm_cfg.model.trust_remote_code)
     architectures = list(getattr(config, "architectures", None) or [])
+    held = f"{key}={rm_cfg.model.path} holds {', '.join(architectures) or 'a model without architectures'} (config.json)"
+    if process:
+        if not any(name.endswith("ForTokenClassification") for name in architectures):
+            raise ModelPathError(
+                f"{held}, not a token classifier. With reward_model.process.enable=true the reward model scores every "
+                "step, so it must be an AutoModelForTokenClassification (one label: its score; two: the probability "
+                "of label 1); for an outcome reward model set reward_model.process.enable=false.")
+        if config.num_labels not in (1, 2):
+            raise ModelPathError(f"{key}={rm_cfg.model.path} has {config.num_labels} labels; a process reward model "
+                                 "has one (a score) or two (bad, good: the score is P(good)).")
+        return path
     if not any(name.endswith("ForSequenceClassification") for name in architectures):
         raise ModelPathError(
-            f"{key}={rm_cfg.model.path} holds {', '.join(architectures) or 'a model without architectures'} "
-            "(config.json), not a sequence classifier. A reward model is an AutoModelForSequenceClassification with "
-            "one label; train one from a policy with python tools/train_reward_model.py.")
+            f"{held}, not a sequence classifier. A reward model is an AutoModelForSequenceClassification with "
+            "one label; train one from a policy with python tools/train_reward_model.py"
+            + (" (a token classifier scores steps: reward_model.process.enable=true)."
+               if any(name.endswith("ForTokenClassification") for name in architectures) else "."))
     if config.num_labels != 1:
         raise ModelPathError(f"{key}={rm_cfg.model.path} has {config.num_labels} labels; a reward model gives one "
                              "score per response (num_labels=1).")

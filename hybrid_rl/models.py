@@ -123,14 +123,16 @@ def load_tokenizer(cfg, model_path: str):
     return tokenizer
 
 
-def model_config(path: str, model_cfg: Any, scalar_head: bool = False):
+def model_config(path: str, model_cfg: Any, scalar_head: bool = False, keep_labels: bool = False):
     """The model's HF config with `override_config` applied; for a scalar head (a value or reward
-    model), one output label and no dropout on the head (its outputs must be deterministic)."""
+    model), one output label (unless `keep_labels`: the folder's count) and no dropout on the head
+    (its outputs must be deterministic)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
     if scalar_head:
-        config.num_labels = 1
+        if not keep_labels:
+            config.num_labels = 1
         # transformers' token-classification head falls back to dropout 0.1 when the config
         # names none (Llama's does not), so it is set here, not only where present.
         config.classifier_dropout = 0.0

@@ -387,7 +387,10 @@ class Trainer:
         if self.reward_model is None:
             return {}
         batch.union(self.reward_model.compute_rm_score(batch))
-        return {"reward_model/truncated": float(batch["rm_truncated"].sum())}
+        metrics = {"reward_model/truncated": float(batch["rm_truncated"].sum())}
+        if "rm_step_mask" in batch:
+            metrics["reward_model/steps_per_response"] = float(batch["rm_step_mask"].sum(-1).float().mean())
+        return metrics
 
     def greedy_baseline(self, prompts: Batch) -> torch.Tensor:
         """ReMax: the reward of a greedy response to each prompt."""

@@ -45,6 +45,7 @@ class Output(enum.Enum):
     LOGITS = "logits"  # {"logits"}: (B, T, V) float32, divided by the temperature
     VALUES = "values"  # {"values"}: V(s_t), read at the position before each response token
     SCORES = "scores"  # {"scores"}: (B,) a reward model's score, read at each row's last real token
+    TOKEN_SCORES = "token_scores"  # {"token_scores"}: a process reward model's score at each response token
 
 
 class Head(enum.Enum):
@@ -53,6 +54,7 @@ class Head(enum.Enum):
     LM = "lm"  # the language-model head: the actor and the reference policy
     VALUE = "value"  # a scalar on every position (token classification): the critic
     SCORE = "score"  # a scalar read at the last token (sequence classification): a reward model
+    STEP_SCORE = "step_score"  # a score at every token (token classification): a process reward model
 
 
 @dataclass(frozen=True)

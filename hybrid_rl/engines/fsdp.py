@@ -76,8 +76,9 @@ class FSDPEngine(TrainEngine):
         trainable = spec.optim_cfg is not None
         if spec.head is Head.VALUE:  # the value forward runs on padded rows (`hf_model.response_values`)
             model = hf_model.load_value_model(spec.path, spec.model_cfg, device)
-        elif spec.head is Head.SCORE:
-            model = hf_model.load_score_model(spec.path, spec.model_cfg, device, trainable=trainable)
+        elif spec.head in (Head.SCORE, Head.STEP_SCORE):
+            model = hf_model.load_score_model(spec.path, spec.model_cfg, device, trainable=trainable,
+                                              per_token=spec.head is Head.STEP_SCORE)
             self.autocast_dtype = hf_model.cpu_autocast_dtype(dtype, device)
         else:
             model = hf_model.load_causal_lm(spec.path, spec.model_cfg, device, trainable=trainable)
@@ -111,6 +112,8 @@ class FSDPEngine(TrainEngine):
             return {"values": hf_model.response_values(self.module, micro)}
         if output is Output.SCORES:
             return {"scores": hf_model.sequence_scores(self.module, micro, self.autocast_dtype)}
+        if output is Output.TOKEN_SCORES:
+            return {"token_scores": hf_model.response_token_scores(self.module, micro, self.autocast_dtype)}
         if output is Output.LOGITS:
             return {"logits": hf_model.response_logits(self.module, micro, temperature, self.options)}
         with_entropy = output is Output.LOG_PROBS_ENTROPY

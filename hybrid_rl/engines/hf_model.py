@@ -57,22 +57,25 @@ def load_value_model(path: str, model_cfg: Any, device: torch.device):
     return model.to(device).train()
 
 
-def load_score_model(path: str, model_cfg: Any, device: torch.device, trainable: bool):
-    """`AutoModelForSequenceClassification` with one label (a reward model). From a folder that
-    holds a causal LM (training a reward model from a policy), the score head is new."""
-    from transformers import AutoModelForSequenceClassification
+def load_score_model(path: str, model_cfg: Any, device: torch.device, trainable: bool, per_token: bool = False):
+    """A reward model: `AutoModelForSequenceClassification` with one label, or with `per_token` a
+    process reward model, `AutoModelForTokenClassification` with one or two labels (see
+    `position_scores`). From a folder that holds a causal LM (training a reward model from a
+    policy), the score head is new."""
+    from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
 
-    config = model_config(path, model_cfg, scalar_head=True)
+    config = model_config(path, model_cfg, scalar_head=True, keep_labels=per_token)
     if config.pad_token_id is None:
         # transformers' own pooling refuses batches without a pad id; `sequence_scores` reads
         # each row's last real token from the attention mask and ignores that pooling.
         config.pad_token_id = config.eos_token_id if isinstance(config.eos_token_id, int) else 0
-    model = AutoModelForSequenceClassification.from_pretrained(
+    auto_class = AutoModelForTokenClassification if per_token else AutoModelForSequenceClassification
+    model = auto_class.from_pretrained(
         path, config=config, dtype=torch.float32, attn_implementation=attn_implementation(device),
         trust_remote_code=model_cfg.trust_remote_code)
     if not isinstance(getattr(model, "score", None), torch.nn.Linear):
         raise ValueError(f"{type(model).__name__} has no linear `score` head; reward models of the Llama, Qwen2, "
-                         "Mistral or Gemma families (transformers' generic sequence classifier) are supported.")
+                         "Mistral or Gemma families (transformers' generic classifiers) are supported.")
     model.config.use_cache = False
     model.requires_grad_(trainable)
     return model.to(device).train(trainable)
@@ -215,12 +218,12 @@ def response_values(model: torch.nn.Module, micro: dict[str, torch.Tensor]) -> t
     return out.logits[:, -resp_len - 1:-1, 0].float()
 
 
-def sequence_scores(model: torch.nn.Module, micro: dict[str, torch.Tensor],
+def position_scores(model: torch.nn.Module, micro: dict[str, torch.Tensor],
                     autocast_dtype: torch.dtype | None) -> torch.Tensor:
-    """A sequence classifier's score (B,) at each row's last real token (the rightmost position
-    of the attention mask, so left- and right-padded rows both work). The score head runs on
-    every position inside the model's forward (where FSDP has gathered it); its output is read
-    here rather than through transformers' pooling, which looks for pad ids instead of the mask."""
+    """The score head's output (B, L) at every position: its value with one label, the
+    probability of label 1 (a good step) with two. The head runs on every position inside the
+    model's forward (where FSDP has gathered it); its output is read here rather than through
+    transformers' pooling, which looks for pad ids instead of the mask."""
     captured = {}
     hook = model.score.register_forward_hook(lambda module, args, out: captured.update(scores=out))
     mask = micro["attention_mask"]
@@ -232,6 +235,21 @@ def sequence_scores(model: torch.nn.Module, micro: dict[str, torch.Tensor],
                   use_cache=False)
     finally:
         hook.remove()
-    positions = torch.arange(mask.shape[1], device=mask.device)
-    last = (positions * mask.bool()).argmax(-1)
-    return captured["scores"][torch.arange(len(last), device=mask.device), last, 0].float()
+    scores = captured["scores"].float()
+    return scores.softmax(-1)[..., 1] if scores.shape[-1] == 2 else scores[..., 0]
+
+
+def sequence_scores(model: torch.nn.Module, micro: dict[str, torch.Tensor],
+                    autocast_dtype: torch.dtype | None) -> torch.Tensor:
+    """A sequence classifier's score (B,) at each row's last real token (the rightmost position
+    of the attention mask, so left- and right-padded rows both work)."""
+    scores = position_scores(model, micro, autocast_dtype)
+    mask = micro["attention_mask"]
+    last = (torch.arange(mask.shape[1], device=mask.device) * mask.bool()).argmax(-1)
+    return scores[torch.arange(len(last), device=mask.device), last]
+
+
+def response_token_scores(model: torch.nn.Module, micro: dict[str, torch.Tensor],
+                          autocast_dtype: torch.dtype | None) -> torch.Tensor:
+    """A token classifier's score (B, T) at each response token's own position."""
+    return position_scores(model, micro, autocast_dtype)[:, -micro["responses"].shape[1]:]

@@ -20,6 +20,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from .steps import decoded_prefix_lengths, token_at
+
 __all__ = ["ON_ERROR_CHOICES", "RewardFunctionError", "RewardManager", "UnknownDataSourceError"]
 
 logger = logging.getLogger(__name__)
@@ -153,6 +155,7 @@ class RewardManager:
     ``"step_ends"`` (each step's end as a character offset into the response, exclusive) puts
     each step's reward on the token holding the step's last character instead, and ``extra``
     then carries a (B, T) bool ``"step_mask"`` of those tokens (``"score"`` defaults to the sum).
+    A process reward model's step rewards (a source with ``step_keys``) land the same way.
 
     Faults (``on_error``, ``timeout_s``; ``reward_model.on_error`` / ``reward_model.timeout_s``):
 
@@ -305,7 +308,7 @@ class RewardManager:
             raise TypeError(
                 f"reward function {self._name} returned step_rewards/step_ends for sample {i} that are not "
                 "two lists of equal length (one reward and one character end offset per step)")
-        prefix_lengths = [len(self.tokenizer.decode(ids[:k + 1], skip_special_tokens=True)) for k in range(len(ids))]
+        prefix_lengths = decoded_prefix_lengths(self.tokenizer, ids)
         positions = []
         for reward, end in zip(rewards, ends):
             if not _is_number(reward) or not math.isfinite(float(reward)):
@@ -314,8 +317,7 @@ class RewardManager:
             if not isinstance(end, int) or not 0 < end <= len(solution_str):
                 raise TypeError(f"reward function {self._name} returned step end {end!r} for sample {i}; ends "
                                 f"are character offsets in 1..{len(solution_str)} (the response length)")
-            token = next((k for k, length in enumerate(prefix_lengths) if length >= end), len(ids) - 1)
-            positions.append((max(token, 0), float(reward)))
+            positions.append((max(token_at(prefix_lengths, end), 0), float(reward)))
         return positions
 
     def _to_score(self, i: int, data_source, result, name: str | None = None) -> tuple[float, dict]:
@@ -450,6 +452,7 @@ class RewardManager:
                             _as_python(rm["ground_truth"]),
                             _as_python(extra_infos[i]) if extra_infos is not None else None))
         batch_scores = self._batch_source_scores(batch, [s[1] for s in samples], [s[3] for s in samples])
+        step_source = next((source for source in self.sources or [] if source.step_keys), None)
 
         for i, (ids, solution_str, data_source, ground_truth, extra_info) in enumerate(samples):
             n_valid = len(ids)
@@ -465,6 +468,12 @@ class RewardManager:
 
             if result is _FAILED:
                 pass
+            elif step_source is not None:  # a process reward model's step rewards, on the policy's tokens
+                if step_mask is None:
+                    step_mask = torch.zeros(bsz, resp_len, dtype=torch.bool, device=responses.device)
+                step_scores, step_ends = (batch[key][i] for key in step_source.step_keys)
+                reward[i] = step_source.weight * step_scores.to(reward)
+                step_mask[i] = step_ends.to(step_mask)
             elif isinstance(result, dict) and "step_rewards" in result:
                 if step_mask is None:
                     step_mask = torch.zeros(bsz, resp_len, dtype=torch.bool, device=responses.device)

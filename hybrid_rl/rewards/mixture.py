@@ -6,7 +6,8 @@
 * ``code_tests``: the response's program run in the sandbox against the row's unit tests
   (``hybrid_rl.rewards.code``; limits in ``reward.sandbox``);
 * ``reward_model``: the reward model's score (``reward_model.enable``; computed on the workers
-  and read from the batch's ``rm_scores``);
+  and read from the batch's ``rm_scores``); a process reward model's step rewards are a source
+  of their own that takes no mixture;
 * a function: ``{path: file.py, name: fn, reward_kwargs: {...}}`` or the string ``"file.py:fn"``,
   called like ``custom_reward_function``; it may return None for a sample to abstain.
 
@@ -24,19 +25,23 @@ __all__ = ["RewardSource", "combine", "sources_from_config"]
 
 BUILTIN_SOURCES = ("rule", "code_tests", "reward_model")
 RM_SCORES = "rm_scores"  # the batch's tensor of reward-model scores (workers/reward_model.py)
+RM_STEPS = ("rm_step_scores", "rm_step_mask")  # a process reward model's (B, T) step rewards and step ends
 
 
 @dataclass
 class RewardSource:
     """``fn`` scores one sample like a reward function; ``batch_fn(responses, ground_truths)``
     scores a whole batch and returns ``(scores, failed)``; ``batch_key`` names a (B,) tensor of
-    the batch that holds the scores. Exactly one of them is set."""
+    the batch that holds the scores. Exactly one of them is set. ``step_keys``: the batch also holds
+    (B, T) step rewards and a bool mask of the step-end tokens that carry them (a process reward
+    model), which then stand in for the outcome reward."""
 
     name: str
     weight: float
     fn: Callable | None = None
     batch_fn: Callable | None = None
     batch_key: str | None = None
+    step_keys: tuple[str, str] | None = None
 
 
 
@@ -55,14 +60,21 @@ def _unique(name: str, taken: set) -> str:
 
 
 def sources_from_config(reward_cfg: Any, config_error: type[Exception],
-                        reward_model: bool = False) -> list[RewardSource] | None:
+                        reward_model: bool = False, process: bool = False) -> list[RewardSource] | None:
     """The configured mixture, or None when ``reward.funcs`` is empty (a single source).
-    ``reward_model``: whether ``reward_model.enable`` is on."""
+    ``reward_model``: whether ``reward_model.enable`` is on; ``process``: whether it is a process
+    reward model (``reward_model.process.enable``), whose step rewards are the only source."""
     from . import default_compute_score, load_custom_reward_fn
     from .code import CodeTestsScorer
     from .sandbox import Sandbox
 
     funcs = list(reward_cfg.funcs or [])
+    if reward_model and process:
+        if funcs not in ([], ["reward_model"]):
+            raise config_error(f"reward.funcs={funcs}: a process reward model (reward_model.process.enable=true) "
+                               "gives step rewards, which cannot be mixed with other sources yet; leave reward.funcs "
+                               "empty, or set reward_model.process.enable=false for an outcome reward model.")
+        return [RewardSource("reward_model", 1.0, batch_key=RM_SCORES, step_keys=RM_STEPS)]
     if not funcs:
         return [RewardSource("reward_model", 1.0, batch_key=RM_SCORES)] if reward_model else None
     if reward_model and "reward_model" not in funcs:

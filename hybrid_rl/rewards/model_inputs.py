@@ -4,6 +4,7 @@ When the reward model's tokenizer and chat template are the policy's, it reads t
 token rows; otherwise each row is decoded and re-templated for it (the row's chat plus the
 response as the assistant's turn, through the reward model's chat template). A row longer than
 `reward_model.max_length` keeps its last tokens (the response end, where the score is read).
+A process reward model reads a score at the end of each reasoning step (`RewardInputs.with_steps`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 
 from hybrid_rl.engines.base import FORWARD_KEYS
 from hybrid_rl.protocol import Batch
+from hybrid_rl.rewards.steps import decoded_prefix_lengths, step_ends, token_at
 
 
 def pad_id(tokenizer) -> int:
@@ -42,29 +44,57 @@ class RewardInputs:
 
     def __call__(self, batch: Batch) -> tuple[Batch, torch.Tensor]:
         """The rows, and which of them were cut to `max_length` (B,) bool."""
-        if not self.retemplate and (self.max_length is None or batch["input_ids"].shape[1] <= self.max_length):
-            return batch.select(list(FORWARD_KEYS), non_tensor_keys=[]), torch.zeros(len(batch), dtype=torch.bool)
+        rows, cut, _ = self.with_steps(batch, None)
+        return rows, cut
+
+    def with_steps(self, batch: Batch, separator: str | None) -> tuple[Batch, torch.Tensor, list | None]:
+        """The rows, which were cut, and with a step `separator` (`hybrid_rl.rewards.steps`) each
+        row's steps as (policy token, reward-model token) pairs, both response positions of the
+        step's end; a step whose end was cut away is dropped."""
+        fast = not self.retemplate and (self.max_length is None or batch["input_ids"].shape[1] <= self.max_length)
+        if fast and separator is None:
+            return batch.select(list(FORWARD_KEYS), non_tensor_keys=[]), torch.zeros(len(batch), dtype=torch.bool), None
         resp_width = batch["responses"].shape[1]
         prompt_width = batch["input_ids"].shape[1] - resp_width
-        rows, cut = [], torch.zeros(len(batch), dtype=torch.bool)
+        rows, cut, steps = [], torch.zeros(len(batch), dtype=torch.bool), []
         for i in range(len(batch)):
             mask = batch["attention_mask"][i].bool()
             prompt_ids = batch["input_ids"][i, :prompt_width][mask[:prompt_width]].tolist()
             response_ids = batch["responses"][i][mask[prompt_width:]].tolist()
+            answer = self.policy.decode(response_ids, skip_special_tokens=True) if self.retemplate or separator else ""
+            ends = step_ends(answer, separator) if separator is not None else []
+            policy_ends = decoded_prefix_lengths(self.policy, response_ids) if ends else []
+            policy_tokens = [token_at(policy_ends, end) for end in ends]
+            read_at = policy_tokens
             if self.retemplate:
-                answer = self.policy.decode(response_ids, skip_special_tokens=True)
-                prompt_ids, response_ids = template_ids(self.reward, batch["raw_prompt"][i], answer)
+                prompt_ids, response_ids, answer_ends = template_encoding(self.reward, batch["raw_prompt"][i], answer)
+                if ends and answer_ends is None:
+                    raise ValueError("The reward model's chat template changes the response text, so its steps cannot "
+                                     "be found in what the process reward model reads; use one that shares the "
+                                     "policy's tokenizer, or whose template keeps the assistant's text verbatim.")
+                read_at = [token_at(answer_ends, end) for end in ends]
             excess = len(prompt_ids) + len(response_ids) - (self.max_length or 10**12)
             if excess > 0:
                 cut[i] = True
-                prompt_ids, response_ids = prompt_ids[excess:], response_ids[max(0, excess - len(prompt_ids)):]
+                shift = max(0, excess - len(prompt_ids))
+                prompt_ids, response_ids = prompt_ids[excess:], response_ids[shift:]
+                read_at = [token - shift for token in read_at]
             rows.append((prompt_ids, response_ids))
-        return collate_rows(rows, self.pad_token_id), cut
+            steps.append([(p, r) for p, r in zip(policy_tokens, read_at) if r >= 0])
+        out = batch.select(list(FORWARD_KEYS), non_tensor_keys=[]) if fast else collate_rows(rows, self.pad_token_id)
+        return out, cut, steps if separator is not None else None
 
 
 def template_ids(tokenizer, chat, answer: str) -> tuple[list[int], list[int]]:
     """`tokenizer`'s ids of the chat up to the assistant's turn, and of that turn (`answer`
     through its chat template)."""
+    prompt_ids, answer_ids, _ = template_encoding(tokenizer, chat, answer)
+    return prompt_ids, answer_ids
+
+
+def template_encoding(tokenizer, chat, answer: str) -> tuple[list[int], list[int], list[int] | None]:
+    """`template_ids`, plus where each token of the assistant's turn ends as a character offset
+    into `answer` (None when the template does not hold `answer` verbatim)."""
     messages = [dict(m) for m in chat]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     full = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": answer}], tokenize=False)
@@ -73,7 +103,9 @@ def template_ids(tokenizer, chat, answer: str) -> tuple[list[int], list[int]]:
     # The whole text is tokenized at once and split where the answer starts.
     encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     split = sum(1 for start, _ in encoded["offset_mapping"] if start < len(prompt))
-    return encoded["input_ids"][:split], encoded["input_ids"][split:]
+    answer_start = full.find(answer, len(prompt))
+    answer_ends = None if answer_start < 0 else [end - answer_start for _, end in encoded["offset_mapping"][split:]]
+    return encoded["input_ids"][:split], encoded["input_ids"][split:], answer_ends
 
 
 def collate_rows(rows: list[tuple[list[int], list[int]]], pad_token_id: int) -> Batch:

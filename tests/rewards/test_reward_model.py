@@ -26,13 +26,14 @@ CHATS = [[{"role": "user", "content": "What is 12 + 34?"}],
 ANSWERS = ["The answer is 46. #### 46", "15", "-17 and 1,024 dollars"]
 
 
-def build_reward_model(path, tokenizer, num_labels=1, seed=0) -> str:
+def build_reward_model(path, tokenizer, num_labels=1, seed=0, model_class=LlamaForSequenceClassification) -> str:
+    """A small random reward model (`model_class`: a token classifier for a process reward model)."""
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                          num_labels=num_labels)
-    LlamaForSequenceClassification(config).save_pretrained(path)
+    model_class(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
 
@@ -42,21 +43,21 @@ def reward_model_dir(tmp_path_factory, tiny_tokenizer):
     return build_reward_model(tmp_path_factory.mktemp("rm"), tiny_tokenizer)
 
 
-def rollouts(tokenizer) -> Batch:
+def rollouts(tokenizer, chats=CHATS, answers=ANSWERS) -> Batch:
     """[left-padded prompt | right-padded response] rows of the policy's tokens, as the rollout
     gives them (responses end with EOS)."""
-    prompts = [tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True) for chat in CHATS]
+    prompts = [tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True) for chat in chats]
     prompts = [p["input_ids"] if hasattr(p, "keys") else p for p in prompts]
-    responses = [tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for a in ANSWERS]
+    responses = [tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for a in answers]
     pw, rw = max(map(len, prompts)), max(map(len, responses)) + 2
-    ids = torch.full((len(CHATS), pw + rw), tokenizer.pad_token_id)
+    ids = torch.full((len(chats), pw + rw), tokenizer.pad_token_id)
     mask = torch.zeros_like(ids)
     for i, (p, r) in enumerate(zip(prompts, responses)):
         ids[i, pw - len(p):pw + len(r)] = torch.tensor(p + r)
         mask[i, pw - len(p):pw + len(r)] = 1
     return Batch(tensors={"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp_min(0),
                           "responses": ids[:, pw:]},
-                 non_tensors={"raw_prompt": CHATS})
+                 non_tensors={"raw_prompt": chats})
 
 
 def engine(path, micro_rows=8, dtype="fp32"):
