@@ -112,6 +112,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
                           "actor_rollout_ref.actor.kl_loss_type=full for the exact KL.")
     _choice(algo.kl_ctrl.type, ("fixed", "adaptive"), "algorithm.kl_ctrl.type")
     check_reward_model_config(cfg.reward_model)
+    check_iterative_config(cfg)
     if algo.kl_ctrl.type == "adaptive" and not algo.kl_ctrl.horizon > 0:
         raise ConfigError(f"algorithm.kl_ctrl.horizon={algo.kl_ctrl.horizon} must be positive for the adaptive "
                           "KL controller.")
@@ -190,6 +191,14 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     if not 0 < rollout.top_p <= 1:
         raise ConfigError(f"actor_rollout_ref.rollout.top_p={rollout.top_p} must be in (0, 1]; "
                           "set it to 1.0 to sample from the full distribution.")
+    if rollout.beam_search:
+        if rollout.n < 2:
+            raise ConfigError("actor_rollout_ref.rollout.beam_search=true forms each group from the n best beams, "
+                              f"which needs actor_rollout_ref.rollout.n >= 2 (got {rollout.n}).")
+        if data.train_batch_size % world:
+            raise ConfigError(f"actor_rollout_ref.rollout.beam_search=true needs whole groups on every rank: "
+                              f"data.train_batch_size ({data.train_batch_size}) must be a multiple of the {world} "
+                              "ranks, so that no prompt's beams are split between two of them.")
     if cfg.algorithm.adv_estimator == "grpo_passk" and rollout.n < 2:
         raise ConfigError("algorithm.adv_estimator=grpo_passk compares the best and second-best of each "
                           f"group and needs actor_rollout_ref.rollout.n >= 2 (got {rollout.n}).")
@@ -233,6 +242,31 @@ def check_reward_model_config(rm: DictConfig) -> None:
                           "into steps at this string; give a non-empty one (e.g. a newline).")
     if rm.max_length is not None:
         _positive(rm.max_length, "reward_model.max_length")
+
+
+def check_iterative_config(cfg: DictConfig) -> None:
+    """trainer.iterative.*: what iterative RL can do here."""
+    iterative = cfg.trainer.iterative
+    if not iterative.enable:
+        return
+    _positive(iterative.freq, "trainer.iterative.freq")
+    ratio = iterative.replay_ratio
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
+        raise ConfigError(f"trainer.iterative.replay_ratio={ratio!r} must be a share in [0, 1] (0.1 keeps a tenth of "
+                          "each iteration's samples for later iterations).")
+    for key in ("epochs", "mini_batch_size", "micro_batch_size_per_gpu"):
+        _positive(iterative.reward_model[key], f"trainer.iterative.reward_model.{key}")
+    if cfg.reward_model.enable and cfg.reward_model.process.enable:
+        raise ConfigError("trainer.iterative.enable=true with a process reward model: training a PRM on step labels is "
+                          "not supported yet; use an outcome reward model (reward_model.process.enable=false).")
+    if iterative.reset_reference and needs_reference(cfg):
+        for key in ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy"):
+            _choice(OmegaConf.select(cfg, key), ("fsdp", "fsdp2"), key,
+                    {"megatron": "trainer.iterative.reset_reference copies weights between FSDP engines only; set "
+                                 "trainer.iterative.reset_reference=false or use strategy=fsdp"})
+    elif iterative.reset_reference:
+        logger.warning("trainer.iterative.reset_reference=true, but there is no reference policy to reset (no KL loss "
+                       "and no KL in the reward).")
 
 
 def resolve_dtypes(cfg: DictConfig) -> None:

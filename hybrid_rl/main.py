@@ -92,7 +92,9 @@ def prepare(cfg: DictConfig):
             f"data.train_files has {len(train_dataset)} usable prompts, fewer than data.train_batch_size="
             f"{cfg.data.train_batch_size}, so there is not a single full training batch. Lower "
             f"data.train_batch_size to at most {len(train_dataset)} or add data.")
-    if compute_score is None and (sources is None or any(s.fn is default_compute_score for s in sources)):
+    labels_by_rule = cfg.trainer.iterative.enable and cfg.reward_model.enable  # hybrid_rl/iterative.py
+    if labels_by_rule or (compute_score is None and (sources is None or
+                                                    any(s.fn is default_compute_score for s in sources))):
         check_builtin_data_sources(train_dataset, "data.train_files")
         if val_dataset is not None:
             check_builtin_data_sources(val_dataset, "data.val_files")

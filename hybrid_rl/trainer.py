@@ -32,6 +32,7 @@ from hybrid_rl.console import RunSummary, quiet_env
 from hybrid_rl.controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool, WorkerError, create_colocated_worker_cls
 from hybrid_rl.models import resolve_model_path
 from hybrid_rl.data import EpochSampler, RLDataset, collate_prompts
+from hybrid_rl.iterative import IterationSamples
 from hybrid_rl.metrics import (Timer, compute_data_metrics, reduce_worker_metrics, reward_source_metrics,
                                throughput_metrics)
 from hybrid_rl.protocol import Batch, BatchMeta, Sampling
@@ -40,6 +41,7 @@ from hybrid_rl.tracking import Tracker
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
 from hybrid_rl.workers.critic import CriticWorker
 from hybrid_rl.workers.reward_model import RewardModelWorker
+from hybrid_rl.workers.rollout import training_temperature
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +124,9 @@ class Trainer:
         self.sampler.load_state_dict({"epoch": 0, "batch_in_epoch": 0})
         self.kl_ctrl = get_kl_controller(self.cfg.algorithm.kl_ctrl)
         self.reward_stats = RunningMoments()  # for algorithm.reward_norm.*=running
+        iterative = self.cfg.trainer.iterative
+        self.iteration = (IterationSamples(iterative, self.tokenizer, self.pad_token_id, self.cfg.trainer.seed)
+                          if iterative.enable else None)
 
     # ------------------------------------------------------------------ workers
     def init_workers(self) -> None:
@@ -226,6 +231,8 @@ class Trainer:
         for step in range(self.global_step + 1, self.total_steps + 1):
             self.global_step = step
             metrics = self.train_step(next(batches))
+            if self.iteration is not None and self.iteration.due(step):
+                metrics.update(self.end_iteration())
             is_last = step == self.total_steps
             test_freq = cfg.trainer.test_freq
             if (self.val_dataset is not None and not self.stop_requested
@@ -281,9 +288,13 @@ class Trainer:
             AutoConfig.from_pretrained(self.model_path).save_pretrained(hf_dir)
             if "hf_model" in self.cfg.actor_rollout_ref.actor.checkpoint.save_contents:
                 self.workers.save_hf_model(hf_dir)  # the weights too: a folder transformers and vLLM load
-            self.workers.save_checkpoint(os.path.join(folder, "actor"))
+            self.workers.save_checkpoint(os.path.join(folder, "actor"), self.moving_reference_folder(folder))
             if self.critic is not None:
                 self.critic.save_checkpoint(os.path.join(folder, "critic"))
+            if self.iteration is not None:  # iterative RL trains the reward model
+                self.iteration.save(folder)
+                if self.reward_model is not None:
+                    self.reward_model.save_checkpoint(os.path.join(folder, "reward_model"))
 
         # The sampler has already handed out this step's batch: its state is the next batch.
         state = {"global_step": self.global_step, "sampler": self.sampler.state_dict(),
@@ -293,14 +304,48 @@ class Trainer:
 
     def load_checkpoint(self, folder) -> None:
         state = read_trainer_state(folder)
-        self.workers.load_checkpoint(os.path.join(folder, "actor"))
+        self.workers.load_checkpoint(os.path.join(folder, "actor"), self.moving_reference_folder(folder))
         if self.critic is not None:
             self.critic.load_checkpoint(os.path.join(folder, "critic"))
+        if self.iteration is not None:
+            self.iteration.load(folder)
+            if self.reward_model is not None:
+                self.reward_model.load_checkpoint(os.path.join(folder, "reward_model"))
         self.global_step = int(state["global_step"])
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.reward_stats.load_state_dict(state["reward_stats"])
         logger.info("Resumed from %s at step %d", folder, self.global_step)
+
+    def moving_reference_folder(self, folder: str) -> str | None:
+        """Where a checkpoint keeps the reference policy: only iterative RL moves it."""
+        iterative = self.cfg.trainer.iterative
+        return os.path.join(folder, "ref") if iterative.enable and iterative.reset_reference else None
+
+    # ------------------------------------------------------------------ iterative RL
+    def end_iteration(self) -> dict[str, float]:
+        """Iterative RL: train the reward model on this iteration's samples and the replay buffer
+        (`hybrid_rl/iterative.py`), then make the reference policy the current actor."""
+        start = time.perf_counter()
+        metrics: dict[str, float] = {}
+        if self.reward_model is not None:
+            batch = self.iteration.training_batch(self.global_step, self.n_ranks)
+            if len(batch):
+                batch.meta = BatchMeta(step=self.global_step)
+                per_rank = self.reward_model.train_reward_model(batch)
+                sums = {key: sum(r.pop(key) for r in per_rank)
+                        for key in ("replay_loss_sum_before", "replay_loss_sum_after", "replayed_rows")}
+                metrics.update(reduce_worker_metrics(per_rank))
+                metrics["iterative/reward_model_rows"] = float(len(batch))
+                metrics["iterative/replayed_rows"] = sums["replayed_rows"]
+                if sums["replayed_rows"]:
+                    for when in ("before", "after"):
+                        metrics[f"iterative/replay_loss_{when}"] = (sums[f"replay_loss_sum_{when}"]
+                                                                    / sums["replayed_rows"])
+        if self.cfg.trainer.iterative.reset_reference:
+            metrics["iterative/reference_reset"] = float(self.workers.reset_reference()[0])
+        metrics["timing_s/iteration"] = time.perf_counter() - start
+        return metrics
 
     def train_step(self, indices: list[int]) -> dict[str, float]:
         cfg = self.cfg
@@ -310,7 +355,8 @@ class Trainer:
         with timer.phase("step"):
             prompts = self.prompt_batch(indices)
             prompts["uid"] = [str(uuid.uuid4()) for _ in range(len(prompts))]
-            prompts.meta = BatchMeta(step=self.global_step, temperature=cfg.actor_rollout_ref.rollout.temperature)
+            prompts.meta = BatchMeta(step=self.global_step,
+                                     temperature=training_temperature(cfg.actor_rollout_ref.rollout))
             batch = prompts.repeat(n, interleave=True)
 
             with timer.phase("gen"):
@@ -370,6 +416,8 @@ class Trainer:
                 # Every rank's engine receives every weight, in the rollout's dtype.
                 metrics["perf/sync_gb_per_rank"] = pushed[0]["bytes"] / 1e9
 
+        if self.iteration is not None and self.reward_model is not None:
+            self.iteration.collect(batch)
         if cfg.trainer.rollout_data_dir:
             self.dump_generations(cfg.trainer.rollout_data_dir, batch, reward_extra)
         metrics.update({"training/global_step": float(self.global_step), **compute_data_metrics(batch),

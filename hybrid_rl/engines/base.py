@@ -12,6 +12,7 @@ workers and the trainer see only this class, never FSDP or Megatron:
   rollout engine and for export;
 - `save_checkpoint` / `load_checkpoint`: sharded model and optimizer plus this rank's schedule,
   RNG and skipped-step count, so a resume continues exactly;
+- `load_weights_from(other)`: copy another engine's weights of the same model (a reference reset);
 - `dp_rank` / `dp_size`: this rank's place among the data-parallel replicas.
 
 A backend implements `forward_backward`, `optimizer_step`, `per_tensor_weights` and the sharded
@@ -127,6 +128,11 @@ class TrainEngine(ABC):
     @abstractmethod
     def _load_sharded(self, folder: str) -> None: ...
 
+    def local_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, this rank's shard) of every parameter, for `load_weights_from`."""
+        raise NotImplementedError(f"The {type(self).__name__} cannot copy weights between engines yet (the "
+                                  "reference reset of trainer.iterative); use strategy=fsdp.")
+
     def hf_module(self) -> torch.nn.Module:
         """The model as a `transformers` module, for `rollout.name=hf`."""
         raise NotImplementedError(f"The {type(self).__name__} has no transformers module to generate with; "
@@ -212,6 +218,17 @@ class TrainEngine(ABC):
         out[f"{role}/skipped_steps"] = float(self.skipped_steps)
         return out
 
+    @torch.no_grad()
+    def load_weights_from(self, other: TrainEngine) -> None:
+        """Copy `other`'s weights into this model, shard by shard: the same model with the same
+        layout (the reference reset of iterative RL, from the actor)."""
+        mine, theirs = dict(self.local_parameters()), dict(other.local_parameters())
+        if mine.keys() != theirs.keys():
+            raise ValueError(f"{self.spec.role} and {other.spec.role} hold different models; weights copy only "
+                             "between engines of the same model.")
+        for name, shard in mine.items():
+            shard.copy_(theirs[name])
+
     def save_checkpoint(self, folder: str) -> None:
         """This rank's shards plus its scheduler, RNG states and skipped-step count; everything
         loads back with `weights_only` loading."""
@@ -219,14 +236,15 @@ class TrainEngine(ABC):
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
-        torch.save({"scheduler": self.scheduler.state_dict(), "rng": rng, "skipped_steps": self.skipped_steps},
-                   _extra_path(folder))
+        scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
+        torch.save({"scheduler": scheduler, "rng": rng, "skipped_steps": self.skipped_steps}, _extra_path(folder))
 
     def load_checkpoint(self, folder: str) -> None:
         """Inverse of `save_checkpoint` (same world size and layout)."""
         self._load_sharded(folder)
         extra = torch.load(_extra_path(folder), weights_only=True)
-        self.scheduler.load_state_dict(extra["scheduler"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(extra["scheduler"])
         torch.set_rng_state(extra["rng"]["cpu"])
         if "cuda" in extra["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state(extra["rng"]["cuda"])

@@ -155,15 +155,23 @@ class FSDPEngine(TrainEngine):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optim_state = get_state_dict(self.module, self.optimizer)
+        model_state, optim_state = get_state_dict(self.module, self._optimizers())
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder)
 
     def _load_sharded(self, folder: str) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        model_state, optim_state = get_state_dict(self.module, self.optimizer)
+        model_state, optim_state = get_state_dict(self.module, self._optimizers())
         state = {"model": model_state, "optim": optim_state}
         dcp.load(state, checkpoint_id=folder)
-        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
+        set_state_dict(self.module, self._optimizers(), model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
+
+    def _optimizers(self) -> list:
+        """The optimizer of a trained model; none for a frozen one (a reset reference is saved too)."""
+        return [self.optimizer] if self.spec.optim_cfg is not None else []
+
+    def local_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, param in self.module.named_parameters():
+            yield name, param.to_local() if isinstance(param, DTensor) else param

@@ -154,6 +154,27 @@ def split_by_prompt(rows: list[dict], val_fraction: float, rng: random.Random) -
 
 
 # ---------------------------------------------------------------------------------------- train
+def reward_model_loss_fn(pairwise: bool):
+    """`TrainEngine.update`'s loss callback for a reward model: the mean pointwise loss over the
+    mini-batch's labelled rows, or (`pairwise`) the mean Bradley-Terry loss over its pairs (chosen
+    and rejected rows interleaved in one micro-batch); also the accuracy."""
+
+    def loss_fn(out, micro, agg):
+        scores = out["scores"]
+        if pairwise:
+            per_example = pairwise_loss(scores[0::2], scores[1::2])
+            correct = scores[0::2] > scores[1::2]
+            count = agg["global_num_seqs"] / 2
+        else:
+            per_example = pointwise_loss(scores, micro["labels"])
+            correct = (scores > 0) == (micro["labels"] > 0.5)
+            count = agg["global_num_seqs"]
+        loss = per_example.sum() / count * agg["dp_size"]
+        return loss, {"loss": float(loss.detach()), "accuracy": float(correct.sum()) / count * agg["dp_size"]}
+
+    return loss_fn
+
+
 class RewardModelTrainer:
     """A sequence classifier on the FSDP engine (one process), trained with `engine.update`: every
     batch is one optimizer step, normalised over the batch's examples."""
@@ -185,24 +206,9 @@ class RewardModelTrainer:
     def step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step on `batch`: labelled rows, or (pairwise) chosen and rejected rows
         interleaved."""
-        pairwise = self.loss == "pairwise"
-
-        def loss_fn(out, micro, agg):
-            scores = out["scores"]
-            if pairwise:
-                per_example = pairwise_loss(scores[0::2], scores[1::2])
-                correct = scores[0::2] > scores[1::2]
-                count = agg["global_num_seqs"] / 2
-            else:
-                per_example = pointwise_loss(scores, micro["labels"])
-                correct = (scores > 0) == (micro["labels"] > 0.5)
-                count = agg["global_num_seqs"]
-            loss = per_example.sum() / count * agg["dp_size"]
-            return loss, {"loss": float(loss.detach()), "accuracy": float(correct.sum()) / count * agg["dp_size"]}
-
         cfg = OmegaConf.merge(self.role_cfg, {"ppo_mini_batch_size": len(batch)})
         return self.engine.update(batch, cfg, rollout_n=1, seed=0, output=Output.SCORES, temperature=1.0,
-                                  loss_fn=loss_fn)
+                                  loss_fn=reward_model_loss_fn(self.loss == "pairwise"))
 
     def scores(self, rows: list[tuple[list[int], list[int]]]) -> list[float]:
         return self.engine.infer(self.batch(rows), Output.SCORES, 1.0, self.micro_batch_size, None)["scores"].tolist()
@@ -276,6 +282,10 @@ def train_reward_model(data: str, out: str, base: str, loss: str = "pointwise", 
             metrics = trainer.step(trainer.batch(token_rows(flat, trainer.tokenizer), labels))
             result["curve"].append({"epoch": epoch, "loss": metrics["reward_model/loss"],
                                     "accuracy": metrics["reward_model/accuracy"]})
+            if len(result["curve"]) % 10 == 0 or len(result["curve"]) == epochs * steps_per_epoch:
+                logger.info("step %d/%d (epoch %d): loss %.4f, accuracy %.3f", len(result["curve"]),
+                            epochs * steps_per_epoch, epoch + 1, metrics["reward_model/loss"],
+                            metrics["reward_model/accuracy"])
     result["after"] = trainer.evaluate(val_rows, kind, random.Random(seed))
     logger.info("held out after training: %s", result["after"])
     trainer.save(out)

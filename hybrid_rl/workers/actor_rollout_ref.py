@@ -89,8 +89,12 @@ class ActorRolloutRefWorker(ModelWorker):
         return {"bytes": sent, "seconds": time.perf_counter() - start}
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, folder: str) -> None:
+    def save_checkpoint(self, folder: str, ref_folder: str | None = None) -> None:
+        """The actor into `folder`; with `ref_folder` (iterative RL, whose reference moves) the
+        reference too."""
         self.actor.save_checkpoint(folder)
+        if ref_folder is not None and self.ref is not None:
+            self.ref.save_checkpoint(ref_folder)
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def save_hf_model(self, folder: str) -> None:
@@ -98,9 +102,19 @@ class ActorRolloutRefWorker(ModelWorker):
         self.actor.save_hf_model(folder, model_config(self.model_path, self.cfg.actor_rollout_ref.model))
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, folder: str) -> None:
+    def load_checkpoint(self, folder: str, ref_folder: str | None = None) -> None:
         self.actor.load_checkpoint(folder)
+        if ref_folder is not None and self.ref is not None:
+            self.ref.load_checkpoint(ref_folder)
         self.sync_rollout_weights()  # the engine must sample from the restored weights
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def reset_reference(self) -> bool:
+        """Make the reference policy the current actor (iterative RL); False when there is none."""
+        if self.ref is None:
+            return False
+        self.ref.load_weights_from(self.actor)
+        return True
 
     # ------------------------------------------------------------------ log-probs
     def _log_probs(self, engine, batch: Batch, role_cfg) -> torch.Tensor:

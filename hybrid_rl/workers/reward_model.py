@@ -10,11 +10,13 @@ from __future__ import annotations
 import torch
 from omegaconf import OmegaConf
 
+from hybrid_rl.algorithms.reward_model_loss import pointwise_loss
 from hybrid_rl.controller import Dispatch, register
 from hybrid_rl.engines import Head, ModelSpec, Output, build_engine
 from hybrid_rl.models import load_tokenizer
 from hybrid_rl.protocol import Batch
 from hybrid_rl.rewards.model_inputs import RewardInputs
+from hybrid_rl.rewards.training import reward_model_loss_fn
 from hybrid_rl.workers.base import ModelWorker
 
 
@@ -30,13 +32,54 @@ class RewardModelWorker(ModelWorker):
         self.device = self.setup_device()
         rm_cfg = self.cfg.reward_model
         head = Head.STEP_SCORE if rm_cfg.process.enable else Head.SCORE
-        spec = ModelSpec("reward_model", self.model_path, rm_cfg.model, head=head)
+        iterative = self.cfg.trainer.iterative
+        optim = OmegaConf.create({  # iterative RL trains it further, at a constant learning rate
+            "lr": iterative.reward_model.lr, "betas": [0.9, 0.999], "weight_decay": iterative.reward_model.weight_decay,
+            "lr_warmup_steps": 0, "lr_warmup_steps_ratio": 0.0, "lr_scheduler_type": "constant",
+            "min_lr_ratio": 0.0, "num_cycles": 0.5}) if iterative.enable else None
+        spec = ModelSpec("reward_model", self.model_path, rm_cfg.model, head=head, optim_cfg=optim)
         role_cfg = OmegaConf.create({"strategy": rm_cfg.strategy, "fsdp_config": rm_cfg.model.fsdp_config})
         self.reward_model = build_engine(spec, role_cfg, self.device)
         reward_tokenizer = AutoTokenizer.from_pretrained(self.model_path,
                                                          trust_remote_code=rm_cfg.model.trust_remote_code)
         self.inputs = RewardInputs(load_tokenizer(self.cfg, self.policy_path), reward_tokenizer, rm_cfg.max_length)
         return {"rank": self.rank, "params": self.reward_model.num_params(), "retemplate": self.inputs.retemplate}
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, folder: str) -> None:
+        self.reward_model.save_checkpoint(folder)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, folder: str) -> None:
+        self.reward_model.load_checkpoint(folder)
+
+    @register(dispatch=Dispatch.DP_COMPUTE, mesh="reward_model")
+    def train_reward_model(self, batch: Batch) -> dict:
+        """Iterative RL: `trainer.iterative.reward_model.epochs` passes of pointwise training over
+        this rank's share of `batch` (rollout rows with `labels` in [0, 1]), and the loss on its
+        `replayed` rows before and after, as sums and a count (the driver averages over ranks)."""
+        cfg = self.cfg.trainer.iterative.reward_model
+        rows, _ = self.inputs(batch)
+        rows["labels"] = batch["labels"].float()
+        rows["response_mask"] = rows["attention_mask"][:, -rows["responses"].shape[1]:]
+        replayed = batch["replayed"].bool()
+
+        def replay_loss() -> float:
+            if not replayed.any():
+                return 0.0
+            scores = self.reward_model.infer(rows[replayed], Output.SCORES, 1.0, cfg.micro_batch_size_per_gpu,
+                                             None)["scores"]
+            return float(pointwise_loss(scores, rows["labels"][replayed]).sum())
+
+        before = replay_loss()
+        role_cfg = OmegaConf.create({"ppo_epochs": cfg.epochs, "shuffle": True, "ppo_mini_batch_size":
+                                     cfg.mini_batch_size, "ppo_micro_batch_size_per_gpu": cfg.micro_batch_size_per_gpu,
+                                     "use_dynamic_bsz": False, "grad_clip": cfg.grad_clip})
+        metrics = self.reward_model.update(rows, role_cfg, rollout_n=1, seed=self.cfg.trainer.seed + batch.meta.step,
+                                           output=Output.SCORES, temperature=1.0,
+                                           loss_fn=reward_model_loss_fn(pairwise=False))
+        return {**metrics, "replay_loss_sum_before": before, "replay_loss_sum_after": replay_loss(),
+                "replayed_rows": float(replayed.sum())}
 
     @register(dispatch=Dispatch.DP_COMPUTE, mesh="reward_model")
     def compute_rm_score(self, batch: Batch) -> Batch:

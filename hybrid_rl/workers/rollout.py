@@ -22,7 +22,10 @@ def greedy_settings() -> dict:
 
 
 def sampling_settings(cfg: Any, validate: bool) -> dict:
-    """The sampling knobs of `rollout` (or `rollout.val_kwargs` for validation)."""
+    """The sampling knobs of `rollout` (or `rollout.val_kwargs` for validation). Training rollouts
+    with `rollout.beam_search` take each group from one beam search of width `n` instead."""
+    if not validate and cfg.beam_search:
+        return {**greedy_settings(), "beam_width": int(cfg.n)}
     src = cfg.val_kwargs if validate else cfg
     if not src.do_sample:
         return {**greedy_settings(), "n": int(src.n) if validate else 1}
@@ -32,6 +35,24 @@ def sampling_settings(cfg: Any, validate: bool) -> dict:
         "top_k": int(src.top_k),
         "n": int(src.n) if validate else 1,
     }
+
+
+def training_temperature(cfg: Any) -> float:
+    """The temperature of the training rollouts' log-probs, at which the trainer computes its own:
+    beam search ranks the untempered policy."""
+    return 1.0 if cfg.beam_search else float(cfg.temperature)
+
+
+def beam_groups(batch: Batch) -> list[tuple[int, int]]:
+    """(first row, row count) of each run of rows with the same `uid`: a prompt's group, whose
+    rows get that prompt's best beams, best first."""
+    groups: list[tuple[int, int]] = []
+    for i, uid in enumerate(batch["uid"]):
+        if groups and batch["uid"][groups[-1][0]] == uid:
+            groups[-1] = (groups[-1][0], groups[-1][1] + 1)
+        else:
+            groups.append((i, 1))
+    return groups
 
 
 def prompt_token_lists(batch: Batch) -> list[list[int]]:
@@ -170,6 +191,8 @@ class VLLMRollout:
     def generate(self, batch: Batch, settings: dict, response_length: int) -> tuple[list, list]:
         from vllm import SamplingParams
 
+        if settings.get("beam_width"):
+            return self.beam_search(batch, settings["beam_width"], response_length)
         params = SamplingParams(
             n=1, max_tokens=response_length, temperature=settings["temperature"],
             top_p=settings["top_p"], top_k=settings["top_k"], logprobs=0, detokenize=False,
@@ -189,6 +212,32 @@ class VLLMRollout:
             completion = out.outputs[0]
             tokens.append(list(completion.token_ids))
             log_probs.append([step[tok].logprob for step, tok in zip(completion.logprobs, completion.token_ids)])
+        return tokens, log_probs
+
+    def beam_search(self, batch: Batch, beam_width: int, response_length: int) -> tuple[list, list]:
+        """Each group's rows get the best beams of one vLLM beam search of its prompt (best first,
+        by vLLM's length-normalised log-probability), with their tokens' log-probs."""
+        from vllm.sampling_params import BeamSearchParams
+
+        groups = beam_groups(batch)
+        prompts = prompt_token_lists(batch)
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+        outputs = self.llm.beam_search([{"prompt_token_ids": prompts[start]} for start, _ in groups],
+                                       BeamSearchParams(beam_width=beam_width, max_tokens=response_length))
+        if self.sleep_between_rollouts:
+            self.llm.sleep(level=1)
+            self.asleep = True
+        tokens, log_probs = [], []
+        for (start, count), output in zip(groups, outputs):
+            prompt_len = len(prompts[start])
+            for k in range(count):
+                beam = output.sequences[min(k, len(output.sequences) - 1)]
+                response = list(beam.tokens[prompt_len:])
+                steps = beam.logprobs[len(beam.logprobs) - len(response):]
+                tokens.append(response)
+                log_probs.append([step[token].logprob for step, token in zip(steps, response)])
         return tokens, log_probs
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -247,11 +296,17 @@ class HFRollout:
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
         device = next(self.module.parameters()).device
         greedy = settings["temperature"] == 0.0
+        beam_width = settings.get("beam_width")
         kwargs = dict(do_sample=not greedy, max_new_tokens=response_length,
                       pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_ids,
                       output_scores=True, return_dict_in_generate=True, use_cache=True,
                       synced_gpus=dist.is_initialized() and dist.get_world_size() > 1)
-        if not greedy:
+        if beam_width:  # one search per group, from its first row
+            groups = beam_groups(batch)
+            firsts = torch.tensor([start for start, _ in groups])
+            input_ids, attention_mask = input_ids[firsts], attention_mask[firsts]
+            kwargs.update(num_beams=beam_width, num_return_sequences=beam_width)
+        elif not greedy:
             kwargs.update(temperature=settings["temperature"], top_p=settings["top_p"],
                           top_k=settings["top_k"] if settings["top_k"] > 0 else None)
         was_training = self.module.training
@@ -260,6 +315,12 @@ class HFRollout:
                                    **kwargs)
         self.module.train(was_training)
         generated = out.sequences[:, input_ids.shape[1]:].cpu()
+        if beam_width:
+            # Each returned beam's token log-probs, traced back through the beams it came from.
+            token_logp = self.module.compute_transition_scores(out.sequences, out.scores, out.beam_indices,
+                                                               normalize_logits=False).float().cpu()
+            rows = [g * beam_width + min(k, beam_width - 1) for g, (_, count) in enumerate(groups) for k in range(count)]
+            return generated[rows].tolist(), token_logp[rows].tolist()
         # Scores are the processed logits the sampler used: their log-softmax is the log-prob.
         step_logp = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1).cpu()
         token_logp = step_logp.gather(-1, generated.unsqueeze(-1)).squeeze(-1)
