@@ -268,6 +268,7 @@ def train_reward_model(data: str, out: str, base: str, loss: str = "pointwise", 
         raise ValueError("--batch-size must hold at least one example and, for pairwise training, "
                          "--micro-batch-size must be even (a pair's two rows share a micro-batch).")
     steps_per_epoch = math.ceil(len(train_items) / per_step)
+    torch.manual_seed(seed)  # a policy folder gets a fresh score head: the same one on every run
     trainer = RewardModelTrainer(base, loss, lr, epochs * steps_per_epoch, micro_batch_size, dtype)
     result = {"data": data, "base": base, "loss": loss, "kind": kind, "train_examples": len(train_items),
               "val_rows": len(val_rows), "before": trainer.evaluate(val_rows, kind, random.Random(seed)),

@@ -72,6 +72,19 @@ def check_reward_model_folder(path) -> bool:
     return True
 
 
+def test_a_fresh_score_head_is_drawn_from_the_seed(tmp_path, tiny_model_dir):
+    """Starting from a policy, the score head is new: the same --seed gives the same model."""
+    data = write_jsonl(tmp_path / "labelled.jsonl", labelled_rows(8))
+
+    def trained(seed: int, name: str) -> dict:
+        train_reward_model(data, str(tmp_path / name), tiny_model_dir, epochs=1, lr=1e-3, batch_size=16,
+                           micro_batch_size=8, val_fraction=0.25, seed=seed, dtype="fp32")
+        return AutoModelForSequenceClassification.from_pretrained(tmp_path / name).score.weight
+
+    first, again, other = trained(0, "a"), trained(0, "b"), trained(1, "c")
+    assert torch.equal(first, again) and not torch.equal(first, other)
+
+
 def test_sampled_rows_carry_the_policys_tokens_and_rule_labels(tmp_path, tiny_model_dir, arithmetic_files):
     out = tmp_path / "samples.jsonl"
     assert main(["sample", "--prompts", arithmetic_files[1], "--out", str(out), "--model", tiny_model_dir,
