@@ -234,7 +234,6 @@ RULES: tuple[Rule, ...] = tuple([
             "reward_model.model.fsdp_config.param_offload"),
     *_rules(NOT_YET, "use reward_model.micro_batch_size_per_gpu (the global form is deprecated in verl too)",
             "reward_model.micro_batch_size"),
-    *_rules(NOT_YET, "the reward model runs padded batches", "reward_model.model.use_remove_padding"),
     *_rules(NOT_YET, "only the naive reward manager is built", "reward.reward_manager.*"),
     *_rules(NO_EFFECT, "rewards are scored in the driver process", "reward.num_workers"),
     *_rules(NOT_YET, REMOTE_SANDBOX, "sandbox_fusion.url", "reward.sandbox_fusion.url"),
@@ -429,6 +428,8 @@ DEVIATIONS: dict[str, str] = {
                   "reward_model.reward_manager", "reward_model.enable", "reward_model.model.trust_remote_code"),
     **_deviations("follows actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu (verl leaves it required)",
                   "reward_model.micro_batch_size_per_gpu"),
+    **_deviations("padding-free rows are exact here (and reward_model.model.share_prompt_prefix computes a "
+                  "group's prompt once); false runs padded rows", "reward_model.model.use_remove_padding"),
     **_deviations("this project's run names and folder", "trainer.project_name", "trainer.experiment_name",
                   "trainer.default_local_dir"),
     **_deviations("a run needs no account or network; add wandb, mlflow or tensorboard", "trainer.logger"),

@@ -79,11 +79,10 @@ class FSDPEngine(TrainEngine):
         elif spec.head in (Head.SCORE, Head.STEP_SCORE):
             model = hf_model.load_score_model(spec.path, spec.model_cfg, device, trainable=trainable,
                                               per_token=spec.head is Head.STEP_SCORE)
-            self.autocast_dtype = hf_model.cpu_autocast_dtype(dtype, device)
         else:
             model = hf_model.load_causal_lm(spec.path, spec.model_cfg, device, trainable=trainable)
-            self.options = hf_model.forward_options(spec.model_cfg, dtype, device)
-            self.share_prompts = self.options.share_prompts
+        self.options = hf_model.forward_options(spec.model_cfg, dtype, device)
+        self.share_prompts = self.options.share_prompts
         mesh = data_parallel_mesh(device.type) if dist.is_initialized() else None
         # On GPU FSDP2 casts the weights to the compute dtype; on CPU the forward is autocast.
         param_dtype = dtype if device.type == "cuda" else None
@@ -111,9 +110,9 @@ class FSDPEngine(TrainEngine):
         if output is Output.VALUES:
             return {"values": hf_model.response_values(self.module, micro)}
         if output is Output.SCORES:
-            return {"scores": hf_model.sequence_scores(self.module, micro, self.autocast_dtype)}
+            return {"scores": hf_model.sequence_scores(self.module, micro, self.options)}
         if output is Output.TOKEN_SCORES:
-            return {"token_scores": hf_model.response_token_scores(self.module, micro, self.autocast_dtype)}
+            return {"token_scores": hf_model.response_token_scores(self.module, micro, self.options)}
         if output is Output.LOGITS:
             return {"logits": hf_model.response_logits(self.module, micro, temperature, self.options)}
         with_entropy = output is Output.LOG_PROBS_ENTROPY

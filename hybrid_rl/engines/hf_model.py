@@ -98,14 +98,15 @@ def compute_dtype(requested: str, device: torch.device) -> torch.dtype:
 
 
 def forward_options(model_cfg: Any, dtype: torch.dtype, device: torch.device) -> ForwardOptions:
-    """`model.use_remove_padding`, `model.share_prompt_prefix` and `model.head_chunk_size`, and
+    """`model.use_remove_padding`, `model.share_prompt_prefix` and `model.head_chunk_size` (a
+    reward model's config has only the first two; a config without them runs padded rows), and
     autocast to the compute `dtype` on CPU (on GPU the engine casts the weights itself)."""
     dense = attn_implementation(device) != "flash_attention_2"
-    remove_padding = bool(model_cfg.use_remove_padding)
+    remove_padding = bool(model_cfg.get("use_remove_padding", False))
     return ForwardOptions(
         remove_padding=remove_padding,
-        share_prompts=remove_padding and dense and bool(model_cfg.share_prompt_prefix),
-        dense_mask=dense, head_chunk_size=int(model_cfg.head_chunk_size),
+        share_prompts=remove_padding and dense and bool(model_cfg.get("share_prompt_prefix", False)),
+        dense_mask=dense, head_chunk_size=int(model_cfg.get("head_chunk_size", ForwardOptions.head_chunk_size)),
         autocast_dtype=cpu_autocast_dtype(dtype, device))
 
 
@@ -218,38 +219,51 @@ def response_values(model: torch.nn.Module, micro: dict[str, torch.Tensor]) -> t
     return out.logits[:, -resp_len - 1:-1, 0].float()
 
 
-def position_scores(model: torch.nn.Module, micro: dict[str, torch.Tensor],
+def position_scores(model: torch.nn.Module, inputs: dict[str, torch.Tensor],
                     autocast_dtype: torch.dtype | None) -> torch.Tensor:
-    """The score head's output (B, L) at every position: its value with one label, the
-    probability of label 1 (a good step) with two. The head runs on every position inside the
-    model's forward (where FSDP has gathered it); its output is read here rather than through
-    transformers' pooling, which looks for pad ids instead of the mask."""
+    """The score head's output (R, L) at every position of `inputs` (ids, positions, mask): its
+    value with one label, the probability of label 1 (a good step) with two. The head runs on
+    every position inside the model's forward (where FSDP has gathered it); its output is read
+    here rather than through transformers' pooling, which looks for pad ids instead of the mask."""
     captured = {}
     hook = model.score.register_forward_hook(lambda module, args, out: captured.update(scores=out))
-    mask = micro["attention_mask"]
-    autocast = torch.autocast(mask.device.type, dtype=autocast_dtype or torch.bfloat16,
+    autocast = torch.autocast(inputs["input_ids"].device.type, dtype=autocast_dtype or torch.bfloat16,
                               enabled=autocast_dtype is not None)
     try:
         with autocast:
-            model(input_ids=micro["input_ids"], attention_mask=mask, position_ids=micro["position_ids"],
-                  use_cache=False)
+            model(**inputs, use_cache=False)
     finally:
         hook.remove()
     scores = captured["scores"].float()
     return scores.softmax(-1)[..., 1] if scores.shape[-1] == 2 else scores[..., 0]
 
 
-def sequence_scores(model: torch.nn.Module, micro: dict[str, torch.Tensor],
-                    autocast_dtype: torch.dtype | None) -> torch.Tensor:
-    """A sequence classifier's score (B,) at each row's last real token (the rightmost position
-    of the attention mask, so left- and right-padded rows both work)."""
-    scores = position_scores(model, micro, autocast_dtype)
-    mask = micro["attention_mask"]
-    last = (torch.arange(mask.shape[1], device=mask.device) * mask.bool()).argmax(-1)
-    return scores[torch.arange(len(last), device=mask.device), last]
-
-
 def response_token_scores(model: torch.nn.Module, micro: dict[str, torch.Tensor],
-                          autocast_dtype: torch.dtype | None) -> torch.Tensor:
-    """A token classifier's score (B, T) at each response token's own position."""
-    return position_scores(model, micro, autocast_dtype)[:, -micro["responses"].shape[1]:]
+                          options: ForwardOptions) -> torch.Tensor:
+    """A token classifier's score (B, T) at each response token's own position (zero at padding
+    when the rows are packed)."""
+    responses = micro["responses"]
+    if not options.remove_padding:
+        inputs = {key: micro[key] for key in ("input_ids", "attention_mask", "position_ids")}
+        return position_scores(model, inputs, options.autocast_dtype)[:, -responses.shape[1]:]
+    packed = packing.pack_rows(micro["input_ids"], micro["attention_mask"],
+                               micro["input_ids"].shape[1] - responses.shape[1], options.share_prompts,
+                               options.dense_mask)
+    inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids,
+              "attention_mask": packed.attention_mask}
+    scores = position_scores(model, inputs, options.autocast_dtype).flatten()[packed.own]
+    return packing.unpack(scores, packed, tuple(responses.shape))
+
+
+def sequence_scores(model: torch.nn.Module, micro: dict[str, torch.Tensor], options: ForwardOptions) -> torch.Tensor:
+    """A sequence classifier's score (B,) at each row's last real token (the rightmost position
+    of the attention mask): its last response token when the rows are packed, which needs every
+    response non-empty (otherwise the micro-batch runs padded)."""
+    mask = micro["attention_mask"]
+    response_lengths = mask[:, -micro["responses"].shape[1]:].sum(-1)
+    rows = torch.arange(len(mask), device=mask.device)
+    if options.remove_padding and bool((response_lengths > 0).all()):
+        return response_token_scores(model, micro, options)[rows, response_lengths - 1]
+    inputs = {key: micro[key] for key in ("input_ids", "attention_mask", "position_ids")}
+    last = (torch.arange(mask.shape[1], device=mask.device) * mask.bool()).argmax(-1)
+    return position_scores(model, inputs, options.autocast_dtype)[rows, last]

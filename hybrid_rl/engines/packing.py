@@ -32,6 +32,7 @@ class PackedRows:
     targets: torch.Tensor  # (K,) the response token each of them predicts
     rows: torch.Tensor  # (K,) where that prediction belongs in the (B, T) response grid
     cols: torch.Tensor  # (K,)
+    own: torch.Tensor  # (K,) flat positions of the response tokens themselves (for per-token scores)
     num_tokens: int  # real tokens, padding excluded
 
 
@@ -43,6 +44,7 @@ class _Unit:
     positions: torch.Tensor
     segment: list[int]  # 0 for the prompt, 1, 2, ... for each response
     keep: list[int]  # offsets within the unit
+    own: list[int]
     targets: list[torch.Tensor]
     rows: list[int]
     cols: list[int]
@@ -57,7 +59,7 @@ def _units(ids: torch.Tensor, real: torch.Tensor, prompt_len: int, share_prompts
     for members in groups.values():
         prompt = ids[members[0], :prompt_len][real[members[0], :prompt_len]]
         p = len(prompt)
-        unit = _Unit([prompt], [torch.arange(p)], [0] * p, [], [], [], [])
+        unit = _Unit([prompt], [torch.arange(p)], [0] * p, [], [], [], [], [])
         offset = p
         for b in members:
             response = ids[b, prompt_len:][real[b, prompt_len:]]
@@ -69,6 +71,7 @@ def _units(ids: torch.Tensor, real: torch.Tensor, prompt_len: int, share_prompts
             unit.segment += [len(unit.targets) + 1] * r
             # Token t is predicted by the state before it: the prompt's last token, then the response's own.
             unit.keep += [p - 1, *range(offset, offset + r - 1)]
+            unit.own += range(offset, offset + r)
             unit.targets.append(response)
             unit.rows += [b] * r
             unit.cols += range(r)
@@ -118,7 +121,7 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len:
     segment = -1 - torch.arange(width).repeat(len(rows), 1)
     unit_of = segment.clone()
     is_prompt = torch.zeros(len(rows), width, dtype=torch.bool)
-    keep, targets, out_rows, out_cols = [], [], [], []
+    keep, own, targets, out_rows, out_cols = [], [], [], [], []
     for r, members in enumerate(rows):
         offset = 0
         for i in members:
@@ -130,6 +133,7 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len:
             unit_of[r, span] = i
             is_prompt[r, span] = torch.tensor(unit.segment) == 0
             keep += [r * width + offset + k for k in unit.keep]
+            own += [r * width + offset + k for k in unit.own]
             targets += unit.targets
             out_rows += unit.rows
             out_cols += unit.cols
@@ -145,7 +149,7 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len:
     return PackedRows(
         input_ids=input_ids_out.to(device), position_ids=positions.to(device), attention_mask=mask,
         keep=as_long(keep), targets=torch.cat(targets).to(device) if targets else as_long([]),
-        rows=as_long(out_rows), cols=as_long(out_cols), num_tokens=sum(lengths))
+        rows=as_long(out_rows), cols=as_long(out_cols), own=as_long(own), num_tokens=sum(lengths))
 
 
 def unpack(values: torch.Tensor, packed: PackedRows, shape: tuple[int, ...]) -> torch.Tensor:

@@ -185,7 +185,8 @@ class RewardModelTrainer:
 
         self.loss, self.micro_batch_size = loss, micro_batch_size
         self.tokenizer = AutoTokenizer.from_pretrained(base)
-        model_cfg = OmegaConf.create({"trust_remote_code": False, "override_config": {}})
+        model_cfg = OmegaConf.create({"trust_remote_code": False, "override_config": {}, "use_remove_padding": True,
+                                      "share_prompt_prefix": True})
         optim = OmegaConf.create({"lr": lr, "betas": [0.9, 0.999], "weight_decay": 0.0, "lr_warmup_steps": -1,
                                   "lr_warmup_steps_ratio": warmup_ratio, "lr_scheduler_type": "cosine",
                                   "min_lr_ratio": 0.0, "num_cycles": 0.5})

@@ -5,12 +5,11 @@ checks."""
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from transformers import AutoModelForTokenClassification, LlamaForTokenClassification
 
 from hybrid_rl.algorithms.advantage import grpo_process_advantage
 from hybrid_rl.config import ConfigError
-from hybrid_rl.engines import Head, ModelSpec, Output, build_engine
+from hybrid_rl.engines import Head, Output
 from hybrid_rl.main import check_reward_model, compose_config, prepare
 from hybrid_rl.models import ModelPathError
 from hybrid_rl.protocol import Batch
@@ -22,6 +21,7 @@ from hybrid_rl.workers.reward_model import place_step_scores
 from tests.conftest import run_overrides
 from tests.rewards.test_mixture import reward_cfg
 from tests.rewards.test_reward_model import OTHER_TEMPLATE, build_reward_model
+from tests.rewards.test_reward_model import engine as reward_model_engine
 from tests.rewards.test_reward_model import rollouts as policy_rollouts
 
 CHATS = [[{"role": "user", "content": "What is 12 + 34?"}],
@@ -38,11 +38,8 @@ def rollouts(tokenizer) -> Batch:
     return policy_rollouts(tokenizer, CHATS, ANSWERS)
 
 
-def prm_engine(path):
-    model_cfg = OmegaConf.create({"trust_remote_code": False, "override_config": {}})
-    role_cfg = OmegaConf.create({"strategy": "fsdp", "fsdp_config": {"dtype": "fp32", "reshard_after_forward": True}})
-    return build_engine(ModelSpec("reward_model", path, model_cfg, head=Head.STEP_SCORE), role_cfg,
-                        torch.device("cpu"))
+def prm_engine(path, packing="shared_prompts"):
+    return reward_model_engine(path, packing=packing, head=Head.STEP_SCORE)
 
 
 def plain_position_scores(path, ids: list[int]) -> torch.Tensor:
@@ -73,13 +70,14 @@ def step_end_tokens(tokenizer, response: list[int], text: str) -> list[int]:
     return ends + [last_text] if text.strip() else []
 
 
+@pytest.mark.parametrize("packing", ["padded", "shared_prompts"])
 @pytest.mark.parametrize("num_labels", [1, 2])
-def test_step_scores_sit_on_the_step_ends_and_equal_a_plain_forward(tmp_path, tiny_tokenizer, num_labels):
+def test_step_scores_sit_on_the_step_ends_and_equal_a_plain_forward(tmp_path, tiny_tokenizer, num_labels, packing):
     path = build_prm(tmp_path / "prm", tiny_tokenizer, num_labels)
     batch = rollouts(tiny_tokenizer)
     rows, cut, steps = RewardInputs(tiny_tokenizer, tiny_tokenizer, None).with_steps(batch, "\n")
     assert not cut.any() and torch.equal(rows["input_ids"], batch["input_ids"])
-    token_scores = prm_engine(path).infer(rows, Output.TOKEN_SCORES, 1.0, 2, None)["token_scores"]
+    token_scores = prm_engine(path, packing).infer(rows, Output.TOKEN_SCORES, 1.0, 2, None)["token_scores"]
     scores, mask = place_step_scores(token_scores, steps, batch["responses"].shape)
     prompt_width = batch["input_ids"].shape[1] - batch["responses"].shape[1]
     for i, answer in enumerate(ANSWERS):

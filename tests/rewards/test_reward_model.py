@@ -60,10 +60,15 @@ def rollouts(tokenizer, chats=CHATS, answers=ANSWERS) -> Batch:
                  non_tensors={"raw_prompt": chats})
 
 
-def engine(path, micro_rows=8, dtype="fp32"):
-    model_cfg = OmegaConf.create({"trust_remote_code": False, "override_config": {}})
+PACKING = {"padded": {"use_remove_padding": False}, "packed": {"use_remove_padding": True},
+           "shared_prompts": {"use_remove_padding": True, "share_prompt_prefix": True}}
+
+
+def engine(path, dtype="fp32", packing="shared_prompts", head=Head.SCORE):
+    """The reward model on the FSDP engine; `packing` as `reward_model.model` sets it (default: ours)."""
+    model_cfg = OmegaConf.create({"trust_remote_code": False, "override_config": {}, **PACKING[packing]})
     role_cfg = OmegaConf.create({"strategy": "fsdp", "fsdp_config": {"dtype": dtype, "reshard_after_forward": True}})
-    return build_engine(ModelSpec("reward_model", path, model_cfg, head=Head.SCORE), role_cfg, torch.device("cpu"))
+    return build_engine(ModelSpec("reward_model", path, model_cfg, head=head), role_cfg, torch.device("cpu"))
 
 
 def plain_scores(path, texts_ids) -> list[float]:
@@ -72,16 +77,29 @@ def plain_scores(path, texts_ids) -> list[float]:
         return [model(input_ids=torch.tensor([ids])).logits[0, 0].item() for ids in texts_ids]
 
 
+@pytest.mark.parametrize("packing", PACKING)
 @pytest.mark.parametrize("micro_rows,max_tokens", [(8, None), (1, None), (2, 40)])
-def test_scores_equal_a_plain_transformers_forward(reward_model_dir, tiny_tokenizer, micro_rows, max_tokens):
-    batch = rollouts(tiny_tokenizer)
+def test_scores_equal_a_plain_transformers_forward(reward_model_dir, tiny_tokenizer, micro_rows, max_tokens, packing):
+    # Two responses to one prompt (one prompt copy when shared) and one to another.
+    batch = rollouts(tiny_tokenizer, CHATS[:1] + CHATS[:2], ANSWERS[1:] + ANSWERS[:1])
     rows, cut = RewardInputs(tiny_tokenizer, tiny_tokenizer, None)(batch)
     assert not cut.any() and torch.equal(rows["input_ids"], batch["input_ids"])  # the rollout's own tokens
-    scores = engine(reward_model_dir).infer(rows, Output.SCORES, 1.0, micro_rows, max_tokens)["scores"]
+    scores = engine(reward_model_dir, packing=packing).infer(rows, Output.SCORES, 1.0, micro_rows,
+                                                             max_tokens)["scores"]
     texts = [ids[m.bool()].tolist() for ids, m in zip(batch["input_ids"], batch["attention_mask"])]
     expected = plain_scores(reward_model_dir, texts)
     assert scores.shape == (3,)
     assert torch.allclose(scores, torch.tensor(expected), atol=1e-5), (scores, expected)
+
+
+def test_an_empty_response_is_scored_at_the_prompts_last_token(reward_model_dir, tiny_tokenizer):
+    batch = rollouts(tiny_tokenizer)
+    response_width = batch["responses"].shape[1]
+    batch["attention_mask"][1, -response_width:] = 0  # row 1 has no response; packing cannot score it
+    rows, _ = RewardInputs(tiny_tokenizer, tiny_tokenizer, None)(batch)
+    scores = engine(reward_model_dir).infer(rows, Output.SCORES, 1.0, 8, None)["scores"]
+    texts = [ids[m.bool()].tolist() for ids, m in zip(batch["input_ids"], batch["attention_mask"])]
+    assert torch.allclose(scores, torch.tensor(plain_scores(reward_model_dir, texts)), atol=1e-5)
 
 
 def test_a_reward_model_with_another_chat_template_scores_its_own_template(tmp_path, tiny_tokenizer, make_tokenizer):

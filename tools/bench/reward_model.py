@@ -7,10 +7,12 @@ the scores placed on the policy's step-end tokens) against a plain forward of th
 
     python tools/bench/reward_model.py [--model PATH] [--rows 32] [--response-length 24]
                                        [--micro-batch 8] [--dtype auto] [--repeats 5] [--json out.json]
-                                       [--process] [--step-separator ' ']
+                                       [--process] [--step-separator ' '] [--n 4] [--padded]
 
-The rows are the first built-in arithmetic training prompts (chat-templated as the trainer does)
-with random responses of 1 to `--response-length` tokens, laid out as rollouts are. The model is
+The rows are the first `rows / n` built-in arithmetic training prompts (chat-templated as the
+trainer does), each with `--n` random responses of 1 to `--response-length` tokens, laid out as
+rollouts are. Ours packs the rows and computes each group's prompt once, as the reward model's
+defaults do (`--padded`: padded rows, as the plain forward always runs them). The model is
 `--model` (default: the default model, which gets a fresh score head: the cost of a trained reward
 model of that size). One warm-up call each, then the median of `--repeats` alternating calls.
 "ratio" is ours over the plain forward: 1.0 means scoring costs one forward pass per sample.
@@ -36,6 +38,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--process", action="store_true", help="a process reward model (token classifier)")
     ap.add_argument("--step-separator", default=" ")
+    ap.add_argument("--padded", action="store_true", help="score padded rows (reward_model.model.use_remove_padding=false)")
+    ap.add_argument("--n", type=int, default=4, help="responses per prompt (a group shares its prompt)")
     args = ap.parse_args()
 
     import torch
@@ -53,14 +57,16 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(path)
     generator = torch.Generator().manual_seed(0)
     rows = []
-    for row in make_arithmetic_rows(args.rows, seed=0):
+    for row in make_arithmetic_rows(args.rows // args.n, seed=0):
         prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
-        length = int(torch.randint(1, args.response_length + 1, (1,), generator=generator))
-        response = torch.randint(0, len(tokenizer), (length,), generator=generator).tolist()
-        rows.append((tokenizer(prompt, add_special_tokens=False)["input_ids"], response))
+        for _ in range(args.n):
+            length = int(torch.randint(1, args.response_length + 1, (1,), generator=generator))
+            response = torch.randint(0, len(tokenizer), (length,), generator=generator).tolist()
+            rows.append((tokenizer(prompt, add_special_tokens=False)["input_ids"], response))
     batch = collate_rows(rows, pad_id(tokenizer))
 
-    model_cfg = OmegaConf.create({"trust_remote_code": False, "override_config": {}})
+    model_cfg = OmegaConf.create({"trust_remote_code": False, "override_config": {},
+                                  "use_remove_padding": not args.padded, "share_prompt_prefix": not args.padded})
     role_cfg = OmegaConf.create({"strategy": "fsdp", "fsdp_config": {"dtype": args.dtype,
                                                                       "reshard_after_forward": True}})
     device = torch.device("cpu")
@@ -101,7 +107,7 @@ def main() -> None:
         times["plain_forward"].append(timed(plain_forward))
     median = {name: statistics.median(values) for name, values in times.items()}
     result = common.header(vars(args), packages=("torch", "transformers"))
-    result.update({"model": path, "tokens": int(batch["attention_mask"].sum()), "seconds": times,
+    result.update({"model": path, "rows": len(rows), "tokens": int(batch["attention_mask"].sum()), "seconds": times,
                    "median_seconds": median, "ms_per_sample": {k: 1e3 * v / args.rows for k, v in median.items()},
                    "ratio": median["ours"] / median["plain_forward"],
                    "dtype": str(autocast_dtype or torch.float32).removeprefix("torch."),
