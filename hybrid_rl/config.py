@@ -240,6 +240,16 @@ def check_reward_model_config(rm: DictConfig) -> None:
     if rm.process.enable and (not isinstance(separator, str) or not separator):
         raise ConfigError(f"reward_model.process.step_separator={separator!r}: a process reward model splits responses "
                           "into steps at this string; give a non-empty one (e.g. a newline).")
+    tag, tokens = rm.process.step_tag, rm.process.step_tag_tokens
+    if rm.process.enable and tag is not None:
+        if not isinstance(tag, str) or not tag.strip():
+            raise ConfigError(f"reward_model.process.step_tag={tag!r}: give the tag the step-tag scorer was trained "
+                              "with (e.g. ' ки'), or null for a token-classification process reward model.")
+        tokens = list(tokens) if OmegaConf.is_list(tokens) else tokens
+        if (not isinstance(tokens, list) or len(tokens) != 2 or not all(isinstance(t, str) and t for t in tokens)
+                or tokens[0] == tokens[1]):
+            raise ConfigError(f"reward_model.process.step_tag_tokens={tokens!r}: give two different tokens, the good "
+                              "one first (e.g. ['+', '-']).")
     if rm.max_length is not None:
         _positive(rm.max_length, "reward_model.max_length")
 

@@ -106,11 +106,13 @@ def prepare(cfg: DictConfig):
 
 def check_reward_model(rm_cfg: DictConfig, key: str) -> str:
     """The reward model's folder: a sequence classifier with one label, or with
-    `reward_model.process.enable` a token classifier with one or two labels."""
+    `reward_model.process.enable` a token classifier with one or two labels (a causal LM with
+    `process.step_tag`)."""
     from transformers import AutoConfig
 
     process = bool(rm_cfg.process.enable)
-    kind = "token-classification" if process else "sequence-classification"
+    step_tag = process and rm_cfg.process.step_tag is not None
+    kind = "causal LM (step-tag scorer)" if step_tag else "token-classification" if process else "sequence-classification"
     if not rm_cfg.model.path:
         raise ConfigError(f"reward_model.enable=true needs {key}: a {kind} model folder"
                           + ("." if process else " (train one from a policy with python tools/train_reward_model.py)."))
@@ -118,22 +120,29 @@ def check_reward_model(rm_cfg: DictConfig, key: str) -> str:
     config = AutoConfig.from_pretrained(path, trust_remote_code=rm_cfg.model.trust_remote_code)
     architectures = list(getattr(config, "architectures", None) or [])
     held = f"{key}={rm_cfg.model.path} holds {', '.join(architectures) or 'a model without architectures'} (config.json)"
+
+    def require(suffix: str, message: str) -> None:
+        if not any(name.endswith(suffix) for name in architectures):
+            raise ModelPathError(f"{held}, {message}")
+
+    if step_tag:
+        require("ForCausalLM", "not a causal LM. With reward_model.process.step_tag set the reward model is a step-tag "
+                "scorer that reads next-token logits at each tag (AutoModelForCausalLM); for a token classifier set "
+                "reward_model.process.step_tag=null.")
+        return path
     if process:
-        if not any(name.endswith("ForTokenClassification") for name in architectures):
-            raise ModelPathError(
-                f"{held}, not a token classifier. With reward_model.process.enable=true the reward model scores every "
-                "step, so it must be an AutoModelForTokenClassification (one label: its score; two: the probability "
-                "of label 1); for an outcome reward model set reward_model.process.enable=false.")
+        require("ForTokenClassification", "not a token classifier. With reward_model.process.enable=true the reward "
+                "model scores every step, so it must be an AutoModelForTokenClassification (one label: its score; "
+                "two: the probability of label 1); for an outcome reward model set reward_model.process.enable=false.")
         if config.num_labels not in (1, 2):
             raise ModelPathError(f"{key}={rm_cfg.model.path} has {config.num_labels} labels; a process reward model "
                                  "has one (a score) or two (bad, good: the score is P(good)).")
         return path
-    if not any(name.endswith("ForSequenceClassification") for name in architectures):
-        raise ModelPathError(
-            f"{held}, not a sequence classifier. A reward model is an AutoModelForSequenceClassification with "
-            "one label; train one from a policy with python tools/train_reward_model.py"
-            + (" (a token classifier scores steps: reward_model.process.enable=true)."
-               if any(name.endswith("ForTokenClassification") for name in architectures) else "."))
+    require("ForSequenceClassification", "not a sequence classifier. A reward model is an "
+            "AutoModelForSequenceClassification with one label; train one from a policy with python "
+            "tools/train_reward_model.py" + (" (a token classifier scores steps: reward_model.process.enable=true)."
+                                             if any(name.endswith("ForTokenClassification") for name in architectures)
+                                             else "."))
     if config.num_labels != 1:
         raise ModelPathError(f"{key}={rm_cfg.model.path} has {config.num_labels} labels; a reward model gives one "
                              "score per response (num_labels=1).")

@@ -56,6 +56,7 @@ class Head(enum.Enum):
     VALUE = "value"  # a scalar on every position (token classification): the critic
     SCORE = "score"  # a scalar read at the last token (sequence classification): a reward model
     STEP_SCORE = "step_score"  # a score at every token (token classification): a process reward model
+    STEP_TAG = "step_tag"  # P(good) from the LM head's logits of two tokens, at every token: a step-tag scorer
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class ModelSpec:
     head: Head = Head.LM
     optim_cfg: Any = None  # None: frozen (the reference policy)
     total_steps: int = 1  # for the learning-rate schedule
+    tag_token_ids: tuple[int, int] | None = None  # Head.STEP_TAG: the (good, bad) token ids
 
 
 # loss_fn(outputs, micro, agg_kwargs) -> (loss, {metric: float}); see `TrainEngine.update`.

@@ -79,7 +79,7 @@ class FSDPEngine(TrainEngine):
         elif spec.head in (Head.SCORE, Head.STEP_SCORE):
             model = hf_model.load_score_model(spec.path, spec.model_cfg, device, trainable=trainable,
                                               per_token=spec.head is Head.STEP_SCORE)
-        else:
+        else:  # the policy, or a step-tag scorer
             model = hf_model.load_causal_lm(spec.path, spec.model_cfg, device, trainable=trainable)
         self.options = hf_model.forward_options(spec.model_cfg, dtype, device)
         self.share_prompts = self.options.share_prompts
@@ -112,7 +112,8 @@ class FSDPEngine(TrainEngine):
         if output is Output.SCORES:
             return {"scores": hf_model.sequence_scores(self.module, micro, self.options)}
         if output is Output.TOKEN_SCORES:
-            return {"token_scores": hf_model.response_token_scores(self.module, micro, self.options)}
+            return {"token_scores": hf_model.response_token_scores(self.module, micro, self.options,
+                                                                   self.spec.tag_token_ids)}
         if output is Output.LOGITS:
             return {"logits": hf_model.response_logits(self.module, micro, temperature, self.options)}
         with_entropy = output is Output.LOG_PROBS_ENTROPY

@@ -238,20 +238,39 @@ def position_scores(model: torch.nn.Module, inputs: dict[str, torch.Tensor],
     return scores.softmax(-1)[..., 1] if scores.shape[-1] == 2 else scores[..., 0]
 
 
-def response_token_scores(model: torch.nn.Module, micro: dict[str, torch.Tensor],
-                          options: ForwardOptions) -> torch.Tensor:
+def tag_position_scores(model: torch.nn.Module, inputs: dict[str, torch.Tensor], autocast_dtype: torch.dtype | None,
+                        tag_token_ids: tuple[int, int]) -> torch.Tensor:
+    """A step-tag scorer's P(good) (R, L) at every position of `inputs`: the softmax over the
+    next-token logits of the (good, bad) `tag_token_ids`, computed for those two tokens only."""
+    head = model.get_output_embeddings()
+    ids = torch.tensor(tag_token_ids, device=inputs["input_ids"].device)
+    autocast = torch.autocast(inputs["input_ids"].device.type, dtype=autocast_dtype or torch.bfloat16,
+                              enabled=autocast_dtype is not None)
+    with autocast, packing.replaced_head(head, lambda hidden: hidden @ head.weight[ids].to(hidden.dtype).T):
+        logits = model(**inputs, use_cache=False).logits
+    return logits.float().softmax(-1)[..., 0]
+
+
+def response_token_scores(model: torch.nn.Module, micro: dict[str, torch.Tensor], options: ForwardOptions,
+                          tag_token_ids: tuple[int, int] | None = None) -> torch.Tensor:
     """A token classifier's score (B, T) at each response token's own position (zero at padding
-    when the rows are packed)."""
+    when the rows are packed); with `tag_token_ids`, a step-tag scorer's P(good) there."""
     responses = micro["responses"]
+
+    def scores_at(inputs):
+        if tag_token_ids is None:
+            return position_scores(model, inputs, options.autocast_dtype)
+        return tag_position_scores(model, inputs, options.autocast_dtype, tag_token_ids)
+
     if not options.remove_padding:
         inputs = {key: micro[key] for key in ("input_ids", "attention_mask", "position_ids")}
-        return position_scores(model, inputs, options.autocast_dtype)[:, -responses.shape[1]:]
+        return scores_at(inputs)[:, -responses.shape[1]:]
     packed = packing.pack_rows(micro["input_ids"], micro["attention_mask"],
                                micro["input_ids"].shape[1] - responses.shape[1], options.share_prompts,
                                options.dense_mask)
     inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids,
               "attention_mask": packed.attention_mask}
-    scores = position_scores(model, inputs, options.autocast_dtype).flatten()[packed.own]
+    scores = scores_at(inputs).flatten()[packed.own]
     return packing.unpack(scores, packed, tuple(responses.shape))
 
 

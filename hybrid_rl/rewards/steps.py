@@ -2,8 +2,8 @@
 
 A response is split at its step separator (a run of separators counts as one). A step runs up to
 and including the separator that closes it, so its reward sits on the token holding that
-separator's last character (where a process reward model trained with a step tag reads); the
-last step ends at the response's end.
+separator's last character; the last step ends at the response's end. A step-tag scorer reads
+a copy of the response with a tag written after each step's text (`tag_steps`).
 """
 
 from __future__ import annotations
@@ -31,3 +31,19 @@ def token_at(token_ends: list[int], char_end: int) -> int:
     """The first token whose text reaches `char_end` (`token_ends`: each token's end offset,
     non-decreasing); the last token when none does."""
     return next((k for k, end in enumerate(token_ends) if end >= char_end), len(token_ends) - 1)
+
+
+def tag_steps(text: str, ends: list[int], separator: str, tag: str) -> tuple[str, list[int]]:
+    """`text` with `tag` written after each step's text (before the separators that close it, as
+    in "step one ки\nstep two ки"), and where each tag ends in the tagged text."""
+    tagged, tag_ends, start = "", [], 0
+    for end in ends:
+        step = text[start:end]
+        body = step
+        while body.endswith(separator):
+            body = body[:-len(separator)]
+        tagged += body + tag
+        tag_ends.append(len(tagged))
+        tagged += step[len(body):]
+        start = end
+    return tagged, tag_ends

@@ -31,18 +31,22 @@ class RewardModelWorker(ModelWorker):
 
         self.device = self.setup_device()
         rm_cfg = self.cfg.reward_model
-        head = Head.STEP_SCORE if rm_cfg.process.enable else Head.SCORE
+        step_tag = rm_cfg.process.step_tag if rm_cfg.process.enable else None
+        head = Head.STEP_TAG if step_tag is not None else Head.STEP_SCORE if rm_cfg.process.enable else Head.SCORE
         iterative = self.cfg.trainer.iterative
         optim = OmegaConf.create({  # iterative RL trains it further, at a constant learning rate
             "lr": iterative.reward_model.lr, "betas": [0.9, 0.999], "weight_decay": iterative.reward_model.weight_decay,
             "lr_warmup_steps": 0, "lr_warmup_steps_ratio": 0.0, "lr_scheduler_type": "constant",
             "min_lr_ratio": 0.0, "num_cycles": 0.5}) if iterative.enable else None
-        spec = ModelSpec("reward_model", self.model_path, rm_cfg.model, head=head, optim_cfg=optim)
-        role_cfg = OmegaConf.create({"strategy": rm_cfg.strategy, "fsdp_config": rm_cfg.model.fsdp_config})
-        self.reward_model = build_engine(spec, role_cfg, self.device)
         reward_tokenizer = AutoTokenizer.from_pretrained(self.model_path,
                                                          trust_remote_code=rm_cfg.model.trust_remote_code)
-        self.inputs = RewardInputs(load_tokenizer(self.cfg, self.policy_path), reward_tokenizer, rm_cfg.max_length)
+        tag_token_ids = tag_token_ids_of(reward_tokenizer, rm_cfg.process.step_tag_tokens) if step_tag else None
+        spec = ModelSpec("reward_model", self.model_path, rm_cfg.model, head=head, optim_cfg=optim,
+                         tag_token_ids=tag_token_ids)
+        role_cfg = OmegaConf.create({"strategy": rm_cfg.strategy, "fsdp_config": rm_cfg.model.fsdp_config})
+        self.reward_model = build_engine(spec, role_cfg, self.device)
+        self.inputs = RewardInputs(load_tokenizer(self.cfg, self.policy_path), reward_tokenizer, rm_cfg.max_length,
+                                   step_tag)
         return {"rank": self.rank, "params": self.reward_model.num_params(), "retemplate": self.inputs.retemplate}
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
@@ -113,3 +117,13 @@ def place_step_scores(token_scores: torch.Tensor, steps: list, shape) -> tuple[t
             step_scores[i, policy_token] += token_scores[i, reward_token]
             step_mask[i, policy_token] = True
     return step_scores, step_mask
+
+
+def tag_token_ids_of(tokenizer, tokens) -> tuple[int, int]:
+    """The ids of a step-tag scorer's (good, bad) tokens, each of which must be one token."""
+    ids = [tokenizer.encode(token, add_special_tokens=False) for token in tokens]
+    if any(len(token_ids) != 1 for token_ids in ids):
+        raise ValueError(f"reward_model.process.step_tag_tokens={list(tokens)!r} encode as {ids} with the reward "
+                         "model's tokenizer; each must be a single token (the scorer's next-token logits are read "
+                         "for them). Give the tokens it was trained to predict after the step tag.")
+    return ids[0][0], ids[1][0]

@@ -5,7 +5,7 @@ checks."""
 
 import pytest
 import torch
-from transformers import AutoModelForTokenClassification, LlamaForTokenClassification
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, LlamaForTokenClassification
 
 from hybrid_rl.algorithms.advantage import grpo_process_advantage
 from hybrid_rl.config import ConfigError
@@ -16,8 +16,8 @@ from hybrid_rl.protocol import Batch
 from hybrid_rl.rewards import RewardManager
 from hybrid_rl.rewards.mixture import sources_from_config
 from hybrid_rl.rewards.model_inputs import RewardInputs
-from hybrid_rl.rewards.steps import step_ends
-from hybrid_rl.workers.reward_model import place_step_scores
+from hybrid_rl.rewards.steps import step_ends, tag_steps
+from hybrid_rl.workers.reward_model import place_step_scores, tag_token_ids_of
 from tests.conftest import run_overrides
 from tests.rewards.test_mixture import reward_cfg
 from tests.rewards.test_reward_model import OTHER_TEMPLATE, build_reward_model
@@ -28,6 +28,8 @@ CHATS = [[{"role": "user", "content": "What is 12 + 34?"}],
          [{"role": "user", "content": "minus 17"}],
          [{"role": "user", "content": "3.5 dollars"}]]
 ANSWERS = ["12 + 34\n= 46\n\nThe answer is 46", "minus 17", "\n3.5 $\n"]
+# ANSWERS with a step tag after each step's text
+TAGGED = ["12 + 34 ки\n= 46 ки\n\nThe answer is 46 ки", "minus 17 ки", "\n3.5 $ ки\n"]
 
 
 def build_prm(path, tokenizer, num_labels=1, seed=0) -> str:
@@ -114,6 +116,58 @@ def test_a_process_reward_model_with_another_template_reads_its_own_tokens(tmp_p
             assert token_scores[i, token] == pytest.approx(plain[split + token].item(), abs=1e-5)
 
 
+def test_tag_steps():
+    text = "a = 1\nb = 2\n\nso 3"
+    tagged, ends = tag_steps(text, step_ends(text, "\n"), "\n", " ки")
+    assert tagged == "a = 1 ки\nb = 2 ки\n\nso 3 ки"
+    assert [tagged[:end] for end in ends] == ["a = 1 ки", "a = 1 ки\nb = 2 ки", tagged]
+
+
+@pytest.mark.parametrize("template", ["own", "none"])
+@pytest.mark.parametrize("packing", ["padded", "shared_prompts"])
+def test_a_step_tag_scorer_reads_p_good_after_each_tag(tiny_model_dir, tiny_tokenizer, make_tokenizer, packing,
+                                                        template, tmp_path):
+    """Math-Shepherd's scheme: the tagged text through the scorer's template (or, without one, the
+    question, a space and the tagged answer), P(good) from its next-token logits at each tag."""
+    tag = " ки"
+    path = tiny_model_dir
+    scorer_tokenizer = tiny_tokenizer
+    if template == "none":  # the policy's vocabulary without a chat template
+        scorer_tokenizer = make_tokenizer(None)
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir).save_pretrained(tmp_path / "scorer")
+        scorer_tokenizer.save_pretrained(tmp_path / "scorer")
+        path = str(tmp_path / "scorer")
+    good, bad = tag_token_ids_of(scorer_tokenizer, ["+", "-"])
+    batch = rollouts(tiny_tokenizer)
+    _, _, classifier_steps = RewardInputs(tiny_tokenizer, tiny_tokenizer, None).with_steps(batch, "\n")
+    rows, _, steps = RewardInputs(tiny_tokenizer, scorer_tokenizer, None, step_tag=tag).with_steps(batch, "\n")
+    # the same policy tokens carry the steps as with a token classifier
+    assert [[p for p, _ in row] for row in steps] == [[p for p, _ in row] for row in classifier_steps]
+    engine = reward_model_engine(path, packing=packing, head=Head.STEP_TAG, tag_token_ids=(good, bad))
+    token_scores = engine.infer(rows, Output.TOKEN_SCORES, 1.0, 2, None)["token_scores"]
+    plain_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for i, (chat, answer) in enumerate(zip(CHATS, ANSWERS)):
+        tagged = TAGGED[i]
+        if template == "own":
+            text = scorer_tokenizer.apply_chat_template(chat + [{"role": "assistant", "content": tagged}],
+                                                        tokenize=False)
+        else:
+            text = chat[-1]["content"] + " " + tagged
+        encoded = scorer_tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        with torch.no_grad():
+            logits = plain_model(input_ids=torch.tensor([encoded["input_ids"]])).logits[0]
+        p_good = logits[:, [good, bad]].softmax(-1)[:, 0]
+        answer_start = text.index(tagged)
+        tag_ends = [answer_start + k + len(tag) for k in range(len(tagged)) if tagged.startswith(tag, k)]
+        tag_tokens = [next(k for k, (start, end) in enumerate(encoded["offset_mapping"]) if start < tag_end <= end)
+                      for tag_end in tag_ends]
+        assert len(tag_tokens) == len(steps[i]) == len(step_ends(answer, "\n"))
+        split = len(encoded["input_ids"]) - rows["attention_mask"][i, -rows["responses"].shape[1]:].sum().item()
+        assert [split + r for _, r in steps[i]] == tag_tokens
+        for (_, r), k in zip(steps[i], tag_tokens):
+            assert token_scores[i, r].item() == pytest.approx(p_good[k].item(), abs=1e-5)
+
+
 def test_max_length_drops_the_steps_it_cuts_away(tiny_tokenizer):
     batch = rollouts(tiny_tokenizer)
     prompt_width = batch["input_ids"].shape[1] - batch["responses"].shape[1]
@@ -175,3 +229,17 @@ def test_process_reward_models_that_cannot_work_are_refused(tmp_path, tiny_token
                     "reward_model.process.step_separator=''"))
     *_, reward_fn, _ = prepare(cfg(f"reward_model.model.path={prm}", "reward_model.process.enable=true"))
     assert [s.step_keys for s in reward_fn.sources] == [("rm_step_scores", "rm_step_mask")]
+    # step-tag scorers
+    with pytest.raises(ModelPathError, match="not a causal LM"):
+        prepare(cfg(f"reward_model.model.path={prm}", "reward_model.process.enable=true",
+                    "reward_model.process.step_tag=' ки'"))
+    with pytest.raises(ConfigError, match="step_tag=' '"):
+        prepare(cfg(f"reward_model.model.path={tiny_model_dir}", "reward_model.process.enable=true",
+                    "reward_model.process.step_tag=' '"))
+    with pytest.raises(ConfigError, match="two different tokens"):
+        prepare(cfg(f"reward_model.model.path={tiny_model_dir}", "reward_model.process.enable=true",
+                    "reward_model.process.step_tag=' ки'", "reward_model.process.step_tag_tokens=[+,+]"))
+    prepare(cfg(f"reward_model.model.path={tiny_model_dir}", "reward_model.process.enable=true",
+                "reward_model.process.step_tag=' ки'"))
+    with pytest.raises(ValueError, match="each must be a single token"):
+        tag_token_ids_of(tiny_tokenizer, ["+", "a long word that is several tokens"])

@@ -64,11 +64,12 @@ PACKING = {"padded": {"use_remove_padding": False}, "packed": {"use_remove_paddi
            "shared_prompts": {"use_remove_padding": True, "share_prompt_prefix": True}}
 
 
-def engine(path, dtype="fp32", packing="shared_prompts", head=Head.SCORE):
+def engine(path, dtype="fp32", packing="shared_prompts", head=Head.SCORE, tag_token_ids=None):
     """The reward model on the FSDP engine; `packing` as `reward_model.model` sets it (default: ours)."""
     model_cfg = OmegaConf.create({"trust_remote_code": False, "override_config": {}, **PACKING[packing]})
     role_cfg = OmegaConf.create({"strategy": "fsdp", "fsdp_config": {"dtype": dtype, "reshard_after_forward": True}})
-    return build_engine(ModelSpec("reward_model", path, model_cfg, head=head), role_cfg, torch.device("cpu"))
+    return build_engine(ModelSpec("reward_model", path, model_cfg, head=head, tag_token_ids=tag_token_ids), role_cfg,
+                        torch.device("cpu"))
 
 
 def plain_scores(path, texts_ids) -> list[float]:

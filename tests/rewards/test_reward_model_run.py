@@ -43,10 +43,14 @@ def test_a_run_scored_by_a_reward_model(ray_session, tiny_model_dir, tiny_tokeni
     assert len({row["reward/reward_model"] for row in rows}) > 1  # one score per response, not a constant
 
 
-def test_a_process_supervised_run(ray_session, tiny_model_dir, tiny_tokenizer, arithmetic_files, tmp_path):
-    prm = build_prm(tmp_path / "prm", tiny_tokenizer, num_labels=2)
+@pytest.mark.parametrize("scorer", ["token_classifier", "step_tag"])
+def test_a_process_supervised_run(ray_session, tiny_model_dir, tiny_tokenizer, arithmetic_files, tmp_path, scorer):
+    if scorer == "token_classifier":
+        prm, extra = build_prm(tmp_path / "prm", tiny_tokenizer, num_labels=2), []
+    else:  # a causal LM read at a tag after each step
+        prm, extra = tiny_model_dir, ["reward_model.process.step_tag=' ки'"]
     step = run_one_step(tmp_path, tiny_model_dir, arithmetic_files, prm, "reward_model.process.enable=true",
-                        "algorithm.adv_estimator=grpo_process", "reward_model.process.step_separator=' '")
+                        "algorithm.adv_estimator=grpo_process", "reward_model.process.step_separator=' '", *extra)
     assert step["critic/score/mean"] == pytest.approx(step["reward/reward_model/mean"], abs=1e-6)
     assert step["reward_model/steps_per_response"] > 1  # steps at the spaces of the policy's responses
     assert "val/reward/reward_model/mean" in step and step["actor/pg_loss"] != 0.0

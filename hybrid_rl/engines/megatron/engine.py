@@ -77,8 +77,8 @@ class MegatronEngine(TrainEngine):
     def __init__(self, spec: ModelSpec, role_cfg: Any, device: torch.device):
         from megatron.core import parallel_state
 
-        if spec.head in (Head.SCORE, Head.STEP_SCORE):
-            raise ValueError(f"{spec.role}: reward models (sequence or token classifiers) run on the FSDP engine; "
+        if spec.head in (Head.SCORE, Head.STEP_SCORE, Head.STEP_TAG):
+            raise ValueError(f"{spec.role}: reward models (classifiers and step-tag scorers) run on the FSDP engine; "
                              "set its strategy to fsdp.")
         self.spec, self.device = spec, device
         megatron_cfg = role_cfg.megatron
