@@ -147,6 +147,26 @@ def attn_implementation(device: torch.device) -> str:
     return CPU_ATTENTION
 
 
+def padded_inputs(micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's inputs for a micro-batch's rows as they are."""
+    return {key: micro[key] for key in ("input_ids", "attention_mask", "position_ids")}
+
+
+def packed_inputs(micro: dict[str, torch.Tensor], options: ForwardOptions) -> tuple[dict, packing.PackedRows]:
+    """The model's inputs for a micro-batch packed into rows of real tokens (`packing.pack_rows`),
+    and the packing, which says where each response token went."""
+    prompt_len = micro["input_ids"].shape[1] - micro["responses"].shape[1]
+    packed = packing.pack_rows(micro["input_ids"], micro["attention_mask"], prompt_len, options.share_prompts,
+                               options.dense_mask)
+    return {"input_ids": packed.input_ids, "position_ids": packed.position_ids,
+            "attention_mask": packed.attention_mask}, packed
+
+
+def autocast_to(device_type: str, dtype: torch.dtype | None):
+    """CPU mixed precision to `dtype` (None: none)."""
+    return torch.autocast(device_type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
+
+
 def response_head_outputs(model: torch.nn.Module, micro: dict[str, torch.Tensor], options: ForwardOptions,
                           head_fn) -> torch.Tensor:
     """Run `model` on a micro-batch of [left-padded prompt | right-padded response] rows with its
@@ -158,23 +178,19 @@ def response_head_outputs(model: torch.nn.Module, micro: dict[str, torch.Tensor]
     prompt_len = micro["input_ids"].shape[1] - resp_len
     packed = None
     if options.remove_padding:
-        packed = packing.pack_rows(micro["input_ids"], micro["attention_mask"], prompt_len,
-                                   options.share_prompts, options.dense_mask)
-        inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids,
-                  "attention_mask": packed.attention_mask}
+        inputs, packed = packed_inputs(micro, options)
         # Packed predictions sit at different positions in each row: keep every hidden state
         # and pick them from the flattened rows.
         keep, targets = 0, packed.targets
         select = lambda hidden: hidden.flatten(0, 1)[packed.keep]  # noqa: E731
     else:
-        inputs = {key: micro[key] for key in ("input_ids", "attention_mask", "position_ids")}
+        inputs = padded_inputs(micro)
         keep = torch.arange(prompt_len - 1, prompt_len + resp_len - 1, device=responses.device)
         targets = responses
         select = lambda hidden: hidden  # noqa: E731
     head = model.get_output_embeddings()
-    autocast = torch.autocast(responses.device.type, dtype=options.autocast_dtype or torch.bfloat16,
-                              enabled=options.autocast_dtype is not None)
-    with autocast, packing.replaced_head(head, lambda hidden: head_fn(select(hidden), targets, head)):
+    with autocast_to(responses.device.type, options.autocast_dtype), \
+            packing.replaced_head(head, lambda hidden: head_fn(select(hidden), targets, head)):
         out = model(**inputs, use_cache=False, logits_to_keep=keep).logits
     return packing.unpack(out, packed, (batch, resp_len)) if packed is not None else out
 
@@ -227,10 +243,8 @@ def position_scores(model: torch.nn.Module, inputs: dict[str, torch.Tensor],
     here rather than through transformers' pooling, which looks for pad ids instead of the mask."""
     captured = {}
     hook = model.score.register_forward_hook(lambda module, args, out: captured.update(scores=out))
-    autocast = torch.autocast(inputs["input_ids"].device.type, dtype=autocast_dtype or torch.bfloat16,
-                              enabled=autocast_dtype is not None)
     try:
-        with autocast:
+        with autocast_to(inputs["input_ids"].device.type, autocast_dtype):
             model(**inputs, use_cache=False)
     finally:
         hook.remove()
@@ -244,9 +258,8 @@ def tag_position_scores(model: torch.nn.Module, inputs: dict[str, torch.Tensor],
     next-token logits of the (good, bad) `tag_token_ids`, computed for those two tokens only."""
     head = model.get_output_embeddings()
     ids = torch.tensor(tag_token_ids, device=inputs["input_ids"].device)
-    autocast = torch.autocast(inputs["input_ids"].device.type, dtype=autocast_dtype or torch.bfloat16,
-                              enabled=autocast_dtype is not None)
-    with autocast, packing.replaced_head(head, lambda hidden: hidden @ head.weight[ids].to(hidden.dtype).T):
+    two_logits = lambda hidden: hidden @ head.weight[ids].to(hidden.dtype).T  # noqa: E731
+    with autocast_to(inputs["input_ids"].device.type, autocast_dtype), packing.replaced_head(head, two_logits):
         logits = model(**inputs, use_cache=False).logits
     return logits.float().softmax(-1)[..., 0]
 
@@ -263,13 +276,8 @@ def response_token_scores(model: torch.nn.Module, micro: dict[str, torch.Tensor]
         return tag_position_scores(model, inputs, options.autocast_dtype, tag_token_ids)
 
     if not options.remove_padding:
-        inputs = {key: micro[key] for key in ("input_ids", "attention_mask", "position_ids")}
-        return scores_at(inputs)[:, -responses.shape[1]:]
-    packed = packing.pack_rows(micro["input_ids"], micro["attention_mask"],
-                               micro["input_ids"].shape[1] - responses.shape[1], options.share_prompts,
-                               options.dense_mask)
-    inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids,
-              "attention_mask": packed.attention_mask}
+        return scores_at(padded_inputs(micro))[:, -responses.shape[1]:]
+    inputs, packed = packed_inputs(micro, options)
     scores = scores_at(inputs).flatten()[packed.own]
     return packing.unpack(scores, packed, tuple(responses.shape))
 
@@ -283,6 +291,5 @@ def sequence_scores(model: torch.nn.Module, micro: dict[str, torch.Tensor], opti
     rows = torch.arange(len(mask), device=mask.device)
     if options.remove_padding and bool((response_lengths > 0).all()):
         return response_token_scores(model, micro, options)[rows, response_lengths - 1]
-    inputs = {key: micro[key] for key in ("input_ids", "attention_mask", "position_ids")}
     last = (torch.arange(mask.shape[1], device=mask.device) * mask.bool()).argmax(-1)
-    return position_scores(model, inputs, options.autocast_dtype)[rows, last]
+    return position_scores(model, padded_inputs(micro), options.autocast_dtype)[rows, last]

@@ -48,7 +48,7 @@ def main() -> None:
 
     from hybrid_rl.data.arithmetic import make_arithmetic_rows
     from hybrid_rl.engines import Head, ModelSpec, Output, build_engine
-    from hybrid_rl.engines.hf_model import compute_dtype, cpu_autocast_dtype
+    from hybrid_rl.engines.hf_model import autocast_to, compute_dtype, cpu_autocast_dtype
     from hybrid_rl.models import resolve_model_path
     from hybrid_rl.rewards.model_inputs import RewardInputs, collate_rows, pad_id
     from hybrid_rl.workers.reward_model import place_step_scores
@@ -90,7 +90,7 @@ def main() -> None:
 
     @torch.no_grad()
     def plain_forward():
-        with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+        with autocast_to("cpu", autocast_dtype):
             for part in batch.split(args.micro_batch):
                 plain(input_ids=part["input_ids"], attention_mask=part["attention_mask"],
                       position_ids=part["position_ids"])
