@@ -112,6 +112,8 @@ def validate_config(cfg: DictConfig) -> DictConfig:
                           "actor_rollout_ref.actor.kl_loss_type=full for the exact KL.")
     _choice(algo.kl_ctrl.type, ("fixed", "adaptive"), "algorithm.kl_ctrl.type")
     check_reward_model_config(cfg.reward_model)
+    check_overlong_buffer(cfg)
+    check_dynamic_sampling(cfg)
     check_iterative_config(cfg)
     if algo.kl_ctrl.type == "adaptive" and not algo.kl_ctrl.horizon > 0:
         raise ConfigError(f"algorithm.kl_ctrl.horizon={algo.kl_ctrl.horizon} must be positive for the adaptive "
@@ -230,6 +232,9 @@ def validate_config(cfg: DictConfig) -> DictConfig:
 
 def check_reward_model_config(rm: DictConfig) -> None:
     _choice(rm.on_error, ("zero", "raise"), "reward_model.on_error")
+    _choice(rm.reward_manager, (None, "naive", "dapo"), "reward_model.reward_manager",
+            dict.fromkeys(("prime", "batch"), "rewards are scored per sample here (naive; dapo with "
+                                             "reward_model.overlong_buffer); use naive"))
     if not rm.enable:
         return
     _choice(rm.strategy, ("fsdp", "fsdp2"), "reward_model.strategy",
@@ -252,6 +257,47 @@ def check_reward_model_config(rm: DictConfig) -> None:
                               "one first (e.g. ['+', '-']).")
     if rm.max_length is not None:
         _positive(rm.max_length, "reward_model.max_length")
+
+
+def check_overlong_buffer(cfg: DictConfig) -> None:
+    buffer = cfg.reward_model.overlong_buffer
+    if not buffer.enable:
+        return
+    max_length = cfg.data.max_response_length
+    if isinstance(buffer.len, bool) or not isinstance(buffer.len, int) or not 0 < buffer.len <= max_length:
+        raise ConfigError(f"reward_model.overlong_buffer.len={buffer.len!r} must be a whole number of tokens in "
+                          f"1..data.max_response_length ({max_length}): the responses longer than "
+                          "max_response_length - len are penalised (DAPO used 4096 of 20480).")
+    factor = buffer.penalty_factor
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 0:
+        raise ConfigError(f"reward_model.overlong_buffer.penalty_factor={factor!r} must be a number >= 0: the "
+                          "penalty at data.max_response_length (DAPO used 1.0).")
+
+
+FILTER_METRICS_OF_BATCH = ("reward", "seq_reward", "seq_final_reward")
+
+
+def check_dynamic_sampling(cfg: DictConfig) -> None:
+    """algorithm.filter_groups and data.gen_batch_size."""
+    groups, data = cfg.algorithm.filter_groups, cfg.data
+    if data.gen_batch_size is not None:
+        _positive(data.gen_batch_size, "data.gen_batch_size")
+        if not groups.enable and data.gen_batch_size != data.train_batch_size:
+            raise ConfigError(f"data.gen_batch_size={data.gen_batch_size} is read by dynamic sampling only; without "
+                              "it every generated prompt is trained on. Set algorithm.filter_groups.enable=true, or "
+                              f"set data.train_batch_size={data.gen_batch_size} instead.")
+    if not groups.enable:
+        return
+    if not isinstance(groups.metric, str) or not groups.metric:
+        raise ConfigError(f"algorithm.filter_groups.metric={groups.metric!r}: name what must differ within a group: "
+                          f"{', '.join(FILTER_METRICS_OF_BATCH)} or a value the reward function returns (e.g. acc).")
+    limit = groups.max_num_gen_batches
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ConfigError(f"algorithm.filter_groups.max_num_gen_batches={limit!r} must be a whole number >= 0 "
+                          "(0: generate until the batch is full).")
+    if cfg.actor_rollout_ref.rollout.n < 2:
+        raise ConfigError("algorithm.filter_groups.enable=true keeps the groups whose responses differ, which needs "
+                          f"actor_rollout_ref.rollout.n >= 2 (got {cfg.actor_rollout_ref.rollout.n}).")
 
 
 def check_iterative_config(cfg: DictConfig) -> None:

@@ -209,7 +209,9 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NO_EFFECT, "read only with the feature above it enabled, which is not supported yet",
             "actor_rollout_ref.rollout.prometheus.*", "actor_rollout_ref.rollout.disaggregation.*"),
     # --- data
-    *_rules(NOT_YET, "not built yet", "data.gen_batch_size", "data.validation_shuffle", "data.custom_cls.path"),
+    *_rules(WORKS, "prompts per generation batch of dynamic sampling; refused without "
+            "algorithm.filter_groups.enable unless equal to data.train_batch_size", "data.gen_batch_size"),
+    *_rules(NOT_YET, "not built yet", "data.validation_shuffle", "data.custom_cls.path"),
     *_rules(NO_EFFECT, "read only with data.custom_cls.path, which is not supported yet", "data.custom_cls.name"),
     *_rules(NO_EFFECT, "the validation set is generated as one batch, split over the ranks", "data.val_batch_size"),
     *_rules(NO_EFFECT, "the driver applies the chat template and sends token ids; raw chats and prompts are "
@@ -240,10 +242,11 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NO_EFFECT, "read only with a sandbox url, which is not supported yet", "sandbox_fusion.*",
             "reward.sandbox_fusion.*"),
     # --- algorithm
-    *_rules(NOT_YET, "not built yet", "algorithm.filter_groups.enable", "algorithm.use_pf_ppo",
+    *_rules(NOT_YET, "not built yet", "algorithm.use_pf_ppo",
             "algorithm.rollout_correction.bypass_mode", "algorithm.rollout_correction.loss_type"),
-    *_rules(NO_EFFECT, "read only with the switch next to it on, which is not supported yet",
-            "algorithm.filter_groups.*", "algorithm.pf_ppo.*"),
+    *_rules(NO_EFFECT, "read only with the switch next to it on, which is not supported yet", "algorithm.pf_ppo.*"),
+    *_rules(NO_EFFECT, "verl's asynchronous trainer overlaps generation batches; here they run one after another",
+            "algorithm.filter_groups.max_inflight_gen_batches"),
     # --- trainer
     *_rules(NOT_YET, "not built yet", "trainer.checkpoint_callback_class", "trainer.default_hdfs_dir",
             "trainer.del_local_ckpt_after_load", "trainer.max_critic_ckpt_to_keep", "trainer.esi_redundant_time",

@@ -346,7 +346,7 @@ class SetupError(RuntimeError):
 @hydra.main(config_path=str(CONF_DIR), config_name="ppo_trainer", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     OmegaConf.resolve(cfg)
-    from hybrid_rl.trainer import WorkerFailure
+    from hybrid_rl.trainer import DynamicSamplingError, WorkerFailure
 
     stop = GracefulStop()
     stop.install()
@@ -362,6 +362,9 @@ def main(cfg: DictConfig) -> None:
     except WorkerFailure as exc:
         print(f"error: {exc}. The last checkpoint is intact; rerun the same command to resume "
               "(or set trainer.max_restarts to restart automatically).", file=sys.stderr)
+        sys.exit(1)
+    except DynamicSamplingError as exc:
+        print(f"error: {exc} Complete checkpoints are intact.", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
         print(f"Stopped by {signal.Signals(stop.exit_code - 128).name}; no checkpoint was written for the "

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 
 import torch
 
+from hybrid_rl.algorithms import groups_with_variance
 from hybrid_rl.protocol import Batch
 
 
@@ -30,6 +31,9 @@ def compute_data_metrics(batch: Batch) -> dict[str, float]:
         **_stats("prompt_length", prompt_length),
         "response_length/clip_ratio": float((response_length == mask.shape[1]).float().mean()),
     }
+    if "uid" in batch:  # the share of groups whose responses all scored the same: no advantage to learn from
+        varied = groups_with_variance(batch["token_level_scores"].sum(-1), batch["uid"])
+        metrics["critic/score/zero_variance_groups"] = 1.0 - float(varied.float().mean())
     return metrics
 
 

@@ -1,6 +1,7 @@
-"""The driver-side training loop. One GRPO step, top to bottom, is `Trainer.fit`'s loop body:
+"""The driver-side training loop. One GRPO step, top to bottom, is `Trainer.train_step`:
 
-    prompts -> generate -> [reward model] -> reward -> [balance over ranks] -> [old log-probs] -> [reference log-probs]
+    prompts -> generate -> [reward model] -> reward -> [dynamic sampling: more prompts until enough groups differ]
+            -> [balance over ranks] -> [old log-probs] -> [reference log-probs]
             -> advantages -> actor update -> weight sync into the rollout engine -> [validation] -> log
 """
 
@@ -23,11 +24,11 @@ from transformers import AutoConfig
 
 from hybrid_rl.algorithms import (
     RunningMoments, apply_kl_penalty, compute_rollout_correction, get_advantage_estimator, get_kl_controller,
-    mismatch_metrics, shape_advantages, shape_scores,
+    groups_with_variance, mismatch_metrics, overlong_penalty, shape_advantages, shape_scores,
 )
 from hybrid_rl import seqlen_balancing
 from hybrid_rl.checkpoint import CheckpointManager, read_trainer_state
-from hybrid_rl.config import needs_critic, needs_reference, to_container
+from hybrid_rl.config import FILTER_METRICS_OF_BATCH, needs_critic, needs_reference, to_container
 from hybrid_rl.console import RunSummary, quiet_env
 from hybrid_rl.controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool, WorkerError, create_colocated_worker_cls
 from hybrid_rl.models import resolve_model_path
@@ -82,6 +83,15 @@ class WorkerFailure(RuntimeError):
     """A worker process failed or died; the message names the rank, node and step."""
 
 
+class DynamicSamplingError(RuntimeError):
+    """Dynamic sampling reached algorithm.filter_groups.max_num_gen_batches without enough groups."""
+
+
+def _rows_of(extra: dict, rows: list[int], n_rows: int) -> dict:
+    """The reward function's per-sample values (lists of ``n_rows``) at ``rows``."""
+    return {key: [values[i] for i in rows] if len(values) == n_rows else values for key, values in extra.items()}
+
+
 class Trainer:
     def __init__(self, cfg: DictConfig, model_path: str, tokenizer, train_dataset: RLDataset,
                  val_dataset: RLDataset | None, reward_fn: RewardManager, val_reward_fn: RewardManager):
@@ -97,12 +107,15 @@ class Trainer:
         self.use_reference = needs_reference(cfg)
         self.use_critic = needs_critic(cfg)
 
-        steps_per_epoch = len(train_dataset) // cfg.data.train_batch_size
+        self.dynamic_sampling = cfg.algorithm.filter_groups.enable
+        gen_batch_size = cfg.data.gen_batch_size or cfg.data.train_batch_size
+        steps_per_epoch = len(train_dataset) // gen_batch_size
         self.total_steps = cfg.trainer.total_training_steps or steps_per_epoch * cfg.trainer.total_epochs
+        # Dynamic sampling draws an unknown number of batches per step: the sampler never runs dry.
+        epochs = math.ceil(self.total_steps / max(1, steps_per_epoch))
         self.sampler = EpochSampler(
-            len(train_dataset), cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
-            drop_last=True,
-            total_epochs=max(cfg.trainer.total_epochs, math.ceil(self.total_steps / max(1, steps_per_epoch))))
+            len(train_dataset), gen_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed, drop_last=True,
+            total_epochs=2**62 if self.dynamic_sampling else max(cfg.trainer.total_epochs, epochs))
         actor = cfg.actor_rollout_ref.actor
         correction = cfg.algorithm.rollout_correction
         # With a single on-policy update the ratio is exactly 1 and the old log-probs are the
@@ -227,10 +240,10 @@ class Trainer:
             if cfg.trainer.val_only:
                 return
         self.summary.first_step = self.global_step + 1
-        batches = iter(self.sampler)
+        self.batches = iter(self.sampler)
         for step in range(self.global_step + 1, self.total_steps + 1):
             self.global_step = step
-            metrics = self.train_step(next(batches))
+            metrics = self.train_step(next(self.batches))
             if self.iteration is not None and self.iteration.due(step):
                 metrics.update(self.end_iteration())
             is_last = step == self.total_steps
@@ -349,32 +362,15 @@ class Trainer:
 
     def train_step(self, indices: list[int]) -> dict[str, float]:
         cfg = self.cfg
-        n = cfg.actor_rollout_ref.rollout.n
         timer = Timer()
         metrics: dict[str, float] = {}
         with timer.phase("step"):
-            prompts = self.prompt_batch(indices)
-            prompts["uid"] = [str(uuid.uuid4()) for _ in range(len(prompts))]
-            prompts.meta = BatchMeta(step=self.global_step,
-                                     temperature=training_temperature(cfg.actor_rollout_ref.rollout))
-            batch = prompts.repeat(n, interleave=True)
+            batch, reward_extra = self.generate_and_score(indices, timer, metrics)
 
-            with timer.phase("gen"):
-                batch = self.workers.generate_sequences(batch)
-
-            if cfg.algorithm.adv_estimator == "remax":
-                with timer.phase("gen_max"):
-                    batch["reward_baselines"] = self.greedy_baseline(prompts).repeat_interleave(n)
-
-            if self.reward_model is not None:
-                with timer.phase("reward_model"):
-                    metrics.update(self.add_rm_scores(batch))
+            if self.dynamic_sampling:
+                batch, reward_extra = self.keep_varied_groups(batch, reward_extra, timer, metrics)
 
             with timer.phase("reward"):
-                scores, reward_extra = self.reward_fn(batch)
-                if "step_mask" in reward_extra:
-                    batch["step_mask"] = reward_extra.pop("step_mask")
-                batch["token_level_scores"] = scores
                 batch["token_level_rewards"] = self.shaped_rewards(batch)
 
             if cfg.trainer.balance_batch and self.n_ranks > 1:
@@ -422,13 +418,108 @@ class Trainer:
             self.dump_generations(cfg.trainer.rollout_data_dir, batch, reward_extra)
         metrics.update({"training/global_step": float(self.global_step), **compute_data_metrics(batch),
                         **timer.timings, **throughput_metrics(batch, timer.timings["timing_s/step"], self.n_ranks)})
-        metrics["reward/failed_samples"] = float(self.reward_fn.failures)
         metrics["reward/failed_samples_total"] = float(self.reward_fn.total_failures)
         metrics.update(reward_source_metrics(reward_extra, self.reward_fn.sandbox_failures))
         accuracies = [float(a) for a in reward_extra.get("acc", []) if a is not None]  # None: failed sample
         if accuracies:
             metrics["critic/acc/mean"] = float(np.mean(accuracies))
         return metrics
+
+    def generate_and_score(self, indices: list[int], timer: Timer, metrics: dict) -> tuple[Batch, dict]:
+        """n responses to each of the prompts at `indices`, with their (reward model's and) reward
+        function's scores as `token_level_scores`; returns the batch and the reward function's
+        per-sample values."""
+        cfg = self.cfg
+        n = cfg.actor_rollout_ref.rollout.n
+        prompts = self.prompt_batch(indices)
+        prompts["uid"] = [str(uuid.uuid4()) for _ in range(len(prompts))]
+        prompts.meta = BatchMeta(step=self.global_step, temperature=training_temperature(cfg.actor_rollout_ref.rollout))
+        batch = prompts.repeat(n, interleave=True)
+
+        with timer.phase("gen"):
+            batch = self.workers.generate_sequences(batch)
+
+        if cfg.algorithm.adv_estimator == "remax":
+            with timer.phase("gen_max"):
+                batch["reward_baselines"] = self.greedy_baseline(prompts).repeat_interleave(n)
+
+        if self.reward_model is not None:
+            with timer.phase("reward_model"):
+                metrics.update(self.add_rm_scores(batch))
+
+        with timer.phase("reward"):
+            scores, reward_extra = self.reward_fn(batch)
+            metrics["reward/failed_samples"] = metrics.get("reward/failed_samples", 0.0) + self.reward_fn.failures
+            if "step_mask" in reward_extra:
+                batch["step_mask"] = reward_extra.pop("step_mask")
+            batch["token_level_scores"] = self.add_overlong_penalty(batch, scores, reward_extra, metrics)
+        return batch, reward_extra
+
+    def add_overlong_penalty(self, batch: Batch, scores: torch.Tensor, reward_extra: dict, metrics: dict) -> torch.Tensor:
+        """DAPO's overlong buffer (reward_model.overlong_buffer): each response's penalty added to
+        its score on its last token."""
+        buffer = self.cfg.reward_model.overlong_buffer
+        if not buffer.enable:
+            return scores
+        lengths = batch["response_mask"].sum(-1)
+        penalty = overlong_penalty(lengths, self.cfg.data.max_response_length, buffer.len, buffer.penalty_factor)
+        scores = scores.clone()
+        scores[torch.arange(len(scores)), (lengths - 1).clamp_min(0)] += penalty
+        metrics["reward/overlong_penalty/mean"] = float(penalty.mean())
+        metrics["reward/overlong_share"] = float((penalty < 0).float().mean())
+        if buffer.log:
+            reward_extra["overlong_reward"] = penalty.tolist()
+            reward_extra["overlong"] = (penalty < 0).tolist()
+        return scores
+
+    def keep_varied_groups(self, batch: Batch, reward_extra: dict, timer: Timer,
+                           metrics: dict) -> tuple[Batch, dict]:
+        """DAPO's dynamic sampling (algorithm.filter_groups): keep the groups whose responses differ
+        in `metric`, generating batches of further prompts until `data.train_batch_size` prompts are
+        kept; the surplus of the last batch is dropped."""
+        cfg = self.cfg
+        n, wanted = cfg.actor_rollout_ref.rollout.n, cfg.data.train_batch_size
+        limit = cfg.algorithm.filter_groups.max_num_gen_batches
+        kept: list[tuple[Batch, dict]] = []
+        kept_groups = generated_groups = generation_batches = 0
+        while True:
+            generation_batches += 1
+            keep = groups_with_variance(self.filter_values(batch, reward_extra), batch["uid"])
+            rows = keep.nonzero().squeeze(-1).tolist()
+            kept.append((batch[torch.tensor(rows, dtype=torch.long)], _rows_of(reward_extra, rows, len(batch))))
+            generated_groups += len(batch) // n
+            kept_groups += len(rows) // n
+            if kept_groups >= wanted:
+                break
+            if limit and generation_batches >= limit:
+                raise DynamicSamplingError(
+                    f"dynamic sampling (algorithm.filter_groups) made {generation_batches} generation batches "
+                    f"(algorithm.filter_groups.max_num_gen_batches) and kept only {kept_groups} of the {wanted} prompts "
+                    f"a step trains on (data.train_batch_size): the other {generated_groups - kept_groups} prompts' "
+                    f"responses all scored the same {cfg.algorithm.filter_groups.metric}. The problems are too hard or "
+                    "too easy for the model: raise max_num_gen_batches (0: no limit) or use data nearer its level.")
+            batch, reward_extra = self.generate_and_score(next(self.batches), timer, metrics)
+        batch = Batch.concat([part for part, _ in kept])[: wanted * n]
+        keys = dict.fromkeys(key for _, extra in kept for key in extra)
+        reward_extra = {key: [v for part, extra in kept for v in extra.get(key, [None] * len(part))][: wanted * n]
+                        for key in keys}
+        metrics["dynamic_sampling/generation_batches"] = float(generation_batches)
+        metrics["dynamic_sampling/zero_variance_groups"] = 1.0 - kept_groups / generated_groups
+        return batch, reward_extra
+
+    def filter_values(self, batch: Batch, reward_extra: dict) -> torch.Tensor:
+        """Per response, the value whose spread within a group dynamic sampling asks for."""
+        metric = self.cfg.algorithm.filter_groups.metric
+        if metric in FILTER_METRICS_OF_BATCH:
+            return batch["token_level_scores"].sum(-1)
+        values = reward_extra.get(metric)
+        if values is None or len(values) != len(batch) or any(v is None for v in values):
+            returned = sorted(key for key, v in reward_extra.items() if len(v) == len(batch))
+            raise DynamicSamplingError(
+                f"algorithm.filter_groups.metric={metric!r} is not a value the reward function returned for every "
+                f"sample (it returned: {', '.join(returned)}); use one of those or "
+                f"{', '.join(FILTER_METRICS_OF_BATCH)}.")
+        return torch.tensor([float(v) for v in values], dtype=torch.float64)
 
     def add_rm_scores(self, batch: Batch) -> dict[str, float]:
         """The reward model's scores of the batch's responses (`rm_scores`), when there is one."""

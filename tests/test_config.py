@@ -78,6 +78,9 @@ def test_unknown_key_is_rejected_by_hydra():
      ["save_contents='weights' is not valid", "hf_model"]),
     ("actor_rollout_ref.rollout.max_model_len=10", ["max_model_len (10)", "prompt_length + rollout.response_length"]),
     ("actor_rollout_ref.rollout.prompt_length=4", ["rollout.prompt_length (4)", "data.max_prompt_length"]),
+    ("reward_model.reward_manager=prime", ["reward_manager=prime is not supported yet", "use naive"]),
+    ("data.gen_batch_size=16", ["data.gen_batch_size=16 is read by dynamic sampling only",
+                                "algorithm.filter_groups.enable=true", "data.train_batch_size=16"]),
 ])
 def test_bad_choice_or_value(override, fragments):
     with pytest.raises(ConfigError) as err:
@@ -199,3 +202,29 @@ def test_rollout_tensor_parallel_sizes_the_model_cannot_take_are_refused(tiny_mo
     fits = validate_config(compose_config(["trainer.n_gpus_per_node=2", "trainer.device=cpu",
                                            "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]))
     check_model_limits(fits, tiny_model_dir)
+
+
+DAPO = ["algorithm.filter_groups.enable=true", "reward_model.overlong_buffer.enable=true",
+        "reward_model.overlong_buffer.len=8", "reward_model.overlong_buffer.penalty_factor=1.0"]
+
+
+def test_verl_dapo_recipe_keys_validate():
+    validate_config(compose_config([*DAPO, "data.gen_batch_size=24", "algorithm.filter_groups.metric=acc",
+                                    "algorithm.filter_groups.max_num_gen_batches=10", "reward_model.reward_manager=dapo",
+                                    "actor_rollout_ref.actor.clip_ratio_high=0.28"]))
+
+
+@pytest.mark.parametrize("override, fragments", [
+    ("reward_model.overlong_buffer.len=0", ["overlong_buffer.len=0", "1..data.max_response_length"]),
+    ("reward_model.overlong_buffer.len=100000", ["overlong_buffer.len=100000", "1..data.max_response_length"]),
+    ("reward_model.overlong_buffer.penalty_factor=-1", ["penalty_factor=-1", ">= 0"]),
+    ("algorithm.filter_groups.metric=null", ["filter_groups.metric=None", "seq_reward", "acc"]),
+    ("algorithm.filter_groups.max_num_gen_batches=-2", ["max_num_gen_batches=-2", "0: generate until"]),
+    ("actor_rollout_ref.rollout.n=1", ["filter_groups.enable=true", "rollout.n >= 2 (got 1)"]),
+    ("data.gen_batch_size=0", ["data.gen_batch_size=0", "positive"]),
+])
+def test_bad_dapo_settings(override, fragments):
+    with pytest.raises(ConfigError) as err:
+        validate_config(compose_config([*DAPO, override]))
+    for fragment in fragments:
+        assert fragment in str(err.value)

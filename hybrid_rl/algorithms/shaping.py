@@ -170,3 +170,29 @@ def shape_advantages(adv: torch.Tensor, mask: torch.Tensor, config: Mapping[str,
     if cfg_get(config, "whiten_advantages", False):
         adv = whiten_advantages(adv, mask)
     return clip_advantages(adv, cfg_get(config, "advantage_clip"))
+
+
+@torch.no_grad()
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer_length: int, factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment (verl's ``reward_model.overlong_buffer``), per response:
+
+        penalty(L) = min(0, −(L − (L_max − L_buf)) / L_buf · factor)
+
+    zero up to ``L_max − L_buf`` tokens, then falling linearly to ``−factor`` at ``L_max``
+    (``data.max_response_length``); ``lengths`` are the responses' valid token counts (B,).
+    """
+    if not 0 < buffer_length <= max_length:
+        raise ValueError(f"the overlong buffer ({buffer_length} tokens) must be in 1..max_response_length "
+                         f"({max_length})")
+    exceed = lengths.to(torch.float32) - (max_length - buffer_length)
+    return (-exceed / buffer_length * factor).clamp(max=0.0)
+
+
+@torch.no_grad()
+def groups_with_variance(values: torch.Tensor, index: Sequence | np.ndarray | torch.Tensor) -> torch.Tensor:
+    """DAPO's dynamic-sampling filter: True for each row whose group (rows sharing an ``index``
+    id) has std(values) > 0, or has a single row; False for the rows of groups whose values are all
+    equal (every response right, or every one wrong), which carry no GRPO advantage."""
+    ids, num_groups = group_ids(index, values.device)
+    _, std = group_mean_std(values.to(torch.float64), ids, num_groups)
+    return (std > 0)[ids]
