@@ -196,9 +196,9 @@ def check_builtin_data_sources(dataset, key: str) -> None:
     """Without custom_reward_function.path every row's data_source needs a built-in scorer."""
     from collections import Counter
 
-    from hybrid_rl.rewards import KNOWN_DATA_SOURCES
+    from hybrid_rl.rewards import KNOWN_DATA_SOURCES, builtin_scorer
 
-    unknown = Counter(str(s) for s in dataset.data_sources() if str(s) not in KNOWN_DATA_SOURCES)
+    unknown = Counter(str(s) for s in dataset.data_sources() if builtin_scorer(s) is None)
     if unknown:
         found = ", ".join(f"{name!r} ({count} rows)" for name, count in unknown.most_common(5))
         raise ConfigError(

@@ -93,7 +93,7 @@ def test_a_users_own_yaml_extends_ours(where, installed, tmp_path):
 
 def test_console_commands(installed, tmp_path):
     for command, expected in (("hybrid-rl-train", "adv_estimator: grpo"), ("hybrid-rl-export", "CHECKPOINT"),
-                              ("hybrid-rl-reward-model", "sample,train")):
+                              ("hybrid-rl-reward-model", "sample,train"), ("hybrid-rl-evaluate", "pass@k")):
         args = ["--cfg", "job"] if command == "hybrid-rl-train" else ["--help"]
         done = run([str(installed / "bin" / command), *args], installed, tmp_path)
         assert done.returncode == 0, done.stderr[-2000:]

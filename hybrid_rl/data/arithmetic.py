@@ -1,6 +1,6 @@
 """Synthetic arithmetic problems in verl's RL data schema.
 
-``make_arithmetic_rows`` is used by ``tools/make_arithmetic_data.py`` to
+``make_arithmetic_rows`` is used by ``tools/data/arithmetic.py`` to
 write parquet files, and by tests / smoke jobs to build data on the fly.
 """
 
@@ -16,6 +16,39 @@ DATA_SOURCE = "arithmetic"
 # The instruction given to the model; ``{a}``, ``{op}`` and ``{b}`` are filled in.
 # Kept in one place so it can be tuned without touching the generator.
 PROMPT_TEMPLATE = "Calculate {a} {op} {b}. Reply with only the final number."
+
+# Other ways to ask the same problems, for training on several phrasings or measuring how far
+# what was learnt carries over. Per phrasing and operator, templates drawn at random per row;
+# ``{name}`` and ``{item}`` are drawn from NAMES and ITEMS. Subtraction can go below zero, so its
+# stories are about quantities that can.
+PHRASINGS: dict[str, dict[str, tuple[str, ...]]] = {
+    "plain": {op: (PROMPT_TEMPLATE,) for op in "+-*"},
+    "question": {
+        "+": ("What is {a} plus {b}?", "How much is {a} added to {b}?"),
+        "-": ("What is {a} minus {b}?", "How much is {b} subtracted from {a}?"),
+        "*": ("What is {a} times {b}?", "How much is {a} multiplied by {b}?"),
+    },
+    "words": {
+        "+": ("{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?",
+              "A box holds {a} {item}. {name} puts {b} more {item} into it. How many {item} are in the box now?"),
+        "-": ("The temperature was {a} degrees in the morning and fell by {b} degrees by night. What was the "
+              "temperature at night?",
+              "{name}'s bank balance was {a} dollars. {name} paid a bill of {b} dollars. What is the balance now?"),
+        "*": ("There are {a} bags with {b} {item} in each bag. How many {item} are there in all?",
+              "{name} buys {a} packs of {item}, each with {b} {item} inside. How many {item} does {name} buy?"),
+    },
+}
+NAMES = ("Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goran", "Hana")
+ITEMS = ("apples", "marbles", "stickers", "pencils", "coins", "shells")
+
+# Held-out sets that differ from the built-in training problems (operands 1-20, plain phrasing)
+# in operand range, phrasing or both; each row's data_source is "arithmetic/<name>", so a
+# validation over them reports each set on its own. Scored by the arithmetic scorer.
+SHIFTED_SETS: dict[str, dict] = {
+    "wide": {"lo": 21, "hi": 99, "phrasing": "plain"},
+    "question": {"lo": 1, "hi": 99, "phrasing": "question"},
+    "words": {"lo": 1, "hi": 99, "phrasing": "words"},
+}
 
 # Operand range of the built-in data set: SmolLM2-135M-Instruct solves about a third of these
 # greedily, and sampled groups often mix right and wrong answers, which GRPO needs to learn.
@@ -48,14 +81,18 @@ def make_arithmetic_rows(
     ops: Iterable[str] | str = "+-",
     exclude: Iterable[tuple[int, str, int]] = frozenset(),
     split: str = "train",
-    prompt_template: str = PROMPT_TEMPLATE,
+    phrasing: str = "plain",
+    data_source: str = DATA_SOURCE,
 ) -> list[dict]:
-    """Return ``n`` distinct problems ``a op b`` with operands in ``[lo, hi]``.
+    """Return ``n`` distinct problems ``a op b`` with operands in ``[lo, hi]``, asked in one of
+    the ``PHRASINGS``.
 
     Problems whose ``(a, op, b)`` is in ``exclude`` are never produced, so a
     test split can be made disjoint from a train split. Deterministic in
     ``seed``.
     """
+    if phrasing not in PHRASINGS:
+        raise ValueError(f"phrasing must be one of {', '.join(PHRASINGS)}, got {phrasing!r}")
     ops = list(dict.fromkeys(ops))  # keep order, drop duplicates
     bad = [o for o in ops if o not in _OPS]
     if not ops or bad:
@@ -79,6 +116,8 @@ def make_arithmetic_rows(
         )
 
     rng = random.Random(seed)
+    # A generator of its own, so the plain phrasing's problems do not depend on it.
+    wording = random.Random(f"{seed}-{phrasing}")
     # Sample problem indices without replacement (range() is not materialised).
     picks = rng.sample(range(space), min(space, n + excluded_in_space))
     rows: list[dict] = []
@@ -91,36 +130,49 @@ def make_arithmetic_rows(
         if (a, op, b) in exclude:
             continue
         result = _OPS[op](a, b)
+        template = wording.choice(PHRASINGS[phrasing][op])
+        text = template.format(a=a, op=op, b=b, name=wording.choice(NAMES), item=wording.choice(ITEMS))
         rows.append(
             {
-                "data_source": DATA_SOURCE,
-                "prompt": [{"role": "user", "content": prompt_template.format(a=a, op=op, b=b)}],
+                "data_source": data_source,
+                "prompt": [{"role": "user", "content": text}],
                 "ability": "math",
                 "reward_model": {"style": "rule", "ground_truth": str(result)},
-                "extra_info": {"split": split, "index": len(rows), "a": a, "b": b, "op": op},
+                "extra_info": {"split": split, "index": len(rows), "a": a, "b": b, "op": op, "phrasing": phrasing},
             }
         )
     return rows
 
 
-def write_arithmetic_dataset(out_dir: str, train_size: int = 600, test_size: int = 200, seed: int = 0,
-                             lo: int = DEFAULT_LO, hi: int = DEFAULT_HI, ops: str = "+-") -> tuple[str, str]:
-    """Write disjoint ``train.parquet`` / ``test.parquet`` splits; returns their paths.
-
-    Files are written under a temporary name and renamed, so an interrupted write never leaves a
-    truncated file that a later run would read."""
+def write_rows(path: str, rows: list[dict]) -> str:
+    """Write rows as parquet under a temporary name and rename it, so an interrupted write never
+    leaves a truncated file that a later run would read."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    os.makedirs(out_dir, exist_ok=True)
-    test = make_arithmetic_rows(test_size, seed=seed + 1, lo=lo, hi=hi, ops=ops, split="test")
-    train = make_arithmetic_rows(train_size, seed=seed, lo=lo, hi=hi, ops=ops,
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    pq.write_table(pa.Table.from_pylist(rows), tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def write_arithmetic_dataset(out_dir: str, train_size: int = 600, test_size: int = 200, seed: int = 0,
+                             lo: int = DEFAULT_LO, hi: int = DEFAULT_HI, ops: str = "+-",
+                             phrasing: str = "plain") -> tuple[str, str]:
+    """Write disjoint ``train.parquet`` / ``test.parquet`` splits; returns their paths."""
+    test = make_arithmetic_rows(test_size, seed=seed + 1, lo=lo, hi=hi, ops=ops, split="test", phrasing=phrasing)
+    train = make_arithmetic_rows(train_size, seed=seed, lo=lo, hi=hi, ops=ops, phrasing=phrasing,
                                  exclude={problem_key(r) for r in test}, split="train")
-    paths = []
-    for name, rows in (("train", train), ("test", test)):
-        path = os.path.join(out_dir, f"{name}.parquet")
-        tmp = f"{path}.tmp{os.getpid()}"
-        pq.write_table(pa.Table.from_pylist(rows), tmp)
-        os.replace(tmp, path)
-        paths.append(path)
-    return paths[0], paths[1]
+    return (write_rows(os.path.join(out_dir, "train.parquet"), train),
+            write_rows(os.path.join(out_dir, "test.parquet"), test))
+
+
+def shifted_rows(size: int, seed: int, ops: str = "+-", exclude: Iterable[tuple[int, str, int]] = frozenset()
+                 ) -> list[dict]:
+    """``size`` problems of each of the ``SHIFTED_SETS``, none of them in ``exclude``."""
+    rows = []
+    for i, (name, spec) in enumerate(SHIFTED_SETS.items()):
+        rows += make_arithmetic_rows(size, seed=seed + 100 + i, ops=ops, exclude=exclude, split="test",
+                                     data_source=f"{DATA_SOURCE}/{name}", **spec)
+    return rows

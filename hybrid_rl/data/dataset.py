@@ -39,7 +39,7 @@ def _read_parquet(path: str) -> list[dict]:
     except Exception as exc:  # pyarrow raises ArrowInvalid/OSError on corrupt files
         raise ValueError(
             f"cannot read parquet file {path}: {type(exc).__name__}: {str(exc).rstrip('.')}. "
-            "The file is corrupt or not parquet; regenerate it (e.g. tools/make_arithmetic_data.py)."
+            "The file is corrupt or not parquet; regenerate it (e.g. tools/data/arithmetic.py)."
         ) from exc
     return table.to_pylist()
 
@@ -89,7 +89,7 @@ def read_rows(files: str | os.PathLike | Sequence[str | os.PathLike]) -> list[di
         if not os.path.exists(path):
             raise FileNotFoundError(
                 f"data file not found: {path}. Check data.train_files / data.val_files "
-                "(e.g. run tools/make_arithmetic_data.py to create the arithmetic data)."
+                "(e.g. run tools/data/arithmetic.py to create the arithmetic data)."
             )
         lower = path.lower()
         if lower.endswith(_PARQUET_EXT):

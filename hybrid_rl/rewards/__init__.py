@@ -31,9 +31,16 @@ _BUILTIN_SCORERS: dict[str, Callable[[str, Any, Any], float]] = {
 KNOWN_DATA_SOURCES: tuple[str, ...] = tuple(_BUILTIN_SCORERS)
 
 
+def builtin_scorer(data_source) -> Callable[[str, Any, Any], float] | None:
+    """The built-in scorer registered for ``data_source``, or for the part of it before the first
+    "/" (``arithmetic/words`` is scored as ``arithmetic``); None when there is none."""
+    name = str(data_source)
+    return _BUILTIN_SCORERS.get(name) or _BUILTIN_SCORERS.get(name.split("/", 1)[0])
+
+
 def default_compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict:
-    """Score one response with the built-in scorer registered for ``data_source``."""
-    scorer = _BUILTIN_SCORERS.get(str(data_source))
+    """Score one response with the built-in scorer of its ``data_source`` (``builtin_scorer``)."""
+    scorer = builtin_scorer(data_source)
     if scorer is None:
         raise UnknownDataSourceError(
             f"No built-in reward function for data_source={str(data_source)!r}. "
@@ -54,6 +61,7 @@ __all__ = [
     "RewardFunctionError",
     "RewardManager",
     "UnknownDataSourceError",
+    "builtin_scorer",
     "default_compute_score",
     "load_custom_reward_fn",
 ]

@@ -42,6 +42,39 @@ def test_arithmetic_generator():
         make_arithmetic_rows(1, ops="/")
 
 
+def test_other_phrasings_ask_the_same_problems_in_other_words():
+    plain = make_arithmetic_rows(40, seed=5, lo=1, hi=99, ops="+-*")
+    for phrasing in ("question", "words"):
+        rows = make_arithmetic_rows(40, seed=5, lo=1, hi=99, ops="+-*", phrasing=phrasing, data_source="arithmetic/x")
+        assert rows == make_arithmetic_rows(40, seed=5, lo=1, hi=99, ops="+-*", phrasing=phrasing,
+                                            data_source="arithmetic/x")
+        assert [problem_key(r) for r in rows] == [problem_key(r) for r in plain]
+        assert [r["reward_model"] for r in rows] == [r["reward_model"] for r in plain]
+        for row in rows:
+            a, _, b = problem_key(row)
+            text = row["prompt"][0]["content"]
+            assert row["data_source"] == "arithmetic/x" and row["extra_info"]["phrasing"] == phrasing
+            assert str(a) in text and str(b) in text and "Calculate" not in text and "{" not in text
+    with pytest.raises(ValueError, match="phrasing must be one of plain, question, words"):
+        make_arithmetic_rows(1, phrasing="poem")
+
+
+def test_shifted_sets_differ_from_training_and_are_scored_as_arithmetic():
+    from hybrid_rl.data.arithmetic import SHIFTED_SETS, shifted_rows
+    from hybrid_rl.rewards import UnknownDataSourceError, default_compute_score
+
+    train = {problem_key(r) for r in make_arithmetic_rows(600, seed=0, lo=1, hi=20)}
+    rows = shifted_rows(64, seed=0, exclude=train)
+    assert len(rows) == 64 * len(SHIFTED_SETS)
+    assert not {problem_key(r) for r in rows} & train
+    assert {r["data_source"] for r in rows} == {f"arithmetic/{name}" for name in SHIFTED_SETS}
+    row = rows[-1]
+    truth = row["reward_model"]["ground_truth"]
+    assert default_compute_score(row["data_source"], f"It is {truth}.", truth) == 1.0
+    with pytest.raises(UnknownDataSourceError):
+        default_compute_score("geometry/words", "1", "1")
+
+
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
 def test_round_trip(tmp_path, tiny_tokenizer, fmt):
     rows = make_arithmetic_rows(20, seed=0)
