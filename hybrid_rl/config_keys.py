@@ -407,7 +407,7 @@ DEVIATIONS: dict[str, str] = {
                   "actor_rollout_ref.actor.optim.lr", "actor_rollout_ref.actor.ppo_mini_batch_size",
                   "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.actor.use_dynamic_bsz",
                   "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "actor_rollout_ref.actor.use_kl_loss",
-                  "actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.n",
+                  "actor_rollout_ref.rollout.n",
                   "actor_rollout_ref.rollout.tensor_model_parallel_size",
                   "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
                   "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",

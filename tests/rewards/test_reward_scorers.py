@@ -84,3 +84,18 @@ def test_default_compute_score_unknown_source():
     for known in KNOWN_DATA_SOURCES:
         assert known in msg
     assert "custom_reward_function.path=" in msg and "custom_reward_function.name=" in msg
+
+
+@pytest.mark.parametrize("answer, truth, correct", [
+    ("so x is 12.\nAnswer: 12", "12", True),
+    ("Answer: $\\frac{1}{2}$", "\\frac12", True),
+    ("Answer: \\boxed{1,000}", "1000", True),
+    ("Answer: 10 degrees", "10", True),
+    ("Answer: x = 5", "5", True),
+    ("Answer: 13", "12", False),
+    ("the answer is 12", "12", False),  # no Answer: line
+    ("Answer: 7\nlater: Answer: 12", "12", True),  # the last one counts
+])
+def test_dapo_math_scorer_compares_minerva_normal_forms(answer, truth, correct):
+    result = default_compute_score("math_dapo", answer, truth)
+    assert result["acc"] is correct and result["score"] == (1.0 if correct else -1.0)

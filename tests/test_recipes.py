@@ -1,0 +1,56 @@
+"""recipes/: every paper-scale script composes with its paper's settings, and every CPU script
+started without its data names the command that writes it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hybrid_rl.main import REPO_ROOT
+
+RECIPES = sorted(p.parent.name for p in Path(REPO_ROOT, "recipes").glob("*/run_paper.sh"))
+# Per recipe, settings its paper states (README.md cites them).
+PAPER = {
+    "dapo": {"actor_rollout_ref.actor.clip_ratio_low": 0.2, "actor_rollout_ref.actor.clip_ratio_high": 0.28,
+             "actor_rollout_ref.rollout.n": 16, "data.train_batch_size": 512, "data.max_response_length": 20480,
+             "reward_model.overlong_buffer.len": 4096, "actor_rollout_ref.actor.optim.lr": 1e-6,
+             "actor_rollout_ref.actor.loss_agg_mode": "token-mean", "algorithm.filter_groups.enable": True,
+             "actor_rollout_ref.actor.use_kl_loss": False},
+}
+
+
+def bash(*args, **env):
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    return subprocess.run(["bash", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PATH": path, **env})
+
+
+def test_every_recipe_has_its_files():
+    assert RECIPES, "no recipes"
+    for name in RECIPES:
+        for file in ("README.md", "run_paper.sh", "run_cpu.sh"):
+            assert (Path(REPO_ROOT) / "recipes" / name / file).is_file(), (name, file)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_paper_script_composes_with_the_papers_settings(name):
+    done = bash(f"recipes/{name}/run_paper.sh", "--cfg", "job")
+    assert done.returncode == 0, done.stderr[-2000:]
+    cfg = yaml.safe_load(done.stdout)
+    for key, value in PAPER[name].items():
+        node = cfg
+        for part in key.split("."):
+            node = node[part]
+        assert node == value, (key, node, value)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_scripts_without_their_data_print_the_command_that_writes_it(name, tmp_path):
+    for script in ("run_paper.sh", "run_cpu.sh"):
+        done = bash(f"recipes/{name}/{script}", DATA_DIR=str(tmp_path / "nothing"), PYTHON=sys.executable)
+        assert done.returncode == 1 and "is missing; run: " in done.stderr and "tools/data/" in done.stderr, done.stderr
