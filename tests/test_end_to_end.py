@@ -80,7 +80,7 @@ def test_two_ranks_vllm_grpo(eager, rollout_tp, ray_session, tiny_model_dir, tin
     # The update changed the weights: the actor scores the same sequences differently.
     mask = before_rollout["response_mask"].bool()
     after = trainer.workers.compute_log_prob(before_rollout)["old_log_probs"]
-    assert (after - before)[mask].abs().max() > 1e-3
+    assert (after - before)[mask].abs().max() > 1e-4  # unchanged weights give exactly the same forward
 
     # After the sync, vLLM samples from exactly the trained weights.
     rollout = trainer.workers.generate_sequences(probe)

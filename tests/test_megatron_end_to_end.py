@@ -64,7 +64,7 @@ def test_megatron_syncs_exact_weights_into_vllm(tp, pp, rollout_tp, algorithm, r
 
     mask = before_rollout["response_mask"].bool()
     after = trainer.workers.compute_log_prob(before_rollout)["old_log_probs"]
-    assert (after - before)[mask].abs().max() > 1e-3  # the updates moved the weights
+    assert (after - before)[mask].abs().max() > 1e-4  # the updates moved the weights (else exactly 0)
 
     rollout = trainer.workers.generate_sequences(probe)
     recomputed = trainer.workers.compute_log_prob(rollout)["old_log_probs"]
