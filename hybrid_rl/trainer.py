@@ -87,9 +87,17 @@ class DynamicSamplingError(RuntimeError):
     """Dynamic sampling reached algorithm.filter_groups.max_num_gen_batches without enough groups."""
 
 
-def _rows_of(extra: dict, rows: list[int], n_rows: int) -> dict:
-    """The reward function's per-sample values (lists of ``n_rows``) at ``rows``."""
-    return {key: [values[i] for i in rows] if len(values) == n_rows else values for key, values in extra.items()}
+def _rows_of(extra: dict, rows: list[int]) -> dict:
+    """The reward function's per-sample values at ``rows``."""
+    return {key: [values[i] for i in rows] for key, values in extra.items()}
+
+
+def _add_on_last_token(token_values: torch.Tensor, response_mask: torch.Tensor, per_response: torch.Tensor) -> torch.Tensor:
+    """A copy of (B, T) ``token_values`` with each response's value added on its last valid token."""
+    last = (response_mask.sum(-1) - 1).clamp_min(0)
+    out = token_values.clone()
+    out[torch.arange(len(out)), last] += per_response
+    return out
 
 
 class Trainer:
@@ -461,16 +469,14 @@ class Trainer:
         buffer = self.cfg.reward_model.overlong_buffer
         if not buffer.enable:
             return scores
-        lengths = batch["response_mask"].sum(-1)
-        penalty = overlong_penalty(lengths, self.cfg.data.max_response_length, buffer.len, buffer.penalty_factor)
-        scores = scores.clone()
-        scores[torch.arange(len(scores)), (lengths - 1).clamp_min(0)] += penalty
+        penalty = overlong_penalty(batch["response_mask"].sum(-1), self.cfg.data.max_response_length, buffer.len,
+                                   buffer.penalty_factor)
         metrics["reward/overlong_penalty/mean"] = float(penalty.mean())
         metrics["reward/overlong_share"] = float((penalty < 0).float().mean())
         if buffer.log:
             reward_extra["overlong_reward"] = penalty.tolist()
             reward_extra["overlong"] = (penalty < 0).tolist()
-        return scores
+        return _add_on_last_token(scores, batch["response_mask"], penalty)
 
     def keep_varied_groups(self, batch: Batch, reward_extra: dict, timer: Timer,
                            metrics: dict) -> tuple[Batch, dict]:
@@ -486,7 +492,7 @@ class Trainer:
             generation_batches += 1
             keep = groups_with_variance(self.filter_values(batch, reward_extra), batch["uid"])
             rows = keep.nonzero().squeeze(-1).tolist()
-            kept.append((batch[torch.tensor(rows, dtype=torch.long)], _rows_of(reward_extra, rows, len(batch))))
+            kept.append((batch[torch.tensor(rows, dtype=torch.long)], _rows_of(reward_extra, rows)))
             generated_groups += len(batch) // n
             kept_groups += len(rows) // n
             if kept_groups >= wanted:
@@ -548,10 +554,7 @@ class Trainer:
         shaped = shape_scores(totals, batch["uid"], self.cfg.algorithm, self.reward_stats)
         if shaped is totals:
             return scores
-        last = (batch["response_mask"].sum(-1) - 1).clamp_min(0)
-        rewards = scores.clone()
-        rewards[torch.arange(len(rewards)), last] += shaped - totals
-        return rewards
+        return _add_on_last_token(scores, batch["response_mask"], shaped - totals)
 
     def reward_kl_and_rollout_correction(self, batch: Batch) -> dict[str, float]:
         """KL penalty in the reward (`algorithm.use_kl_in_reward`) and, when the trainer's own
