@@ -220,6 +220,29 @@ def test_megatron_critic_matches_fsdp(value_model_dir, tp, pp):
         assert (update - expected_update).norm() / expected_update.norm() <= 1e-3
 
 
+def test_fsdp_critic_runs_in_its_dtype_on_packed_rows(value_model_dir):
+    """The value forward runs in `critic.fsdp_config.dtype` (on CPU through autocast, not in the
+    master weights' fp32) and, with `use_remove_padding`, on packed rows of real tokens, giving the
+    values of the padded forward."""
+    seen, values = {}, {}
+    for dtype, packed in (("fp32", False), ("fp32", True), ("bf16", True)):
+        cfg = compose_config(["critic.strategy=fsdp2", f"critic.fsdp_config.dtype={dtype}",
+                              f"critic.model.use_remove_padding={packed}"])
+        critic = build_engine(ModelSpec("critic", value_model_dir, cfg.critic.model, head=Head.VALUE), cfg.critic,
+                              torch.device("cpu"))
+        layer = critic.hf_module().model.layers[0].mlp.down_proj
+        hook = layer.register_forward_hook(lambda module, args, out, key=(dtype, packed): seen.update({key: out}))
+        values[dtype, packed] = critic.infer(rollout_batch(1), Output.VALUES, 1.0, 3, None)["values"]
+        hook.remove()
+    assert {key: out.dtype for key, out in seen.items()} == {
+        ("fp32", False): torch.float32, ("fp32", True): torch.float32, ("bf16", True): torch.bfloat16}
+    assert seen["fp32", True].shape[:2].numel() < seen["fp32", False].shape[:2].numel()  # no padding computed
+    mask = rollout_batch(1)["response_mask"].bool()
+    assert (values["fp32", True] - values["fp32", False])[mask].abs().max() <= 1e-5
+    assert (values["fp32", True][~mask] == 0).all()
+    assert (values["bf16", True] - values["fp32", False])[mask].abs().max() <= 0.1
+
+
 def test_dispatch_follows_the_data_parallel_layout():
     # TP=2 x DP=2 over 4 ranks: ranks 0, 1 are replica 0 (rank 0 answers), ranks 2, 3 replica 1.
     layout = [RankLayout(0, 2, True), RankLayout(0, 2, False), RankLayout(1, 2, True), RankLayout(1, 2, False)]

@@ -74,7 +74,7 @@ class FSDPEngine(TrainEngine):
         fsdp_cfg = role_cfg.fsdp_config
         dtype = hf_model.compute_dtype(fsdp_cfg.dtype, device)
         trainable = spec.optim_cfg is not None
-        if spec.head is Head.VALUE:  # the value forward runs on padded rows (`hf_model.response_values`)
+        if spec.head is Head.VALUE:
             model = hf_model.load_value_model(spec.path, spec.model_cfg, device)
         elif spec.head in (Head.SCORE, Head.STEP_SCORE):
             model = hf_model.load_score_model(spec.path, spec.model_cfg, device, trainable=trainable,
@@ -108,7 +108,7 @@ class FSDPEngine(TrainEngine):
     def forward(self, micro: dict[str, torch.Tensor], output: Output, temperature: float) -> dict[str, torch.Tensor]:
         """One micro-batch through the model (with gradients where enabled)."""
         if output is Output.VALUES:
-            return {"values": hf_model.response_values(self.module, micro)}
+            return {"values": hf_model.response_values(self.module, micro, self.options)}
         if output is Output.SCORES:
             return {"scores": hf_model.sequence_scores(self.module, micro, self.options)}
         if output is Output.TOKEN_SCORES:

@@ -227,11 +227,18 @@ def response_logits(model: torch.nn.Module, micro: dict[str, torch.Tensor], temp
     return response_head_outputs(model, micro, options, head_fn)
 
 
-def response_values(model: torch.nn.Module, micro: dict[str, torch.Tensor]) -> torch.Tensor:
-    """V(s_t) for each response token t: the value read at the position that precedes it."""
-    resp_len = micro["responses"].shape[1]
-    out = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
-                position_ids=micro["position_ids"], use_cache=False)
+def response_values(model: torch.nn.Module, micro: dict[str, torch.Tensor], options: ForwardOptions) -> torch.Tensor:
+    """V(s_t) (B, T) for each response token t: the value head's output at the position that
+    precedes it, computed in the role's dtype and, with `remove_padding`, on packed rows of real
+    tokens (as the policy's forward)."""
+    batch, resp_len = micro["responses"].shape
+    with autocast_to(micro["input_ids"].device.type, options.autocast_dtype):
+        if options.remove_padding:
+            inputs, packed = packed_inputs(micro, options)
+            values = model(**inputs, use_cache=False).logits.flatten(0, 1)[packed.keep, 0]
+            return packing.unpack(values.float(), packed, (batch, resp_len))
+        out = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
+                    position_ids=micro["position_ids"], use_cache=False)
     return out.logits[:, -resp_len - 1:-1, 0].float()
 
 
