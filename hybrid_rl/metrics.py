@@ -31,6 +31,12 @@ def compute_data_metrics(batch: Batch) -> dict[str, float]:
         **_stats("prompt_length", prompt_length),
         "response_length/clip_ratio": float((response_length == mask.shape[1]).float().mean()),
     }
+    # Lengths of right and wrong answers apart (a score above zero is right under the built-in 0/1
+    # and +-1 scorers): GRPO's per-response length normalisation lets wrong answers grow (Dr. GRPO).
+    right = batch["token_level_scores"].sum(-1) > 0
+    for name, chosen in (("correct", right), ("incorrect", ~right)):
+        if chosen.any():
+            metrics[f"response_length/{name}_mean"] = float(response_length[chosen].mean())
     if "uid" in batch:  # the share of groups whose responses all scored the same: no advantage to learn from
         varied = groups_with_variance(batch["token_level_scores"].sum(-1), batch["uid"])
         metrics["critic/score/zero_variance_groups"] = 1.0 - float(varied.float().mean())

@@ -78,3 +78,46 @@ def test_dapo_math_from_local_files_is_scored_by_the_answer_line(tmp_path):
     done = run_tool("tools/data/dapo_math.py", "--out-dir", str(tmp_path), "--train-file", str(plain), "--test-file",
                     str(plain))
     assert done.returncode == 1 and "not in verl's schema" in done.stderr
+
+
+MATH_TRAIN_ROWS = [
+    {"problem": "What is $\\frac{1}{2} + \\frac{1}{4}$?", "level": "Level 2", "type": "Prealgebra",
+     "solution": "We get $\\frac{2}{4} + \\frac{1}{4} = \\boxed{\\frac{3}{4}}$."},
+    {"problem": "Solve $x^2 = 4$ for $x > 0$.", "level": "Level 3", "type": "Algebra",
+     "solution": "Taking roots, $x = \\boxed{2}$."},
+    {"problem": "Find the interval where $x^2 < 1$.", "level": "Level 5", "type": "Algebra",
+     "solution": "It is $\\boxed{(-1, 1)}$."},
+]
+MATH500_ROWS = [{"problem": "Compute $3 \\cdot 4$.", "answer": "12", "level": 1, "subject": "Prealgebra",
+                 "solution": "$3 \\cdot 4 = 12$."}]
+
+
+def test_math_keeps_the_asked_levels_and_its_reference_answers_score_one(tmp_path):
+    train, test = tmp_path / "train.jsonl", tmp_path / "math500.jsonl"
+    train.write_text("".join(json.dumps(row) + "\n" for row in MATH_TRAIN_ROWS))
+    test.write_text("".join(json.dumps(row) + "\n" for row in MATH500_ROWS))
+    done = run_tool("tools/data/hendrycks_math.py", "--out-dir", str(tmp_path / "out"), "--train-file", str(train),
+                    "--test-file", str(test), "--levels", "3", "4", "5", "--template", "qwen-math")
+    assert done.returncode == 0, done.stderr
+    rows = read_rows(str(tmp_path / "out" / "train.parquet"))
+    assert [row["reward_model"]["ground_truth"] for row in rows] == ["2", "(-1, 1)"]
+    assert [row["extra_info"]["level"] for row in rows] == [3, 5]
+    assert rows[0]["prompt"][0]["role"] == "system" and "\\boxed{}" in rows[0]["prompt"][0]["content"]
+    assert rows[0]["prompt"][1] == {"role": "user", "content": MATH_TRAIN_ROWS[1]["problem"]}
+    for row, source in zip(rows, MATH_TRAIN_ROWS[1:]):  # the reference solution is right, a wrong one is not
+        assert default_compute_score(row["data_source"], source["solution"], row["reward_model"]["ground_truth"]) == \
+            {"score": 1.0, "acc": True, "pred": row["reward_model"]["ground_truth"]}
+        assert default_compute_score(row["data_source"], "so $\\boxed{7}$", row["reward_model"]["ground_truth"])["score"] == 0.0
+    (test_row,) = read_rows(str(tmp_path / "out" / "test.parquet"))  # every level kept; the answer column used
+    assert test_row["data_source"] == "HuggingFaceH4/MATH-500" and test_row["reward_model"]["ground_truth"] == "12"
+    assert test_row["prompt"][-1]["content"].startswith(MATH500_ROWS[0]["problem"])
+
+
+def test_math_rows_without_an_answer_or_of_no_asked_level_are_named(tmp_path):
+    source = tmp_path / "bad.jsonl"
+    source.write_text(json.dumps({"problem": "p", "level": "Level 4", "solution": "no box"}) + "\n")
+    done = run_tool("tools/data/hendrycks_math.py", "--out-dir", str(tmp_path), "--train-file", str(source), "--test-file", str(source))
+    assert done.returncode == 1 and "train row 0 has neither an answer nor a \\boxed{} answer" in done.stderr
+    done = run_tool("tools/data/hendrycks_math.py", "--out-dir", str(tmp_path), "--train-file", str(source), "--test-file",
+                    str(source), "--levels", "1")
+    assert done.returncode == 1 and "no train problem is of level 1" in done.stderr

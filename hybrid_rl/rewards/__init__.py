@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from . import arithmetic, gsm8k, math_answer
+from . import arithmetic, gsm8k, math_answer, math_verified
 
 
 def _score_arithmetic(solution_str, ground_truth, extra_info):
@@ -25,12 +25,19 @@ def _score_math_dapo(solution_str, ground_truth, extra_info):
     return math_answer.compute_score(solution_str, ground_truth)
 
 
+def _score_math_latex(solution_str, ground_truth, extra_info):
+    return math_verified.compute_score(solution_str, ground_truth)
+
+
 # data_source -> scorer(solution_str, ground_truth, extra_info)
 _BUILTIN_SCORERS: dict[str, Callable[[str, Any, Any], float]] = {
     "arithmetic": _score_arithmetic,
     "openai/gsm8k": _score_gsm8k,
     "gsm8k": _score_gsm8k,
     "math_dapo": _score_math_dapo,
+    "DigitalLearningGmbH/MATH-lighteval": _score_math_latex,
+    "lighteval/MATH": _score_math_latex,
+    "HuggingFaceH4/MATH-500": _score_math_latex,
 }
 
 KNOWN_DATA_SOURCES: tuple[str, ...] = tuple(_BUILTIN_SCORERS)

@@ -99,3 +99,29 @@ def test_default_compute_score_unknown_source():
 def test_dapo_math_scorer_compares_minerva_normal_forms(answer, truth, correct):
     result = default_compute_score("math_dapo", answer, truth)
     assert result["acc"] is correct and result["score"] == (1.0 if correct else -1.0)
+
+
+@pytest.mark.parametrize("response, truth, correct", [
+    ("so the answer is $\\boxed{\\frac{1}{2}}$", "0.5", True),  # equal values in other forms
+    ("The answer is 1/2.", "\\frac12", True),  # a plain expression when there is no \boxed{}
+    ("first $\\boxed{3}$, then on reflection $\\boxed{4}$", "4", True),  # the last answer counts
+    ("x = \\boxed{3}", "4", False),
+    ("\\boxed{[1, 2)}", "(1, 2]", False),  # intervals compare with their ends' kinds
+    ("\\boxed{\\begin{pmatrix}1\\\\2\\end{pmatrix}}", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", True),
+    ("I cannot tell", "4", False),
+    ("", "4", False),
+])
+def test_latex_math_scorer_compares_values_with_math_verify(response, truth, correct):
+    result = default_compute_score("HuggingFaceH4/MATH-500", response, truth)
+    assert (result["score"], result["acc"]) == (1.0 if correct else 0.0, correct)
+
+
+def test_latex_math_scorer_works_off_the_main_thread():
+    """math-verify's own time limit needs the main thread; the reward manager's timed calls run elsewhere."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hybrid_rl.rewards.math_verified import compute_score, last_boxed
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(compute_score, "$\\boxed{2^{10}}$", "1024").result()["acc"]
+    assert last_boxed("a \\boxed{x^{2}} b \\fbox{\\frac{1}{2}} c") == "\\frac{1}{2}"
+    assert last_boxed("no box") is None and last_boxed("\\boxed{unclosed") is None
