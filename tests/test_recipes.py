@@ -21,6 +21,20 @@ PAPER = {
              "reward_model.overlong_buffer.len": 4096, "actor_rollout_ref.actor.optim.lr": 1e-6,
              "actor_rollout_ref.actor.loss_agg_mode": "token-mean", "algorithm.filter_groups.enable": True,
              "actor_rollout_ref.actor.use_kl_loss": False},
+    "dr_grpo": {"actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-sum-norm",
+                "actor_rollout_ref.actor.loss_scale_factor": 3000, "algorithm.norm_adv_by_std_in_grpo": False,
+                "actor_rollout_ref.actor.use_kl_loss": False, "actor_rollout_ref.actor.optim.lr": 1e-6,
+                "actor_rollout_ref.actor.optim.lr_scheduler_type": "constant", "actor_rollout_ref.rollout.n": 8,
+                "data.train_batch_size": 128, "data.max_response_length": 3000, "data.max_prompt_length": 1024,
+                "actor_rollout_ref.rollout.temperature": 1.0},
+    "gspo": {"actor_rollout_ref.actor.policy_loss.loss_mode": "gspo", "actor_rollout_ref.actor.clip_ratio_low": 3e-4,
+             "actor_rollout_ref.actor.clip_ratio_high": 4e-4, "actor_rollout_ref.actor.ppo_mini_batch_size": 128,
+             "data.train_batch_size": 512, "actor_rollout_ref.rollout.n": 16,
+             "actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-mean", "actor_rollout_ref.actor.use_kl_loss": False},
+    "ppo_vs_grpo_gsm8k": {"algorithm.adv_estimator": "gae", "data.train_batch_size": 256,
+                          "actor_rollout_ref.actor.ppo_mini_batch_size": 64, "actor_rollout_ref.actor.optim.lr": 1e-6,
+                          "critic.optim.lr": 1e-5, "algorithm.kl_ctrl.kl_coef": 0.001, "data.max_prompt_length": 512,
+                          "data.max_response_length": 256, "trainer.total_epochs": 15},
 }
 
 

@@ -11,36 +11,19 @@
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/../.." && pwd)
-data=${DATA_DIR:-$HOME/data/arithmetic}
+source "$repo/recipes/lib.sh"
+use_arithmetic_data
 out=${OUT_DIR:-$repo/runs/recipes/dapo}
-python=${PYTHON:-$repo/.venv/bin/python}
-for file in train test shifted; do
-  [[ -f $data/$file.parquet ]] || {
-    echo "error: $data/$file.parquet is missing; run: $python tools/data/arithmetic.py --out-dir $data" >&2; exit 1; }
-done
-
-common=(
-  data.train_files="$data/train.parquet" data.val_files="[$data/test.parquet,$data/shifted.parquet]"
-  data.val_max_samples=-1 data.max_prompt_length=128
-  actor_rollout_ref.actor.ppo_mini_batch_size=2
-  trainer.total_training_steps=60 trainer.test_freq=10 trainer.logger='[console,jsonl]' trainer.progress_bar=false
-  trainer.final_model_dir=null trainer.project_name=dapo_cpu
-)
+common=(actor_rollout_ref.actor.ppo_mini_batch_size=2 trainer.project_name=dapo_cpu)
 dapo=(
   actor_rollout_ref.actor.clip_ratio_high=0.28 actor_rollout_ref.actor.use_kl_loss=false
   algorithm.filter_groups.enable=true algorithm.filter_groups.metric=score algorithm.filter_groups.max_num_gen_batches=0
   reward_model.reward_manager=dapo reward_model.overlong_buffer.enable=true
   reward_model.overlong_buffer.len=8 reward_model.overlong_buffer.penalty_factor=1.0
 )
-run() {
-  local name=$1; shift
-  echo "== $name"
-  (cd "$repo" && "$python" -m hybrid_rl.main "${common[@]}" trainer.experiment_name="$name" \
-      trainer.default_local_dir="$out/$name" "$@")
-}
-run grpo "$@"
-run clip_higher actor_rollout_ref.actor.clip_ratio_high=0.28 "$@"
-run dapo "${dapo[@]}" "$@"
+cpu_run grpo "$@"
+cpu_run clip_higher actor_rollout_ref.actor.clip_ratio_high=0.28 "$@"
+cpu_run dapo "${dapo[@]}" "$@"
 "$python" "$repo/tools/plot_metrics.py" "$out/grpo/metrics.jsonl:GRPO" "$out/clip_higher/metrics.jsonl:clip-higher" \
     "$out/dapo/metrics.jsonl:DAPO" -o "$here/cpu_run.png" \
     --metrics actor/entropy critic/score/zero_variance_groups dynamic_sampling/zero_variance_groups \

@@ -44,11 +44,7 @@ overrides=(
   trainer.project_name=DAPO trainer.experiment_name=dapo_qwen2.5_32b
 )
 
-if [[ ${1:-} == --cfg ]]; then
-  exec python -m hybrid_rl.main "${overrides[@]}" "$@"
-fi
-for file in "$data/dapo-math-17k.parquet" "$data/aime-2024.parquet"; do
-  [[ -f $file ]] || { echo "error: $file is missing; run: python tools/data/dapo_math.py --out-dir $data" >&2; exit 1; }
-done
-# Inside a SLURM allocation: a Ray cluster over its nodes, then the job (tools/cluster/slurm_ray.sbatch).
-exec bash "$repo/tools/cluster/slurm_ray.sbatch" "${overrides[@]}" "$@"
+data_prep="python tools/data/dapo_math.py --out-dir $data"
+data_files=("$data/dapo-math-17k.parquet" "$data/aime-2024.parquet")
+source "$repo/recipes/lib.sh"
+start_paper_run "$@"
