@@ -23,8 +23,9 @@ def compute_data_metrics(batch: Batch) -> dict[str, float]:
     response_length = mask.sum(-1).float()
     prompt_length = batch["attention_mask"][:, : batch["prompts"].shape[1]].sum(-1).float()
     valid_adv = batch["advantages"][mask]
+    scores = batch["token_level_scores"].sum(-1)
     metrics = {
-        **_stats("critic/score", batch["token_level_scores"].sum(-1)),
+        **_stats("critic/score", scores),
         **_stats("critic/rewards", batch["token_level_rewards"].sum(-1)),
         **_stats("critic/advantages", valid_adv if valid_adv.numel() else torch.zeros(1)),
         **_stats("response_length", response_length),
@@ -33,12 +34,12 @@ def compute_data_metrics(batch: Batch) -> dict[str, float]:
     }
     # Lengths of right and wrong answers apart (a score above zero is right under the built-in 0/1
     # and +-1 scorers): GRPO's per-response length normalisation lets wrong answers grow (Dr. GRPO).
-    right = batch["token_level_scores"].sum(-1) > 0
+    right = scores > 0
     for name, chosen in (("correct", right), ("incorrect", ~right)):
         if chosen.any():
             metrics[f"response_length/{name}_mean"] = float(response_length[chosen].mean())
     if "uid" in batch:  # the share of groups whose responses all scored the same: no advantage to learn from
-        varied = groups_with_variance(batch["token_level_scores"].sum(-1), batch["uid"])
+        varied = groups_with_variance(scores, batch["uid"])
         metrics["critic/score/zero_variance_groups"] = 1.0 - float(varied.float().mean())
     return metrics
 

@@ -49,7 +49,8 @@ def convert(rows: list[dict], split: str, data_source: str, levels: set[int] | N
         if "problem" not in row:
             raise SystemExit(f"error: {split} row {index} has no problem column (columns: {', '.join(row)}); "
                              "expected MATH's columns problem and solution (or answer).")
-        if levels is not None and level_of(row) not in levels:
+        level = level_of(row)
+        if levels is not None and level not in levels:
             continue
         truth = row.get("answer") or last_boxed(row.get("solution") or "")
         if not truth:
@@ -57,7 +58,7 @@ def convert(rows: list[dict], split: str, data_source: str, levels: set[int] | N
                              f"solution: {row!r:.200}")
         out.append({"data_source": data_source, "prompt": prompt_of(row["problem"], template), "ability": "math",
                     "reward_model": {"style": "rule", "ground_truth": truth},
-                    "extra_info": {"split": split, "index": index, "level": level_of(row),
+                    "extra_info": {"split": split, "index": index, "level": level,
                                    "type": row.get("type") or row.get("subject")}})
     return out
 
