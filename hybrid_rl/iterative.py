@@ -42,7 +42,9 @@ class IterationSamples:
             response_ids = responses[i][mask[prompt_width:]].tolist()
             score = default_compute_score(batch["data_source"][i],
                                           self.tokenizer.decode(response_ids, skip_special_tokens=True),
-                                          batch["reward_model"][i]["ground_truth"])
+                                          batch["reward_model"][i]["ground_truth"],
+                                          batch["extra_info"][i] if "extra_info" in batch else None)
+            score = score["score"] if isinstance(score, dict) else score
             self.pending.append({"prompt_ids": batch["input_ids"][i, :prompt_width][mask[:prompt_width]].tolist(),
                                  "response_ids": response_ids, "raw_prompt": list(batch["raw_prompt"][i]),
                                  "label": min(max(float(score), 0.0), 1.0)})

@@ -76,6 +76,21 @@ def throughput_metrics(batch: Batch, step_seconds: float, n_ranks: int) -> dict[
             "perf/throughput": tokens / (step_seconds * n_ranks)}
 
 
+def per_source_means(data_sources, reward_extra: dict, n: int) -> dict[str, float]:
+    """Validation per data source (verl's ``val-core/<source>/<name>/mean@<n>``) of the values a
+    scorer reports beside its score: ``acc``, and each mixture source's ``reward/<name>`` (so a
+    source at weight 0, such as the rule beside a reward model, is seen per data set). Samples a
+    value is missing for (None: failed or abstained) are left out."""
+    grouped: dict[str, list[float]] = defaultdict(list)
+    for key, values in reward_extra.items():
+        if (key != "acc" and not key.startswith("reward/")) or len(values) != len(data_sources):
+            continue
+        for source, value in zip(data_sources, values):
+            if isinstance(value, (bool, int, float)):
+                grouped[f"val-core/{source}/{key}/mean@{n}"].append(float(value))
+    return {name: sum(v) / len(v) for name, v in grouped.items()}
+
+
 def reward_source_metrics(reward_extra: dict, sandbox_failures: dict[str, int], prefix: str = "") -> dict[str, float]:
     """Per source of a reward mixture: its mean score over the samples it scored (abstentions and
     failed samples left out), and the samples whose sandbox run timed out or crashed."""

@@ -34,8 +34,8 @@ from hybrid_rl.controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool
 from hybrid_rl.models import resolve_model_path
 from hybrid_rl.data import EpochSampler, RLDataset, collate_prompts
 from hybrid_rl.iterative import IterationSamples
-from hybrid_rl.metrics import (Timer, compute_data_metrics, reduce_worker_metrics, reward_source_metrics,
-                               throughput_metrics)
+from hybrid_rl.metrics import (Timer, compute_data_metrics, per_source_means, reduce_worker_metrics,
+                               reward_source_metrics, throughput_metrics)
 from hybrid_rl.protocol import Batch, BatchMeta, Sampling
 from hybrid_rl.rewards import RewardManager
 from hybrid_rl.tracking import Tracker
@@ -605,6 +605,7 @@ class Trainer:
         for source, score in zip(batch["data_source"], sample_scores.tolist()):
             by_source[str(source)].append(score)
         metrics = {f"val-core/{src}/reward/mean@{n}": float(np.mean(v)) for src, v in by_source.items()}
+        metrics.update(per_source_means(batch["data_source"], reward_extra, n))
         metrics["val/score/mean"] = float(sample_scores.mean())
         metrics["val/reward/failed_samples"] = float(self.val_reward_fn.failures)
         metrics.update(reward_source_metrics(reward_extra, self.val_reward_fn.sandbox_failures, prefix="val/"))

@@ -54,6 +54,15 @@ def test_arithmetic_tool_writes_train_test_and_shifted_sets(tmp_path):
     assert {row["data_source"] for row in shifted} == {"arithmetic/wide", "arithmetic/question", "arithmetic/words"}
 
 
+def test_arithmetic_tool_asks_every_set_in_the_tags_format(tmp_path):
+    done = run_tool("tools/data/arithmetic.py", "--out-dir", str(tmp_path), "--train-size", "20", "--test-size", "5",
+                    "--shifted-size", "3", "--answer-format", "tags")
+    assert done.returncode == 0, done.stderr
+    rows = [r for name in ("train", "test", "shifted") for r in read_rows(str(tmp_path / f"{name}.parquet"))]
+    assert len(rows) == 34 and all(r["extra_info"]["answer_format"] == "tags" for r in rows)
+    assert all(r["prompt"][0]["content"].endswith("inside <answer> </answer>.") for r in rows)
+
+
 DAPO_ROWS = [
     {"data_source": "math_dapo", "prompt": [{"role": "user", "content": "Solve 2x = 6. The last line of your response "
                                               "should be of the form Answer: $Answer"}],

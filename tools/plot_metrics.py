@@ -72,7 +72,11 @@ def main(argv=None) -> int:
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(metrics):]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=8)
+    # Every run in the legend, also those without the first panel's metric.
+    from matplotlib.lines import Line2D
+
+    axes.flat[0].legend(handles=[Line2D([], [], color=f"C{i % 10}", label=label) for i, (label, _) in enumerate(runs)],
+                        fontsize=8)
     if args.title:
         fig.suptitle(args.title)
     fig.tight_layout()

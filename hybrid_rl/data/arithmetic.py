@@ -15,14 +15,22 @@ DATA_SOURCE = "arithmetic"
 
 # The instruction given to the model; ``{a}``, ``{op}`` and ``{b}`` are filled in.
 # Kept in one place so it can be tuned without touching the generator.
-PROMPT_TEMPLATE = "Calculate {a} {op} {b}. Reply with only the final number."
+PLAIN_QUESTION = "Calculate {a} {op} {b}."
+PROMPT_TEMPLATE = f"{PLAIN_QUESTION} Reply with only the final number."
+
+# How the answer is asked for. "number": as above (the other phrasings ask nothing more), scored by
+# the last integer of the response. "tags": every phrasing ends with an R1-Zero-style instruction to
+# reason inside <think> and answer inside <answer>; the scorer then reads only the <answer> (and
+# the format itself is a reward source of its own, ``reward.funcs=[rule,think_format]``).
+TAGS_INSTRUCTION = "Think it through inside <think> </think>, then write only the final number inside <answer> </answer>."
+ANSWER_FORMATS = ("number", "tags")
 
 # Other ways to ask the same problems, for training on several phrasings or measuring how far
 # what was learnt carries over. Per phrasing and operator, templates drawn at random per row;
 # ``{name}`` and ``{item}`` are drawn from NAMES and ITEMS. Subtraction can go below zero, so its
 # stories are about quantities that can.
 PHRASINGS: dict[str, dict[str, tuple[str, ...]]] = {
-    "plain": {op: (PROMPT_TEMPLATE,) for op in "+-*"},
+    "plain": {op: (PLAIN_QUESTION,) for op in "+-*"},
     "question": {
         "+": ("What is {a} plus {b}?", "How much is {a} added to {b}?"),
         "-": ("What is {a} minus {b}?", "How much is {b} subtracted from {a}?"),
@@ -61,6 +69,13 @@ _OPS = {
 }
 
 
+def _template(phrasing: str, op: str, answer_format: str) -> tuple[str, ...]:
+    """The templates of one phrasing and operator, with the answer format's instruction."""
+    if answer_format == "tags":
+        return tuple(f"{t} {TAGS_INSTRUCTION}" for t in PHRASINGS[phrasing][op])
+    return (PROMPT_TEMPLATE,) if phrasing == "plain" else PHRASINGS[phrasing][op]
+
+
 def dataset_tag(lo: int = DEFAULT_LO, hi: int = DEFAULT_HI, ops: str = "+-") -> str:
     """A name that changes whenever the generated problems would, for cache folders."""
     digest = hashlib.sha1(f"{PROMPT_TEMPLATE}|{lo}|{hi}|{ops}".encode()).hexdigest()[:8]
@@ -83,9 +98,10 @@ def make_arithmetic_rows(
     split: str = "train",
     phrasing: str = "plain",
     data_source: str = DATA_SOURCE,
+    answer_format: str = "number",
 ) -> list[dict]:
     """Return ``n`` distinct problems ``a op b`` with operands in ``[lo, hi]``, asked in one of
-    the ``PHRASINGS``.
+    the ``PHRASINGS``, the answer asked for in one of the ``ANSWER_FORMATS``.
 
     Problems whose ``(a, op, b)`` is in ``exclude`` are never produced, so a
     test split can be made disjoint from a train split. Deterministic in
@@ -93,6 +109,8 @@ def make_arithmetic_rows(
     """
     if phrasing not in PHRASINGS:
         raise ValueError(f"phrasing must be one of {', '.join(PHRASINGS)}, got {phrasing!r}")
+    if answer_format not in ANSWER_FORMATS:
+        raise ValueError(f"answer format must be one of {', '.join(ANSWER_FORMATS)}, got {answer_format!r}")
     ops = list(dict.fromkeys(ops))  # keep order, drop duplicates
     bad = [o for o in ops if o not in _OPS]
     if not ops or bad:
@@ -130,7 +148,7 @@ def make_arithmetic_rows(
         if (a, op, b) in exclude:
             continue
         result = _OPS[op](a, b)
-        template = wording.choice(PHRASINGS[phrasing][op])
+        template = wording.choice(_template(phrasing, op, answer_format))
         text = template.format(a=a, op=op, b=b, name=wording.choice(NAMES), item=wording.choice(ITEMS))
         rows.append(
             {
@@ -138,7 +156,8 @@ def make_arithmetic_rows(
                 "prompt": [{"role": "user", "content": text}],
                 "ability": "math",
                 "reward_model": {"style": "rule", "ground_truth": str(result)},
-                "extra_info": {"split": split, "index": len(rows), "a": a, "b": b, "op": op, "phrasing": phrasing},
+                "extra_info": {"split": split, "index": len(rows), "a": a, "b": b, "op": op, "phrasing": phrasing,
+                               "answer_format": answer_format},
             }
         )
     return rows
@@ -159,20 +178,21 @@ def write_rows(path: str, rows: list[dict]) -> str:
 
 def write_arithmetic_dataset(out_dir: str, train_size: int = 600, test_size: int = 200, seed: int = 0,
                              lo: int = DEFAULT_LO, hi: int = DEFAULT_HI, ops: str = "+-",
-                             phrasing: str = "plain") -> tuple[str, str]:
+                             phrasing: str = "plain", answer_format: str = "number") -> tuple[str, str]:
     """Write disjoint ``train.parquet`` / ``test.parquet`` splits; returns their paths."""
-    test = make_arithmetic_rows(test_size, seed=seed + 1, lo=lo, hi=hi, ops=ops, split="test", phrasing=phrasing)
+    test = make_arithmetic_rows(test_size, seed=seed + 1, lo=lo, hi=hi, ops=ops, split="test", phrasing=phrasing,
+                                answer_format=answer_format)
     train = make_arithmetic_rows(train_size, seed=seed, lo=lo, hi=hi, ops=ops, phrasing=phrasing,
-                                 exclude={problem_key(r) for r in test}, split="train")
+                                 exclude={problem_key(r) for r in test}, split="train", answer_format=answer_format)
     return (write_rows(os.path.join(out_dir, "train.parquet"), train),
             write_rows(os.path.join(out_dir, "test.parquet"), test))
 
 
-def shifted_rows(size: int, seed: int, ops: str = "+-", exclude: Iterable[tuple[int, str, int]] = frozenset()
-                 ) -> list[dict]:
+def shifted_rows(size: int, seed: int, ops: str = "+-", exclude: Iterable[tuple[int, str, int]] = frozenset(),
+                 answer_format: str = "number") -> list[dict]:
     """``size`` problems of each of the ``SHIFTED_SETS``, none of them in ``exclude``."""
     rows = []
     for i, (name, spec) in enumerate(SHIFTED_SETS.items()):
         rows += make_arithmetic_rows(size, seed=seed + 100 + i, ops=ops, exclude=exclude, split="test",
-                                     data_source=f"{DATA_SOURCE}/{name}", **spec)
+                                     data_source=f"{DATA_SOURCE}/{name}", answer_format=answer_format, **spec)
     return rows

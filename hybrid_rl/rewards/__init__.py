@@ -10,11 +10,16 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from . import arithmetic, gsm8k, math_answer, math_verified
+from . import arithmetic, countdown, gsm8k, math_answer, math_verified
 
 
 def _score_arithmetic(solution_str, ground_truth, extra_info):
-    return arithmetic.compute_score(solution_str, ground_truth)
+    answer_format = extra_info.get("answer_format") if isinstance(extra_info, dict) else None
+    return arithmetic.compute_score(solution_str, ground_truth, answer_format or "number")
+
+
+def _score_countdown(solution_str, ground_truth, extra_info):
+    return countdown.compute_score(solution_str, ground_truth)
 
 
 def _score_gsm8k(solution_str, ground_truth, extra_info):
@@ -32,6 +37,7 @@ def _score_math_latex(solution_str, ground_truth, extra_info):
 # data_source -> scorer(solution_str, ground_truth, extra_info)
 _BUILTIN_SCORERS: dict[str, Callable[[str, Any, Any], float]] = {
     "arithmetic": _score_arithmetic,
+    "countdown": _score_countdown,
     "openai/gsm8k": _score_gsm8k,
     "gsm8k": _score_gsm8k,
     "math_dapo": _score_math_dapo,

@@ -3,6 +3,9 @@
 ``reward.funcs`` lists the sources, ``reward.weights`` their weights (null: all 1.0). A source is
 
 * ``rule``: the built-in scorer chosen by the row's data source (as without a mixture);
+* ``think_format``: R1-Zero's format reward, 1.0 for a ``<think>...</think><answer>...</answer>``
+  response (``hybrid_rl.rewards.think_answer``); ``think_tags``: its soft form, 0.25 per tag
+  written exactly once;
 * ``code_tests``: the response's program run in the sandbox against the row's unit tests
   (``hybrid_rl.rewards.code``; limits in ``reward.sandbox``);
 * ``reward_model``: the reward model's score (``reward_model.enable``; computed on the workers
@@ -23,7 +26,7 @@ from typing import Any, Callable, Sequence
 
 __all__ = ["RewardSource", "combine", "sources_from_config"]
 
-BUILTIN_SOURCES = ("rule", "code_tests", "reward_model")
+BUILTIN_SOURCES = ("rule", "think_format", "think_tags", "code_tests", "reward_model")
 RM_SCORES = "rm_scores"  # the batch's tensor of reward-model scores (workers/reward_model.py)
 RM_STEPS = ("rm_step_scores", "rm_step_mask")  # a process reward model's (B, T) step rewards and step ends
 
@@ -67,6 +70,7 @@ def sources_from_config(reward_cfg: Any, config_error: type[Exception],
     from . import default_compute_score, load_custom_reward_fn
     from .code import CodeTestsScorer
     from .sandbox import Sandbox
+    from .think_answer import format_score, tag_count_score
 
     funcs = list(reward_cfg.funcs or [])
     if reward_model and process:
@@ -97,6 +101,9 @@ def sources_from_config(reward_cfg: Any, config_error: type[Exception],
         key = f"reward.funcs[{i}]"
         if entry == "rule":
             sources.append(RewardSource(_unique("rule", taken), float(weight), fn=default_compute_score))
+        elif entry in ("think_format", "think_tags"):
+            fn = format_score if entry == "think_format" else tag_count_score
+            sources.append(RewardSource(_unique(entry, taken), float(weight), fn=fn))
         elif entry == "reward_model":
             if not reward_model:
                 raise config_error(f"{key}=reward_model needs reward_model.enable=true and reward_model.model.path "

@@ -20,7 +20,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from hybrid_rl.data.arithmetic import (  # noqa: E402
-    DEFAULT_HI, DEFAULT_LO, PHRASINGS, problem_key, shifted_rows, write_arithmetic_dataset, write_rows,
+    ANSWER_FORMATS, DEFAULT_HI, DEFAULT_LO, PHRASINGS, problem_key, shifted_rows, write_arithmetic_dataset, write_rows,
 )
 from hybrid_rl.data.dataset import read_rows  # noqa: E402
 
@@ -36,15 +36,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max", dest="hi", type=int, default=DEFAULT_HI, help="largest operand")
     ap.add_argument("--ops", default="+-", help="operators to use, a subset of '+-*'")
     ap.add_argument("--phrasing", default="plain", choices=sorted(PHRASINGS), help="how the problems are asked")
+    ap.add_argument("--answer-format", default="number", choices=ANSWER_FORMATS,
+                    help="number: reply with the number; tags: reason in <think>, answer in <answer> (R1-Zero)")
     args = ap.parse_args(argv)
 
     out = os.path.expanduser(args.out_dir)
     paths = list(write_arithmetic_dataset(out, args.train_size, args.test_size, args.seed, args.lo, args.hi,
-                                          args.ops, args.phrasing))
+                                          args.ops, args.phrasing, args.answer_format))
     if args.shifted_size:
         train = {problem_key(row) for row in read_rows(paths[0])}
         paths.append(write_rows(os.path.join(out, "shifted.parquet"),
-                                shifted_rows(args.shifted_size, args.seed, args.ops, exclude=train)))
+                                shifted_rows(args.shifted_size, args.seed, args.ops, exclude=train,
+                                             answer_format=args.answer_format)))
     for path in paths:
         print(f"wrote {path}")
     first = read_rows(paths[0])[0]
