@@ -11,10 +11,11 @@ require_data() {
 }
 
 # The CPU recipes train on the built-in arithmetic task (tools/data/arithmetic.py) and validate
-# every 10 of 60 steps on its test set and shifted sets. use_arithmetic_data sets `data`.
+# every 10 of 60 steps on its test set and shifted sets. use_arithmetic_data [NAME [TOOL_ARG...]]
+# sets `data` (DATA_DIR, else ~/data/NAME, default arithmetic), written by the tool with those args.
 use_arithmetic_data() {
-  data=${DATA_DIR:-$HOME/data/arithmetic}
-  require_data "$python tools/data/arithmetic.py --out-dir $data" "$data"/{train,test,shifted}.parquet
+  data=${DATA_DIR:-$HOME/data/${1:-arithmetic}}
+  require_data "$python tools/data/arithmetic.py --out-dir $data${2:+ ${*:2}}" "$data"/{train,test,shifted}.parquet
 }
 
 # cpu_run NAME OVERRIDE...: one run of a CPU recipe into $out/NAME, with the recipe's `common`

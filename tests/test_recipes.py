@@ -21,6 +21,11 @@ PAPER = {
              "reward_model.overlong_buffer.len": 4096, "actor_rollout_ref.actor.optim.lr": 1e-6,
              "actor_rollout_ref.actor.loss_agg_mode": "token-mean", "algorithm.filter_groups.enable": True,
              "actor_rollout_ref.actor.use_kl_loss": False},
+    "deepseekmath_grpo": {"actor_rollout_ref.actor.optim.lr": 1e-6, "actor_rollout_ref.actor.kl_loss_coef": 0.04,
+                          "actor_rollout_ref.actor.kl_loss_type": "low_var_kl", "actor_rollout_ref.rollout.n": 64,
+                          "data.train_batch_size": 16, "actor_rollout_ref.actor.ppo_mini_batch_size": 16,
+                          "data.max_response_length": 1024, "algorithm.adv_estimator": "grpo",
+                          "reward_model.enable": True, "actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-mean"},
     "dr_grpo": {"actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-sum-norm",
                 "actor_rollout_ref.actor.loss_scale_factor": 3000, "algorithm.norm_adv_by_std_in_grpo": False,
                 "actor_rollout_ref.actor.use_kl_loss": False, "actor_rollout_ref.actor.optim.lr": 1e-6,
@@ -35,6 +40,11 @@ PAPER = {
                           "actor_rollout_ref.actor.ppo_mini_batch_size": 64, "actor_rollout_ref.actor.optim.lr": 1e-6,
                           "critic.optim.lr": 1e-5, "algorithm.kl_ctrl.kl_coef": 0.001, "data.max_prompt_length": 512,
                           "data.max_response_length": 256, "trainer.total_epochs": 15},
+    "r1_zero_countdown": {"algorithm.adv_estimator": "gae", "data.train_batch_size": 256,
+                          "actor_rollout_ref.actor.ppo_mini_batch_size": 64, "actor_rollout_ref.actor.optim.lr": 1e-6,
+                          "critic.optim.lr": 1e-5, "algorithm.kl_ctrl.kl_coef": 0.001, "algorithm.use_kl_in_reward": True,
+                          "data.max_prompt_length": 256, "data.max_response_length": 1024, "trainer.total_epochs": 15,
+                          "reward.funcs": ["rule", "think_format"]},
 }
 
 
@@ -68,3 +78,19 @@ def test_scripts_without_their_data_print_the_command_that_writes_it(name, tmp_p
     for script in ("run_paper.sh", "run_cpu.sh"):
         done = bash(f"recipes/{name}/{script}", DATA_DIR=str(tmp_path / "nothing"), PYTHON=sys.executable)
         assert done.returncode == 1 and "is missing; run: " in done.stderr and "tools/data/" in done.stderr, done.stderr
+
+
+def test_deepseekmath_step_reward_checks_each_step():
+    """The CPU recipe's process reward against steps and checks written out by hand."""
+    sys.path.insert(0, str(Path(REPO_ROOT, "recipes", "deepseekmath_grpo")))
+    try:
+        from step_reward import compute_score
+    finally:
+        sys.path.pop(0)
+    text = "First 12 + 9 = 21\nthen 21 - 5 = 17 and 2 * 3 = 6\nNo numbers here\nSo the answer is 16."
+    got = compute_score("arithmetic", text, "16")
+    ends = [text.index("\n") + 1, text.index("\nNo") + 1, text.index("\nSo") + 1, len(text)]
+    # 12 + 9 = 21 holds; 21 - 5 = 17 does not, 2 * 3 = 6 does; nothing to check; the answer 16 is right.
+    assert got == {"score": 1.0, "acc": 1.0, "step_rewards": [1.0, 0.5, 0.0, 1.0], "step_ends": ends}
+    assert compute_score("arithmetic", "3 - 5 = -2\n-2", "2")["step_rewards"] == [1.0, 0.0]
+    assert compute_score("arithmetic", "", "2") == {"score": 0.0, "acc": 0.0, "step_rewards": [], "step_ends": []}
