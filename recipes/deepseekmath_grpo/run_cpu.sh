@@ -9,7 +9,7 @@
 #                 responses (labelled by the rule) with a 10 % replay, and the reference resets
 #   process       process supervision (grpo_process) by step_reward.py, which checks each
 #                 step's equations and the final answer (no trained PRM fits here)
-# The reward model is built once (sampling and training, about 15 minutes) and reused.
+# The reward model is built once (sampling and training, about a quarter of an hour) and reused.
 #
 #   bash recipes/deepseekmath_grpo/run_cpu.sh [extra overrides for every run]
 set -euo pipefail
