@@ -6,6 +6,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from hybrid_rl.algorithms import groups_with_variance
@@ -76,19 +77,19 @@ def throughput_metrics(batch: Batch, step_seconds: float, n_ranks: int) -> dict[
             "perf/throughput": tokens / (step_seconds * n_ranks)}
 
 
-def per_source_means(data_sources, reward_extra: dict, n: int) -> dict[str, float]:
-    """Validation per data source (verl's ``val-core/<source>/<name>/mean@<n>``) of the values a
-    scorer reports beside its score: ``acc``, and each mixture source's ``reward/<name>`` (so a
-    source at weight 0, such as the rule beside a reward model, is seen per data set). Samples a
-    value is missing for (None: failed or abstained) are left out."""
+def per_source_means(data_sources, values: dict, n: int) -> dict[str, float]:
+    """Validation per data source (verl's ``val-core/<source>/<name>/mean@<n>``) of the samples'
+    ``reward``, and of the values a scorer reports beside its score: ``acc``, and each mixture
+    source's ``reward/<name>`` (so a source at weight 0, such as the rule beside a reward model,
+    is seen per data set). Samples a value is missing for (None: failed or abstained) are left out."""
     grouped: dict[str, list[float]] = defaultdict(list)
-    for key, values in reward_extra.items():
-        if (key != "acc" and not key.startswith("reward/")) or len(values) != len(data_sources):
+    for key, column in values.items():
+        if (key not in ("reward", "acc") and not key.startswith("reward/")) or len(column) != len(data_sources):
             continue
-        for source, value in zip(data_sources, values):
+        for source, value in zip(data_sources, column):
             if isinstance(value, (bool, int, float)):
                 grouped[f"val-core/{source}/{key}/mean@{n}"].append(float(value))
-    return {name: sum(v) / len(v) for name, v in grouped.items()}
+    return {name: float(np.mean(v)) for name, v in grouped.items()}
 
 
 def reward_source_metrics(reward_extra: dict, sandbox_failures: dict[str, int], prefix: str = "") -> dict[str, float]:

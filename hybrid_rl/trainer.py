@@ -14,7 +14,6 @@ import os
 import shutil
 import time
 import uuid
-from collections import defaultdict
 from dataclasses import replace
 
 import numpy as np
@@ -601,11 +600,7 @@ class Trainer:
         scores, reward_extra = self.val_reward_fn(batch)
         batch["token_level_scores"] = scores
         sample_scores = scores.sum(-1)
-        by_source: dict[str, list[float]] = defaultdict(list)
-        for source, score in zip(batch["data_source"], sample_scores.tolist()):
-            by_source[str(source)].append(score)
-        metrics = {f"val-core/{src}/reward/mean@{n}": float(np.mean(v)) for src, v in by_source.items()}
-        metrics.update(per_source_means(batch["data_source"], reward_extra, n))
+        metrics = per_source_means(batch["data_source"], {**reward_extra, "reward": sample_scores.tolist()}, n)
         metrics["val/score/mean"] = float(sample_scores.mean())
         metrics["val/reward/failed_samples"] = float(self.val_reward_fn.failures)
         metrics.update(reward_source_metrics(reward_extra, self.val_reward_fn.sandbox_failures, prefix="val/"))

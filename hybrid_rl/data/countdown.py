@@ -8,6 +8,7 @@ divisions only, any bracketing), so it has at least one solution. Scored by
 
 from __future__ import annotations
 
+import operator
 import random
 from fractions import Fraction
 
@@ -17,7 +18,7 @@ PROMPT_TEMPLATE = (
     "and each number exactly once. Think it through inside <think> </think>, then write only the equation "
     "inside <answer> </answer>, for example <answer> (1 + 2) / 3 </answer>."
 )
-_APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "/": lambda a, b: a / b}
+_APPLY = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
 
 
 def _random_equation(rng: random.Random, numbers: list[int]) -> tuple[str, Fraction] | None:
@@ -51,7 +52,7 @@ def make_countdown_rows(n: int, seed: int = 0, counts: tuple[int, ...] = (3, 4),
         if drawn is None or drawn[1].denominator != 1 or not 1 <= drawn[1] <= max_target:
             continue
         target = int(drawn[1])
-        key = problem_key({"reward_model": {"ground_truth": {"target": target, "numbers": numbers}}})
+        key = _key(numbers, target)
         if key in seen:
             continue
         seen.add(key)
@@ -68,7 +69,11 @@ def make_countdown_rows(n: int, seed: int = 0, counts: tuple[int, ...] = (3, 4),
     return rows
 
 
+def _key(numbers, target) -> tuple[tuple[int, ...], int]:
+    return tuple(sorted(int(x) for x in numbers)), int(target)
+
+
 def problem_key(row: dict) -> tuple[tuple[int, ...], int]:
     """``(sorted numbers, target)`` of a row; use it to build ``exclude`` sets."""
     truth = row["reward_model"]["ground_truth"]
-    return tuple(sorted(int(x) for x in truth["numbers"])), int(truth["target"])
+    return _key(truth["numbers"], truth["target"])

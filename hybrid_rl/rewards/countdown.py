@@ -10,6 +10,7 @@ TinyZero's schema, so its parquet files score here unchanged.
 from __future__ import annotations
 
 import ast
+import operator
 import re
 from collections import Counter
 from fractions import Fraction
@@ -17,8 +18,7 @@ from fractions import Fraction
 from .think_answer import answer_text
 
 _ALLOWED = re.compile(r"[\d+\-*/().\s]+")
-_OPERATORS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
-              ast.Mult: lambda a, b: a * b, ast.Div: lambda a, b: a / b}
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 
 
 def evaluate(expression: str) -> Fraction | None:

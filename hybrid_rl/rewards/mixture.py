@@ -72,6 +72,7 @@ def sources_from_config(reward_cfg: Any, config_error: type[Exception],
     from .sandbox import Sandbox
     from .think_answer import format_score, tag_count_score
 
+    per_sample = {"rule": default_compute_score, "think_format": format_score, "think_tags": tag_count_score}
     funcs = list(reward_cfg.funcs or [])
     if reward_model and process:
         if funcs not in ([], ["reward_model"]):
@@ -99,11 +100,8 @@ def sources_from_config(reward_cfg: Any, config_error: type[Exception],
     sources, taken = [], set()
     for i, (entry, weight) in enumerate(zip(funcs, weights)):
         key = f"reward.funcs[{i}]"
-        if entry == "rule":
-            sources.append(RewardSource(_unique("rule", taken), float(weight), fn=default_compute_score))
-        elif entry in ("think_format", "think_tags"):
-            fn = format_score if entry == "think_format" else tag_count_score
-            sources.append(RewardSource(_unique(entry, taken), float(weight), fn=fn))
+        if isinstance(entry, str) and entry in per_sample:
+            sources.append(RewardSource(_unique(entry, taken), float(weight), fn=per_sample[entry]))
         elif entry == "reward_model":
             if not reward_model:
                 raise config_error(f"{key}=reward_model needs reward_model.enable=true and reward_model.model.path "
