@@ -39,6 +39,19 @@ CONF_DIR = Path(__file__).resolve().parent / "conf"
 VERL_KEY_FILES = ("ppo_trainer.yaml", "ppo_megatron_trainer.yaml", "legacy.yaml", "legacy_megatron.yaml")
 
 
+def compose_config(overrides=(), config_name: str = "ppo_trainer") -> DictConfig:
+    """The resolved config for these dotted overrides, as the command line would build it (here
+    rather than in `hybrid_rl.main`, which imports Ray, so engine-level tools can compose one)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name=config_name, overrides=list(overrides))
+    OmegaConf.resolve(cfg)
+    return cfg
+
+
+
+
 @dataclass(frozen=True)
 class Rule:
     pattern: str
@@ -71,9 +84,12 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NO_EFFECT, "verl's copy of actor_rollout_ref.model.use_remove_padding, which is the key read",
             "actor_rollout_ref.actor.use_remove_padding"),
     # --- training engine (FSDP) knobs
+    *_rules(WORKS, "on GPU, FSDP2's CPU offload: sharded weights, gradients and the optimizer step in pinned "
+            "host memory, each layer copied to the GPU for its compute; no effect on CPU",
+            "actor_rollout_ref.actor.fsdp_config.offload_policy", "actor_rollout_ref.ref.fsdp_config.offload_policy"),
     *_rules(NO_EFFECT_ON_CPU, "offloading to host memory; on CPU the model is already there",
             *(f"actor_rollout_ref.{r}.fsdp_config.{k}" for r in ("actor", "ref")
-              for k in ("param_offload", "optimizer_offload", "offload_policy")),
+              for k in ("param_offload", "optimizer_offload")),
             *(f"critic.{section}.{k}" for section in ("fsdp", "model.fsdp_config")
               for k in ("param_offload", "optimizer_offload", "offload_policy"))),
     *_rules(NOT_YET, "the critic's FSDP settings are read from critic.fsdp_config here", "critic.fsdp.dtype",

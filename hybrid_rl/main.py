@@ -16,23 +16,13 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from hybrid_rl.config import ConfigError, check_model_limits, custom_reward_function, validate_config
-from hybrid_rl.config_keys import CONF_DIR, leaves, verl_defaults
+from hybrid_rl.config_keys import CONF_DIR, compose_config, leaves, verl_defaults
 from hybrid_rl.console import quiet_third_party_output
 from hybrid_rl.models import ModelPathError, cache_dir, load_tokenizer, resolve_model_path
 
 quiet_third_party_output()  # before transformers, vLLM or Ray are imported
 logger = logging.getLogger("hybrid_rl")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def compose_config(overrides=(), config_name: str = "ppo_trainer") -> DictConfig:
-    """The resolved config for these dotted overrides, as the command line would build it."""
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name=config_name, overrides=list(overrides))
-    OmegaConf.resolve(cfg)
-    return cfg
 
 
 def default_data_files() -> tuple[str, str]:

@@ -17,59 +17,7 @@ from hybrid_rl.engines import Head, ModelSpec, Output, build_engine
 from hybrid_rl.main import compose_config
 from hybrid_rl.protocol import Batch
 from tests.conftest import build_tiny_model
-
-VOCAB = 318  # tests/conftest.py's tokenizer
-
-
-def rollout_batch(seed: int, rows: int = 8, prompt_len: int = 6, response_len: int = 5) -> Batch:
-    """Left-padded prompts and right-padded responses of random lengths, with advantages."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.zeros(rows, prompt_len + response_len, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r in range(rows):
-        p = int(torch.randint(1, prompt_len + 1, (1,), generator=g))
-        n = int(torch.randint(1, response_len + 1, (1,), generator=g))
-        ids[r, prompt_len - p:prompt_len + n] = torch.randint(5, VOCAB, (p + n,), generator=g)
-        mask[r, prompt_len - p:prompt_len + n] = 1
-    return Batch(tensors={"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp_min(0),
-                          "responses": ids[:, prompt_len:], "response_mask": mask[:, prompt_len:].float(),
-                          "advantages": torch.randn(rows, response_len, generator=g)})
-
-
-def loss_fn(out, micro, agg):
-    """A policy-gradient term and an entropy bonus, normalised by the mini-batch's tokens."""
-    mask = micro["response_mask"]
-    scale = agg["dp_size"] / agg["global_num_tokens"]
-    loss = -((out["log_probs"] * micro["advantages"] + 0.01 * out["entropy"]) * mask).sum() * scale
-    return loss, {"loss": float(loss.detach())}
-
-
-def actor_config(strategy: str, tp: int = 1, pp: int = 1, extra=(), dtype: str = "fp32"):
-    """fp32 for the exact comparisons (`auto` is bf16 on CPUs with bf16 instructions)."""
-    return compose_config([
-        f"actor_rollout_ref.actor.fsdp_config.dtype={dtype}", f"actor_rollout_ref.actor.megatron.dtype={dtype}",
-        f"actor_rollout_ref.actor.strategy={strategy}", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3", "actor_rollout_ref.actor.use_dynamic_bsz=false",
-        "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.optim.weight_decay=0.0",
-        f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}",
-        f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}", *extra],
-        config_name="ppo_megatron_trainer")
-
-
-def make_engine(cfg, model_dir):
-    actor = cfg.actor_rollout_ref.actor
-    return build_engine(ModelSpec("actor", model_dir, cfg.actor_rollout_ref.model, optim_cfg=actor.optim,
-                                  total_steps=4), actor, torch.device("cpu"))
-
-
-def step(engine, cfg, seed: int) -> dict:
-    return engine.update(rollout_batch(seed), cfg.actor_rollout_ref.actor, rollout_n=2, seed=seed,
-                         output=Output.LOG_PROBS_ENTROPY, temperature=0.7, loss_fn=loss_fn)
-
-
-def weights(engine) -> dict:
-    return {name: tensor.clone() for name, tensor in engine.per_tensor_weights(torch.float32)}
-
+from tests.engine_helpers import actor_config, make_engine, rollout_batch, step, weights
 
 def _rank_main(rank, world, init_file, model_dir, out_dir, tp, pp):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -90,9 +38,9 @@ def _rank_main(rank, world, init_file, model_dir, out_dir, tp, pp):
     dist.destroy_process_group()
 
 
-def _bf16_rank_main(rank, world, init_file, model_dir, out_dir):
+def _bf16_rank_main(rank, world, init_file, model_dir, out_dir, tp, pp):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    cfg = actor_config("megatron", tp=2, dtype="bf16")
+    cfg = actor_config("megatron", tp, pp, dtype="bf16")
     engine = make_engine(cfg, model_dir)
     infer = engine.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None)
     torch.save({"infer": infer, "first": step(engine, cfg, 1), "dtype": engine.config.params_dtype},
@@ -137,16 +85,18 @@ def test_megatron_engine_matches_fsdp_and_resumes_exactly(tiny_model_dir4, tp, p
     assert loss == pytest.approx(expected["actor/loss"], rel=1e-4)
 
 
-def test_megatron_engine_trains_in_bf16(tiny_model_dir4):
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_megatron_engine_trains_in_bf16(tiny_model_dir4, tp, pp):
     """Half precision as on GPUs and bf16 CPUs (megatron's Float16Module over fp32 optimizer
-    masters): close to the fp32 FSDP engine within bf16's resolution."""
+    masters): close to the fp32 FSDP engine within bf16's resolution; with PP the activations
+    pass between stages in bf16."""
     cfg = actor_config("fsdp2")
     fsdp = make_engine(cfg, tiny_model_dir4)
     expected_infer = fsdp.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None)
     expected = step(fsdp, cfg, 1)
     mask = rollout_batch(1)["response_mask"].bool()
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_bf16_rank_main, args=(2, os.path.join(out_dir, "init"), tiny_model_dir4, out_dir),
+        mp.start_processes(_bf16_rank_main, args=(2, os.path.join(out_dir, "init"), tiny_model_dir4, out_dir, tp, pp),
                            nprocs=2, start_method="spawn")
         results = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)]
     for result in results:

@@ -69,7 +69,8 @@ class Worker:
     def init_process_group(self, backend: Optional[str] = None, timeout_s: float = 600) -> None:
         """Join the default ``torch.distributed`` process group (idempotent).
 
-        ``backend`` defaults to ``"nccl"`` when CUDA is available, else
+        ``backend`` defaults to NCCL for CUDA tensors and gloo for CPU ones
+        (FSDP2's CPU-offloaded shards) when CUDA is available, else to
         ``"gloo"``.  A second call in the same process (e.g. another colocated
         role) is a no-op.
         """
@@ -84,8 +85,8 @@ class Worker:
                 )
             return
         if backend is None:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl" and torch.cuda.is_available():
+            backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        if "nccl" in backend and torch.cuda.is_available():
             # Ray restricts CUDA_VISIBLE_DEVICES per actor, so the local device is usually 0.
             n = torch.cuda.device_count()
             torch.cuda.set_device(self.local_rank % n if n > 1 else 0)

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from hybrid_rl.engines import hf_model
@@ -30,17 +30,21 @@ def data_parallel_mesh(device_type: str) -> DeviceMesh:
 
 
 def shard_model(model: torch.nn.Module, mesh: DeviceMesh | None, param_dtype: torch.dtype | None,
-                reshard_after_forward: bool = True) -> torch.nn.Module:
+                reshard_after_forward: bool = True, cpu_offload: bool = False) -> torch.nn.Module:
     """Apply `fully_shard` to every decoder layer, then to the root (embeddings, norm, head).
 
     With one rank and no parameter dtype to cast to (CPU, where bf16 compute is autocast), FSDP
     would shard nothing and only copy every weight into, and every gradient out of, its flat
     buffers (~15 % of a CPU update): the module stays a plain one. So does a module built
     outside a process group (`mesh` None: a benchmark or a test in one process).
+
+    `cpu_offload` (GPU only) keeps the sharded weights, their gradients and so the optimizer step
+    in pinned host memory; each layer's weights are copied to the GPU for its forward and backward.
     """
     if mesh is None or (mesh.size() == 1 and param_dtype is None):
         return model
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    offload_policy = CPUOffloadPolicy(pin_memory=True) if cpu_offload else OffloadPolicy()
     layer_classes = tuple(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
     if not layers:
@@ -49,8 +53,10 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh | None, param_dtype: to
             "this architecture is not supported by the FSDP2 engine."
         )
     for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
+                    offload_policy=offload_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
+                offload_policy=offload_policy)
     return model
 
 
@@ -86,8 +92,10 @@ class FSDPEngine(TrainEngine):
         mesh = data_parallel_mesh(device.type) if dist.is_initialized() else None
         # On GPU FSDP2 casts the weights to the compute dtype; on CPU the forward is autocast.
         param_dtype = dtype if device.type == "cuda" else None
+        # verl's FSDP2 switch; on CPU the weights are in host memory already.
+        cpu_offload = device.type == "cuda" and bool(fsdp_cfg.get("offload_policy", False))
         self.module = shard_model(model, mesh, param_dtype,
-                                  fsdp_cfg.reshard_after_forward if trainable else True)
+                                  fsdp_cfg.reshard_after_forward if trainable else True, cpu_offload)
         if trainable:
             self.optimizer, self.scheduler = build_optimizer(self.module, spec.optim_cfg, spec.total_steps)
 
@@ -148,7 +156,8 @@ class FSDPEngine(TrainEngine):
         # The module is the transformers model, so its state-dict names are Hugging Face's.
         for name, tensor in self.module.state_dict().items():
             if isinstance(tensor, DTensor):
-                tensor = tensor.full_tensor()
+                # Gathered on the compute device (CPU-offloaded shards included), as NCCL needs.
+                tensor = tensor.to(self.device).full_tensor()
             yield name, tensor.detach().to(dtype=dtype)
 
     def _save_sharded(self, folder: str) -> None:

@@ -103,3 +103,75 @@ def init_single_rank(device_type: str) -> None:
         torch.cuda.set_device(0)  # vLLM takes its device from LOCAL_RANK, FSDP from the current one
         backend = "nccl"  # what Worker.init_process_group picks on GPU
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def matmul_peak_tflops(device: str, dtype_name: str, size: int, repeats: int = 8) -> float:
+    """Best of `repeats` square matmuls: the ceiling a dense layer can reach here."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    best = float("inf")
+    for _ in range(repeats + 2):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        a @ b
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e12
+
+
+def parameter_counts(model_path: str) -> tuple[int, int]:
+    """(parameters outside the embeddings and LM head, parameters of the LM head)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    head = model.get_output_embeddings().weight.numel()
+    embed = model.get_input_embeddings().weight.numel()
+    total = sum(p.numel() for p in model.parameters())  # tied weights are counted once
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    return total - embed - (0 if tied else head), head
+
+
+# The shapes of public checkpoints (from their config.json), for figures that depend on a model's
+# size and not on its weights: speed, memory.
+MODEL_SHAPES = {
+    "smollm2-135m": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=576,
+                         intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True,
+                         rope_theta=100000.0, rms_norm_eps=1e-5, max_position_embeddings=8192),
+    "qwen2.5-0.5b": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=896,
+                         intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                         rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=32768),
+    "qwen2.5-1.5b": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=1536,
+                         intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                         rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=32768),
+}
+
+
+def random_model(shape: str, seed: int = 0) -> str:
+    """A Hugging Face folder holding a randomly initialised model of `MODEL_SHAPES[shape]`, written
+    once into the cache folder."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hybrid_rl.models import cache_dir
+
+    folder = str(cache_dir() / "bench_models" / f"{shape}-seed{seed}")
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        return folder
+    settings = dict(MODEL_SHAPES[shape])
+    config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+    torch.manual_seed(seed)
+    # Written next to its final place and renamed, so an interrupted write leaves no half model.
+    partial = f"{folder}.partial-{os.getpid()}"
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(partial)
+    os.replace(partial, folder)
+    return folder

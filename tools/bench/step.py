@@ -23,45 +23,11 @@ import json
 import os
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 PHASES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "step")
-
-
-def matmul_peak_tflops(device: str, dtype_name: str, size: int, repeats: int = 8) -> float:
-    """Best of `repeats` square matmuls: the ceiling a dense layer can reach here."""
-    import torch
-
-    dtype = getattr(torch, dtype_name)
-    a = torch.randn(size, size, dtype=dtype, device=device)
-    b = torch.randn(size, size, dtype=dtype, device=device)
-    best = float("inf")
-    for _ in range(repeats + 2):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        a @ b
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best / 1e12
-
-
-def parameter_counts(model_path: str) -> tuple[int, int]:
-    """(parameters outside the embeddings and LM head, parameters of the LM head)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
-    head = model.get_output_embeddings().weight.numel()
-    embed = model.get_input_embeddings().weight.numel()
-    total = sum(p.numel() for p in model.parameters())  # tied weights are counted once
-    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    return total - embed - (0 if tied else head), head
 
 
 def head_memory_case(model_path: str, chunked: bool, rows: int, prompt: int, response: int) -> dict:
@@ -142,13 +108,13 @@ def main(argv=None) -> int:
 
     compute_dtype = update_dtype(compose_config(args.overrides, args.config_name), device)
     # fp32 and the update's dtype only: a bf16 peak on a CPU without bf16 instructions takes minutes.
-    peaks = {dtype: matmul_peak_tflops(device, dtype, size) for dtype in dict.fromkeys(("float32", compute_dtype))}
+    peaks = {dtype: common.matmul_peak_tflops(device, dtype, size) for dtype in dict.fromkeys(("float32", compute_dtype))}
 
     run, measured = run_steps(args.steps, args.overrides, args.config_name)
     cfg = run["cfg"]
     mean = lambda key: sum(r.get(key, 0.0) for r in measured) / len(measured)  # noqa: E731
     phases = {p: mean(f"timing_s/{p}") for p in PHASES}
-    nonembed, head = parameter_counts(run["model_path"])
+    nonembed, head = common.parameter_counts(run["model_path"])
     ranks = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     sequences = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
     response_tokens = mean("response_length/mean") * sequences / ranks

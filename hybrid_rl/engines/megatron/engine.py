@@ -96,8 +96,10 @@ class MegatronEngine(TrainEngine):
                 raise ValueError(f"{ROLE_KEYS[spec.role]}.megatron sets TP={tp}, PP={pp}, but this process already "
                                  "runs another model with a different layout: the roles on Megatron must share "
                                  "tensor_model_parallel_size and pipeline_model_parallel_size.")
+            # Activations pass between pipeline stages in the compute dtype too.
             half = {} if dtype == torch.float32 else {
-                "bf16": dtype == torch.bfloat16, "fp16": dtype == torch.float16, "params_dtype": dtype}
+                "bf16": dtype == torch.bfloat16, "fp16": dtype == torch.float16, "params_dtype": dtype,
+                "pipeline_dtype": dtype}
             overrides = {**transformer_overrides(megatron_cfg.get("override_transformer_config")), **half}
             te = mmodel.has_transformer_engine(device)
             sequence_parallel = bool(megatron_cfg.get("sequence_parallel", False)) and tp > 1
@@ -108,7 +110,9 @@ class MegatronEngine(TrainEngine):
                                "activation memory).", spec.role)
                 sequence_parallel = False
             self.config = mmodel.transformer_config(hf_config, self.layout, vpp, sequence_parallel, overrides)
-            self.models = mmodel.build_model(hf_config, self.layout, self.config, te, seed)
+            # Built on the CPU (the same initial weights on every device), then moved, as megatron-LM does.
+            self.models = [chunk.to(device) for chunk in mmodel.build_model(hf_config, self.layout, self.config,
+                                                                           te, seed)]
             mmodel.load_hf_weights(self.models, self.config, spec.path, self.layout)
             self.chunks = [self._half(m) for m in self.models]
             if trainable:

@@ -1,0 +1,88 @@
+"""The training engines on a CUDA GPU (skipped without one): the Megatron engine against the FSDP
+engine on the same model, batch and seed; megatron's bf16 path; FSDP2's CPU offload
+(`fsdp_config.offload_policy`) changes where the weights live, not what a step computes."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hybrid_rl.engines import Output
+from tests.conftest import build_tiny_model
+from tests.engine_helpers import actor_config, make_engine, rollout_batch, step, weights
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_process_group():
+    """The process group a one-GPU worker has (NCCL for CUDA tensors, gloo for CPU ones)."""
+    torch.cuda.set_device(0)
+    with tempfile.TemporaryDirectory() as folder:
+        dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"file://{os.path.join(folder, 'init')}",
+                                rank=0, world_size=1)
+        yield
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tiny_tokenizer):
+    return build_tiny_model(tmp_path_factory.mktemp("gpu_model"), tiny_tokenizer, num_layers=4, rope_theta=1e5)
+
+
+def test_megatron_matches_fsdp_on_cuda(model_dir):
+    mask = rollout_batch(1)["response_mask"].bool()
+    results = {}
+    for strategy in ("fsdp2", "megatron"):
+        cfg = actor_config(strategy)  # fp32
+        engine = make_engine(cfg, model_dir, CUDA)
+        assert engine.device.type == "cuda"
+        before = weights(engine)
+        infer = engine.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None)
+        first = step(engine, cfg, 1)
+        results[strategy] = {"before": before, "infer": infer, "first": first, "after": weights(engine)}
+    fsdp, megatron = results["fsdp2"], results["megatron"]
+    for key in ("log_probs", "entropy"):
+        assert (megatron["infer"][key] - fsdp["infer"][key])[mask].abs().max() <= 1e-4
+    assert megatron["first"]["actor/loss"] == pytest.approx(fsdp["first"]["actor/loss"], rel=1e-4)
+    assert megatron["first"]["actor/grad_norm"] == pytest.approx(fsdp["first"]["actor/grad_norm"], rel=1e-4)
+    assert set(megatron["after"]) == set(fsdp["after"])
+    update = torch.cat([(megatron["after"][k] - fsdp["before"][k]).flatten() for k in fsdp["after"]])
+    expected = torch.cat([(fsdp["after"][k] - fsdp["before"][k]).flatten() for k in fsdp["after"]])
+    assert (update - expected).norm() / expected.norm() <= 1e-3
+
+
+def test_megatron_bf16_on_cuda(model_dir):
+    fsdp_cfg = actor_config("fsdp2")
+    expected = make_engine(fsdp_cfg, model_dir, CUDA).infer(rollout_batch(1), Output.LOG_PROBS, 0.7, 3, None)
+    cfg = actor_config("megatron", dtype="bf16")
+    engine = make_engine(cfg, model_dir, CUDA)
+    assert engine.config.params_dtype == torch.bfloat16
+    infer = engine.infer(rollout_batch(1), Output.LOG_PROBS, 0.7, 3, None)
+    mask = rollout_batch(1)["response_mask"].bool()
+    assert 0 < (infer["log_probs"] - expected["log_probs"])[mask].abs().max() <= 0.1
+    metrics = step(engine, cfg, 1)
+    assert torch.isfinite(torch.tensor(metrics["actor/grad_norm"])) and metrics["actor/skipped_steps"] == 0
+
+
+def test_fsdp_cpu_offload_on_cuda(model_dir):
+    runs = {}
+    for offload in (False, True):
+        cfg = actor_config("fsdp2", extra=[f"actor_rollout_ref.actor.fsdp_config.offload_policy={offload}"])
+        engine = make_engine(cfg, model_dir, CUDA)
+        devices = {p.to_local().device.type for p in engine.module.parameters()}
+        before = weights(engine)
+        runs[offload] = {"devices": devices, "before": before, "first": step(engine, cfg, 1),
+                         "second": step(engine, cfg, 2), "after": weights(engine)}
+    assert runs[False]["devices"] == {"cuda"} and runs[True]["devices"] == {"cpu"}
+    for key in ("actor/loss", "actor/grad_norm"):
+        assert runs[True]["first"][key] == pytest.approx(runs[False]["first"][key], rel=1e-5)
+        assert runs[True]["second"][key] == pytest.approx(runs[False]["second"][key], rel=1e-4)
+    for name, tensor in runs[False]["after"].items():
+        assert tensor.device.type == runs[True]["after"][name].device.type == "cuda"
+        torch.testing.assert_close(runs[True]["after"][name], tensor, rtol=1e-5, atol=1e-6)
