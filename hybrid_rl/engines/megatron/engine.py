@@ -114,6 +114,7 @@ class MegatronEngine(TrainEngine):
             self.models = [chunk.to(device) for chunk in mmodel.build_model(hf_config, self.layout, self.config,
                                                                            te, seed)]
             mmodel.load_hf_weights(self.models, self.config, spec.path, self.layout)
+            self.head = mmodel.ResponsePositionsHead(self.models, enabled=not self.config.sequence_parallel)
             self.chunks = [self._half(m) for m in self.models]
             if trainable:
                 self._build_training(megatron_cfg, spec, role_cfg)
@@ -222,14 +223,16 @@ class MegatronEngine(TrainEngine):
             micro = next(data_iterator)
             ids, positions, predict = mmodel.left_aligned(micro)
             ids, positions = _pad_columns(ids, pad_to), _pad_columns(positions, pad_to)
-            logits = model(ids, positions, None)
+            with self.head.at(predict):
+                logits = model(ids, positions, None)
 
             def loss_func(logits: torch.Tensor):
+                logits = self.head.outputs(logits, predict)
                 if output is Output.VALUES:  # V(s_t): the value head's output before each response token
-                    out = {"values": logits[..., 0].gather(1, predict).float()}
+                    out = {"values": logits[..., 0].float()}
                 else:
                     log_probs, entropy = mmodel.logits_to_log_probs(
-                        logits, predict, micro["responses"], temperature, self.layout.vocab,
+                        logits, micro["responses"], temperature, self.layout.vocab,
                         output is Output.LOG_PROBS_ENTROPY)
                     out = dict(zip(OUTPUT_KEYS[output], (log_probs, entropy)))
                 if loss_fn is None:

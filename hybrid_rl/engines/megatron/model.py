@@ -258,18 +258,58 @@ def response_log_probs(chunk: torch.nn.Module, micro: dict[str, torch.Tensor], t
     next-token distributions (zeros unless `with_entropy`), from a whole-model chunk (PP=1)
     whose output layer gathers the vocabulary (`parallel_output=False`)."""
     ids, positions, predict = left_aligned(micro)
-    return logits_to_log_probs(chunk(ids, positions, None), predict, micro["responses"], temperature, vocab,
-                               with_entropy)
+    return logits_to_log_probs(at_positions(chunk(ids, positions, None), predict), micro["responses"],
+                               temperature, vocab, with_entropy)
 
 
-def logits_to_log_probs(logits: torch.Tensor, predict: torch.Tensor, responses: torch.Tensor, temperature: float,
+def at_positions(outputs: torch.Tensor, predict: torch.Tensor) -> torch.Tensor:
+    """(B, S, X) outputs of every position -> (B, T, X) at the positions `predict` names."""
+    return outputs.gather(1, predict.unsqueeze(-1).expand(-1, -1, outputs.shape[-1]))
+
+
+class ResponsePositionsHead:
+    """Runs the output layer (LM or value head) of `chunks` only where its outputs are read: at
+    the position before each response token. A forward pre-hook narrows the hidden states
+    (S, B, H) to the positions set for the forward in progress (`at`), so the output layer
+    returns (B, T_response, V) logits instead of (B, S, V): with long prompts, a fraction of the
+    head's compute and of the logits' memory.
+
+    Not with sequence parallelism, where the output layer gathers the sequence from the TP
+    ranks itself (`enabled` False: the head runs everywhere and `at_positions` narrows after).
+    """
+
+    def __init__(self, chunks: list[torch.nn.Module], enabled: bool):
+        self.enabled, self.predict = enabled, None
+        if enabled:
+            for chunk in chunks:
+                if chunk.post_process:
+                    chunk.output_layer.register_forward_pre_hook(self._narrow)
+
+    def _narrow(self, module, args):
+        hidden = args[0]
+        index = self.predict.t().unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+        return (hidden.gather(0, index), *args[1:])
+
+    @contextlib.contextmanager
+    def at(self, predict: torch.Tensor):
+        self.predict = predict
+        try:
+            yield
+        finally:
+            self.predict = None
+
+    def outputs(self, head_outputs: torch.Tensor, predict: torch.Tensor) -> torch.Tensor:
+        """The head's outputs (B, T_response, X) at the response positions."""
+        return head_outputs if self.enabled else at_positions(head_outputs, predict)
+
+
+def logits_to_log_probs(logits: torch.Tensor, responses: torch.Tensor, temperature: float,
                         vocab: int, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The response tokens' log-probs and entropies from the last stage's (B, S, padded V)
-    logits of `left_aligned` rows."""
+    """The response tokens' log-probs and entropies from the last stage's (B, T, padded V)
+    logits at the positions that predict them."""
     from hybrid_rl.algorithms import entropy_from_logits, token_log_probs
 
-    logits = logits[..., :vocab]  # the TP padding rows are not tokens
-    logits = logits.gather(1, predict.unsqueeze(-1).expand(-1, -1, vocab)).float() / temperature
+    logits = logits[..., :vocab].float() / temperature  # the TP padding rows are not tokens
     log_probs = token_log_probs(logits, responses)
     entropy = entropy_from_logits(logits) if with_entropy else torch.zeros_like(log_probs)
     return log_probs, entropy
