@@ -86,3 +86,12 @@ def test_fsdp_cpu_offload_on_cuda(model_dir):
     for name, tensor in runs[False]["after"].items():
         assert tensor.device.type == runs[True]["after"][name].device.type == "cuda"
         torch.testing.assert_close(runs[True]["after"][name], tensor, rtol=1e-5, atol=1e-6)
+
+
+def test_megatron_recomputation_on_cuda(model_dir):
+    """`enable_gradient_checkpointing` on the Megatron engine: megatron's full per-layer
+    recomputation, the same update with far fewer activations kept."""
+    from tests.test_gradient_checkpointing import assert_same_update_fewer_activations, checkpointed_update
+
+    runs = [checkpointed_update(model_dir, flag, CUDA, strategy="megatron") for flag in (False, True)]
+    assert_same_update_fewer_activations(*runs)

@@ -225,6 +225,11 @@ def test_dispatch_follows_the_data_parallel_layout():
      "must match.*actor_rollout_ref.actor: TP=1, PP=2, .*critic: TP=1, PP=1"),
     (["actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_type=full"],
      "kl_loss_type=full needs full-vocabulary logits"),
+    (["actor_rollout_ref.model.enable_gradient_checkpointing=true"],
+     r"actor_rollout_ref.model.enable_gradient_checkpointing \(megatron's recomputation\) runs on CUDA only"),
+    (["algorithm.adv_estimator=gae",
+      "+critic.megatron.override_transformer_config.recompute_granularity=full"],
+     r"critic.model.enable_gradient_checkpointing \(megatron's recomputation\) runs on CUDA only"),
 ])
 def test_megatron_layouts_the_model_cannot_take_are_refused_before_workers_start(tiny_model_dir4, overrides,
                                                                                expected):

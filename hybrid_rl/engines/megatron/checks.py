@@ -57,6 +57,18 @@ def check_layout(key: str, megatron_cfg: Any, layout: convert.Layout, world: int
                          "pipeline_model_parallel_size.")
 
 
+def check_recompute(model_key: str, model_cfg: Any, megatron_cfg: Any, device_type: str) -> None:
+    """Activation recomputation (`enable_gradient_checkpointing`, or megatron's own
+    `override_transformer_config.recompute_granularity`) runs megatron's layers again inside the
+    backward pass, which the CPU device layer (`cpu.py`) does not reach: refused on CPU."""
+    override = megatron_cfg.get("override_transformer_config") or {}
+    asked = model_cfg.get("enable_gradient_checkpointing", False) or override.get("recompute_granularity")
+    if asked and device_type == "cpu":
+        raise ValueError(f"{model_key}.enable_gradient_checkpointing (megatron's recomputation) runs on CUDA "
+                         "only: on CPU set it to false (and override_transformer_config.recompute_granularity "
+                         "to null), or use strategy=fsdp2, whose checkpointing works on CPU.")
+
+
 def check_roles(cfg: Any, hf_config: Any, roles: dict[str, bool]) -> None:
     """Check every role (`{"actor_rollout_ref.actor": in use, ...}`) whose strategy is megatron."""
     megatron = {key: _section(cfg, key) for key, used in roles.items()
@@ -74,6 +86,9 @@ def check_roles(cfg: Any, hf_config: Any, roles: dict[str, bool]) -> None:
     world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     for key in megatron:
         check_layout(key, _section(cfg, key).megatron, layout, world, cfg.trainer.device)
+        if key != "actor_rollout_ref.ref":  # a frozen model keeps no activations
+            model_key = "critic.model" if key == "critic" else "actor_rollout_ref.model"
+            check_recompute(model_key, _section(cfg, model_key), _section(cfg, key).megatron, cfg.trainer.device)
     # One process holds the actor, the reference and the critic, and megatron's groups are per process.
     sizes = {key: parallel_sizes(_section(cfg, key).megatron)[:2] for key in megatron}
     if len(set(sizes.values())) > 1:

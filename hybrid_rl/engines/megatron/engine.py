@@ -32,7 +32,7 @@ from hybrid_rl.engines import hf_model
 from hybrid_rl.engines.base import Head, ModelSpec, Output, TrainEngine, all_reduce_scalar, lr_lambda
 from hybrid_rl.engines.megatron import convert
 from hybrid_rl.engines.megatron import model as mmodel
-from hybrid_rl.engines.megatron.checks import check_layout, parallel_sizes
+from hybrid_rl.engines.megatron.checks import check_layout, check_recompute, parallel_sizes
 from hybrid_rl.models import model_config
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,8 @@ for _message in (r"(Transformer Engine and )?Apex (is|are) not installed", r"ful
 OUTPUT_KEYS = {Output.LOG_PROBS: ("log_probs",), Output.LOG_PROBS_ENTROPY: ("log_probs", "entropy"),
                Output.VALUES: ("values",)}
 ROLE_KEYS = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "critic": "critic"}
+MODEL_KEYS = {"actor": "actor_rollout_ref.model", "ref": "actor_rollout_ref.model", "critic": "critic.model"}
+FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 
 class LambdaSchedules:
@@ -100,7 +102,17 @@ class MegatronEngine(TrainEngine):
             half = {} if dtype == torch.float32 else {
                 "bf16": dtype == torch.bfloat16, "fp16": dtype == torch.float16, "params_dtype": dtype,
                 "pipeline_dtype": dtype}
-            overrides = {**transformer_overrides(megatron_cfg.get("override_transformer_config")), **half}
+            overrides = transformer_overrides(megatron_cfg.get("override_transformer_config"))
+            if trainable:
+                check_recompute(MODEL_KEYS[spec.role], spec.model_cfg, megatron_cfg, device.type)
+            if trainable and spec.model_cfg.get("enable_gradient_checkpointing", False):
+                # Every layer recomputed in the backward pass, as the FSDP engine's per-layer
+                # checkpointing does, unless override_transformer_config sets recompute_* (verl's
+                # tree lists them as null).
+                for key, value in FULL_RECOMPUTE.items():
+                    if overrides.get(key) is None:
+                        overrides[key] = value
+            overrides.update(half)
             te = mmodel.has_transformer_engine(device)
             sequence_parallel = bool(megatron_cfg.get("sequence_parallel", False)) and tp > 1
             if sequence_parallel and not te:

@@ -1,0 +1,41 @@
+"""`actor_rollout_ref.model.enable_gradient_checkpointing` on the FSDP engine: the update is the
+same (loss, gradient norm, weights) and the forward keeps far fewer activations for backward.
+(The Megatron engine's recomputation is refused on CPU, tests/test_megatron_engine.py, and run
+on CUDA by tests/test_gpu.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import build_tiny_model
+from tests.engine_helpers import actor_config, make_engine, step, weights
+
+
+def checkpointed_update(model_dir: str, checkpointing: bool, device=torch.device("cpu"), strategy="fsdp2") -> dict:
+    """One update; the bytes of every tensor autograd saved for backward outside checkpointed
+    regions (inside one, the checkpoint's own hooks keep nothing but its inputs)."""
+    cfg = actor_config(strategy, extra=[f"actor_rollout_ref.model.enable_gradient_checkpointing={checkpointing}"])
+    engine = make_engine(cfg, model_dir, device)
+    saved = [0]
+
+    def pack(tensor):
+        saved[0] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        metrics = step(engine, cfg, 1)
+    return {"saved_bytes": saved[0], "metrics": metrics, "weights": weights(engine)}
+
+
+def assert_same_update_fewer_activations(plain: dict, checkpointed: dict) -> None:
+    for key in ("actor/loss", "actor/grad_norm"):
+        assert checkpointed["metrics"][key] == pytest.approx(plain["metrics"][key], rel=1e-6)
+    for name, tensor in plain["weights"].items():
+        torch.testing.assert_close(checkpointed["weights"][name], tensor, rtol=1e-6, atol=1e-7)
+    assert checkpointed["saved_bytes"] < 0.5 * plain["saved_bytes"]
+
+
+def test_fsdp_gradient_checkpointing_keeps_the_update_and_drops_activations(tmp_path, tiny_tokenizer):
+    model_dir = build_tiny_model(tmp_path, tiny_tokenizer, num_layers=4, rope_theta=1e5)
+    assert_same_update_fewer_activations(checkpointed_update(model_dir, False), checkpointed_update(model_dir, True))
