@@ -42,7 +42,7 @@ def init_process_group(device_type: str) -> None:
 
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-        init_method = f"file://{tempfile.mktemp(prefix='bench_engine_pg_')}"
+        init_method = f"file://{os.path.join(tempfile.mkdtemp(prefix='bench_engine_pg_'), 'init')}"
     else:
         init_method = "env://"
     backend = "gloo"
@@ -169,6 +169,10 @@ def main(argv=None) -> int:
     rollout = cfg.actor_rollout_ref.rollout
     max_log_prob_tokens = rollout.log_prob_max_token_len_per_gpu if rollout.log_prob_use_dynamic_bsz else None
 
+    def update() -> dict:
+        return engine.update(batch, actor, rollout_n=args.responses, seed=0, output=Output.LOG_PROBS_ENTROPY,
+                             temperature=1.0, loss_fn=loss_fn)
+
     timings: dict[str, list[float]] = {"update": [], "log_probs": [], "gather_weights": []}
     update_tokens, sync_bytes, first_step = [], 0, None
     for _ in range(args.steps):
@@ -178,8 +182,7 @@ def main(argv=None) -> int:
         synchronize(device)
         timings["log_probs"].append(time.perf_counter() - start)
         start = time.perf_counter()
-        metrics = engine.update(batch, actor, rollout_n=args.responses, seed=0, output=Output.LOG_PROBS_ENTROPY,
-                                temperature=1.0, loss_fn=loss_fn)
+        metrics = update()
         synchronize(device)
         timings["update"].append(time.perf_counter() - start)
         update_tokens.append(metrics["actor/update_tokens"])
@@ -191,9 +194,7 @@ def main(argv=None) -> int:
         synchronize(device)
         timings["gather_weights"].append(time.perf_counter() - start)
     if args.profile:
-        profile_update(lambda: engine.update(batch, actor, rollout_n=args.responses, seed=0,
-                                             output=Output.LOG_PROBS_ENTROPY, temperature=1.0, loss_fn=loss_fn),
-                       device, args.profile if rank0 else None)
+        profile_update(update, device, args.profile if rank0 else None)
     measured = {k: statistics.mean(v[1:] if len(v) > 1 else v) for k, v in timings.items()}
     tokens = statistics.mean(update_tokens[1:] if len(update_tokens) > 1 else update_tokens)
 
