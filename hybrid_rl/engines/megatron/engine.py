@@ -105,13 +105,13 @@ class MegatronEngine(TrainEngine):
             overrides = transformer_overrides(megatron_cfg.get("override_transformer_config"))
             if trainable:
                 check_recompute(MODEL_KEYS[spec.role], spec.model_cfg, megatron_cfg, device.type)
-            if trainable and spec.model_cfg.get("enable_gradient_checkpointing", False):
-                # Every layer recomputed in the backward pass, as the FSDP engine's per-layer
-                # checkpointing does, unless override_transformer_config sets recompute_* (verl's
-                # tree lists them as null).
-                for key, value in FULL_RECOMPUTE.items():
-                    if overrides.get(key) is None:
-                        overrides[key] = value
+                if spec.model_cfg.get("enable_gradient_checkpointing", False):
+                    # Every layer recomputed in the backward pass, as the FSDP engine's per-layer
+                    # checkpointing does, unless override_transformer_config sets recompute_*
+                    # (verl's tree lists them as null).
+                    for key, value in FULL_RECOMPUTE.items():
+                        if overrides.get(key) is None:
+                            overrides[key] = value
             overrides.update(half)
             te = mmodel.has_transformer_engine(device)
             sequence_parallel = bool(megatron_cfg.get("sequence_parallel", False)) and tp > 1
