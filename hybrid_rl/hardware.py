@@ -142,3 +142,13 @@ def matmul_gflops(dtype: str, size: int = 256, min_seconds: float = 0.05) -> flo
         a @ b
         calls += 1
     return 2 * size**3 * calls / elapsed / 1e9
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory of this process so far: CUDA allocations on GPU, the peak resident set on CPU
+    (in a worker: trainer, reference and the vLLM engine together)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux

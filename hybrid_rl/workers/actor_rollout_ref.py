@@ -21,9 +21,10 @@ from hybrid_rl.config import needs_reference
 from hybrid_rl.controller import Dispatch, register
 from hybrid_rl.engines import ModelSpec, Output, build_engine
 from hybrid_rl.engines.base import FORWARD_KEYS, token_share
+from hybrid_rl.hardware import peak_memory_gb
 from hybrid_rl.models import load_tokenizer, model_config
 from hybrid_rl.protocol import Batch, Sampling
-from hybrid_rl.workers.base import ModelWorker, peak_memory_gb
+from hybrid_rl.workers.base import ModelWorker
 from hybrid_rl.workers.rollout import HFRollout, VLLMRollout, assemble_rollout, greedy_settings, sampling_settings
 from hybrid_rl.workers.weight_sync import sync_weights
 

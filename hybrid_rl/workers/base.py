@@ -47,13 +47,3 @@ class ModelWorker(Worker):
             os.environ["LOCAL_RANK"] = "0"
         self.init_process_group(timeout_s=self.cfg.actor_rollout_ref.nccl_timeout)
         return torch.device("cuda", 0) if use_cuda else torch.device("cpu")
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    """Peak memory of this worker so far: CUDA allocations on GPU, the process's peak resident
-    set on CPU (trainer, reference and the vLLM engine together)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux

@@ -101,7 +101,7 @@ def init_single_rank(device_type: str) -> None:
     backend = "gloo"
     if device_type == "cuda":
         torch.cuda.set_device(0)  # vLLM takes its device from LOCAL_RANK, FSDP from the current one
-        backend = "nccl"  # what Worker.init_process_group picks on GPU
+        backend = "cpu:gloo,cuda:nccl"  # what Worker.init_process_group picks on GPU
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
@@ -122,6 +122,33 @@ def matmul_peak_tflops(device: str, dtype_name: str, size: int, repeats: int = 8
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best / 1e12
+
+
+def matmul_peaks(device: str, compute_dtype: str, size: int | None = None) -> tuple[dict[str, float], int]:
+    """({dtype: peak TFLOP/s} for float32 and the update's dtype, the matrix size used: 2048 on
+    CPU, 8192 on CUDA by default). Only those two: a bf16 peak on a CPU without bf16
+    instructions takes minutes."""
+    size = size or (8192 if device == "cuda" else 2048)
+    return {dtype: matmul_peak_tflops(device, dtype, size) for dtype in dict.fromkeys(("float32", compute_dtype))}, size
+
+
+def update_dtype(cfg, device: str) -> str:
+    """The actor's compute dtype as its engine resolves it (`auto` follows this CPU or GPU)."""
+    import torch
+
+    from hybrid_rl.engines import hf_model
+
+    actor = cfg.actor_rollout_ref.actor
+    section = actor.megatron if actor.strategy == "megatron" else actor.fsdp_config
+    dtype = hf_model.compute_dtype(section.get("dtype", "auto") or "auto", torch.device(device))
+    return str(dtype).removeprefix("torch.")
+
+
+def update_flops(nonembedding_params: int, head_params: int, tokens: float, response_tokens: float) -> float:
+    """FLOPs of one forward + backward: 6 x the non-embedding parameters over every token the
+    forward computes, plus 6 x the LM head over the response tokens only (the head runs nowhere
+    else). Attention scores are left out, so a fraction of a peak is a slight underestimate."""
+    return 6 * (nonembedding_params * tokens + head_params * response_tokens)
 
 
 def parameter_counts(model_path: str) -> tuple[int, int]:

@@ -98,16 +98,6 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def peak_memory_gb(device) -> float:
-    import resource
-
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--strategy", choices=("fsdp", "megatron"), default="fsdp")
@@ -132,7 +122,8 @@ def main(argv=None) -> int:
     from transformers import AutoConfig
 
     from hybrid_rl.config_keys import compose_config
-    from hybrid_rl.engines import ModelSpec, Output, build_engine, hf_model
+    from hybrid_rl.engines import ModelSpec, Output, build_engine
+    from hybrid_rl.hardware import peak_memory_gb
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     init_process_group(device.type)
@@ -148,11 +139,8 @@ def main(argv=None) -> int:
                           f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",
                           f"actor_rollout_ref.rollout.n={args.responses}", *args.overrides], config_name=config_name)
     actor = cfg.actor_rollout_ref.actor
-    section = actor.megatron if args.strategy == "megatron" else actor.fsdp_config
-    compute_dtype = str(hf_model.compute_dtype(section.get("dtype", "auto") or "auto", device)).removeprefix("torch.")
-    size = args.matmul_size or (8192 if device.type == "cuda" else 2048)
-    peaks = {dtype: common.matmul_peak_tflops(device.type, dtype, size)
-             for dtype in dict.fromkeys(("float32", compute_dtype))}
+    compute_dtype = common.update_dtype(cfg, device.type)
+    peaks, size = common.matmul_peaks(device.type, compute_dtype, args.matmul_size)
 
     start = time.perf_counter()
     engine = build_engine(ModelSpec("actor", model_path, cfg.actor_rollout_ref.model, optim_cfg=actor.optim,
@@ -202,7 +190,7 @@ def main(argv=None) -> int:
     response_tokens = float(batch["response_mask"].sum())
     # With tensor or pipeline parallelism each rank computes its share of every token's FLOPs.
     model_parallel = world // engine.dp_size
-    flops = 6 * (nonembed * tokens + head * response_tokens) / model_parallel
+    flops = common.update_flops(nonembed, head, tokens, response_tokens) / model_parallel
     achieved = flops / measured["update"] / 1e12
     result = common.header({"strategy": args.strategy, "model": args.shape or model_path, "device": device.type,
                             "ranks": world, "dp_size": engine.dp_size, "prompts": args.prompts, "n": args.responses,

@@ -60,18 +60,6 @@ def head_memory_case(model_path: str, chunked: bool, rows: int, prompt: int, res
     return {"peak_rss_gb": peak / 2**20, "increase_gb": (peak - before) / 2**20}
 
 
-def update_dtype(cfg, device: str) -> str:
-    """The actor's compute dtype as its engine resolves it (`auto` follows this CPU or GPU)."""
-    import torch
-
-    from hybrid_rl.engines import hf_model
-
-    actor = cfg.actor_rollout_ref.actor
-    section = actor.megatron if actor.strategy == "megatron" else actor.fsdp_config
-    dtype = hf_model.compute_dtype(section.get("dtype", "auto") or "auto", torch.device(device))
-    return str(dtype).removeprefix("torch.")
-
-
 def run_steps(steps: int, overrides: list[str], config_name: str = "ppo_trainer") -> tuple[dict, list[dict]]:
     from hybrid_rl.main import build_trainer, compose_config
 
@@ -103,12 +91,10 @@ def main(argv=None) -> int:
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    size = args.matmul_size or (8192 if device == "cuda" else 2048)
     from hybrid_rl.main import compose_config
 
-    compute_dtype = update_dtype(compose_config(args.overrides, args.config_name), device)
-    # fp32 and the update's dtype only: a bf16 peak on a CPU without bf16 instructions takes minutes.
-    peaks = {dtype: common.matmul_peak_tflops(device, dtype, size) for dtype in dict.fromkeys(("float32", compute_dtype))}
+    compute_dtype = common.update_dtype(compose_config(args.overrides, args.config_name), device)
+    peaks, size = common.matmul_peaks(device, compute_dtype, args.matmul_size)
 
     run, measured = run_steps(args.steps, args.overrides, args.config_name)
     cfg = run["cfg"]
@@ -118,7 +104,7 @@ def main(argv=None) -> int:
     ranks = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     sequences = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
     response_tokens = mean("response_length/mean") * sequences / ranks
-    update_flops = 6 * (nonembed * mean("actor/update_tokens") + head * response_tokens)
+    update_flops = common.update_flops(nonembed, head, mean("actor/update_tokens"), response_tokens)
     achieved = update_flops / phases["update_actor"] / 1e12
     result = common.header({"steps": args.steps, "config_name": args.config_name, "overrides": args.overrides,
                             "device": device, "ranks": ranks, "sequences_per_step": sequences,
