@@ -87,9 +87,13 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(WORKS, "on GPU, FSDP2's CPU offload: sharded weights, gradients and the optimizer step in pinned "
             "host memory, each layer copied to the GPU for its compute; no effect on CPU",
             "actor_rollout_ref.actor.fsdp_config.offload_policy", "actor_rollout_ref.ref.fsdp_config.offload_policy"),
+    *_rules(WORKS, "on GPU, the weights wait in host memory between forwards and updates (the rollout "
+            "engine gets their GPU memory); no effect on CPU",
+            "actor_rollout_ref.actor.fsdp_config.param_offload", "actor_rollout_ref.ref.fsdp_config.param_offload"),
+    *_rules(WORKS, "on GPU, the optimizer state waits in host memory between updates; no effect on CPU",
+            "actor_rollout_ref.actor.fsdp_config.optimizer_offload"),
+    *_rules(NO_EFFECT, "the reference policy has no optimizer", "actor_rollout_ref.ref.fsdp_config.optimizer_offload"),
     *_rules(NO_EFFECT_ON_CPU, "offloading to host memory; on CPU the model is already there",
-            *(f"actor_rollout_ref.{r}.fsdp_config.{k}" for r in ("actor", "ref")
-              for k in ("param_offload", "optimizer_offload")),
             *(f"critic.{section}.{k}" for section in ("fsdp", "model.fsdp_config")
               for k in ("param_offload", "optimizer_offload", "offload_policy"))),
     *_rules(NOT_YET, "the critic's FSDP settings are read from critic.fsdp_config here", "critic.fsdp.dtype",

@@ -148,13 +148,21 @@ def test_keys_with_no_effect_accept_any_value_and_are_reported(caplog):
     assert "no effect here (docs/config.md): " in caplog.text and " more" in caplog.text
 
 
-def test_offload_has_no_effect_on_cpu_and_is_refused_on_gpu():
-    key = "actor_rollout_ref.actor.fsdp_config.param_offload"
+def test_critic_offload_has_no_effect_on_cpu_and_is_refused_on_gpu():
+    key = "critic.fsdp.param_offload"
     assert status_of(key)[0] == NO_EFFECT_ON_CPU
     cfg = compose_config([f"{key}=true"])
     assert check_verl_keys(cfg, "cpu") == []
     assert check_verl_keys(cfg, "cuda") == [f"{key}=True is not supported yet (offloading to host memory; on CPU "
                                             "the model is already there)"]
+
+
+def test_actor_and_reference_offload_are_accepted_on_both_devices():
+    keys = ["actor_rollout_ref.actor.fsdp_config.param_offload", "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
+            "actor_rollout_ref.ref.fsdp_config.param_offload"]
+    assert {status_of(key)[0] for key in keys} == {WORKS}
+    cfg = compose_config([f"{key}=true" for key in keys])
+    assert check_verl_keys(cfg, "cpu") == check_verl_keys(cfg, "cuda") == []
 
 
 def test_our_own_keys_work():

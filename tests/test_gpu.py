@@ -1,6 +1,7 @@
 """The training engines on a CUDA GPU (skipped without one): the Megatron engine against the FSDP
 engine on the same model, batch and seed; megatron's bf16 path; FSDP2's CPU offload
-(`fsdp_config.offload_policy`) changes where the weights live, not what a step computes."""
+(`fsdp_config.offload_policy`) and verl's `param_offload` / `optimizer_offload` change where the
+weights live, not what a step computes."""
 
 from __future__ import annotations
 
@@ -85,6 +86,41 @@ def test_fsdp_cpu_offload_on_cuda(model_dir):
         assert runs[True]["second"][key] == pytest.approx(runs[False]["second"][key], rel=1e-4)
     for name, tensor in runs[False]["after"].items():
         assert tensor.device.type == runs[True]["after"][name].device.type == "cuda"
+        torch.testing.assert_close(runs[True]["after"][name], tensor, rtol=1e-5, atol=1e-6)
+
+
+def test_fsdp_param_and_optimizer_offload_on_cuda(model_dir, tmp_path):
+    """Between uses the weights and the Adam moments wait in host memory; every forward, update
+    and checkpoint brings them back first, and computes what a resident engine computes."""
+    keys = ("actor_rollout_ref.actor.fsdp_config.param_offload", "actor_rollout_ref.actor.fsdp_config.optimizer_offload")
+    runs = {}
+    for offload in (False, True):
+        cfg = actor_config("fsdp2", extra=[f"{key}={offload}" for key in keys])
+        torch.cuda.synchronize()
+        baseline = torch.cuda.memory_allocated()
+        engine = make_engine(cfg, model_dir, CUDA)
+        first = step(engine, cfg, 1)
+        engine.save_checkpoint(str(tmp_path / f"ckpt_{offload}"))
+        engine.load_checkpoint(str(tmp_path / f"ckpt_{offload}"))
+        infer = engine.infer(rollout_batch(3), Output.LOG_PROBS, 0.7, 3, None)
+        second = step(engine, cfg, 2)
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - baseline
+        runs[offload] = {
+            "first": first, "second": second, "infer": infer, "after": weights(engine), "held": held,
+            "params": {p.to_local().device.type for p in engine.module.parameters()},
+            "optimizer": {v.device.type for state in engine.optimizer.state.values() for v in state.values()
+                          if isinstance(v, torch.Tensor)},
+        }
+        del engine
+    assert runs[False]["params"] == runs[False]["optimizer"] == {"cuda"}
+    assert runs[True]["params"] == runs[True]["optimizer"] == {"cpu"}
+    assert runs[True]["held"] < 0.05 * runs[False]["held"]
+    for key in ("actor/loss", "actor/grad_norm"):
+        assert runs[True]["first"][key] == pytest.approx(runs[False]["first"][key], rel=1e-5)
+        assert runs[True]["second"][key] == pytest.approx(runs[False]["second"][key], rel=1e-4)
+    torch.testing.assert_close(runs[True]["infer"]["log_probs"], runs[False]["infer"]["log_probs"])
+    for name, tensor in runs[False]["after"].items():
         torch.testing.assert_close(runs[True]["after"][name], tensor, rtol=1e-5, atol=1e-6)
 
 

@@ -13,14 +13,16 @@ from tests.engine_helpers import actor_config, make_engine, step, weights
 
 
 def checkpointed_update(model_dir: str, checkpointing: bool, device=torch.device("cpu"), strategy="fsdp2") -> dict:
-    """One update; the bytes of every tensor autograd saved for backward outside checkpointed
-    regions (inside one, the checkpoint's own hooks keep nothing but its inputs)."""
+    """One update; the bytes of every tensor the forward passes saved for backward. A checkpointed
+    region keeps only its inputs; what its recomputation saves inside the backward pass (where
+    megatron's reentrant checkpoint calls these hooks too) lives one layer at a time, uncounted."""
     cfg = actor_config(strategy, extra=[f"actor_rollout_ref.model.enable_gradient_checkpointing={checkpointing}"])
     engine = make_engine(cfg, model_dir, device)
     saved = [0]
 
     def pack(tensor):
-        saved[0] += tensor.numel() * tensor.element_size()
+        if torch._C._current_graph_task_id() == -1:  # not inside a backward pass
+            saved[0] += tensor.numel() * tensor.element_size()
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):

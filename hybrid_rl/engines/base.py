@@ -15,12 +15,17 @@ workers and the trainer see only this class, never FSDP or Megatron:
 - `load_weights_from(other)`: copy another engine's weights of the same model (a reference reset);
 - `dp_rank` / `dp_size`: this rank's place among the data-parallel replicas.
 
+On GPU an engine may keep its weights and/or optimizer state in host memory between uses
+(verl's `param_offload` / `optimizer_offload`): `resident()` brings them to the GPU around each
+forward, update and checkpoint, so the rollout engine has the memory the rest of the time.
+
 A backend implements `forward_backward`, `optimizer_step`, `per_tensor_weights` and the sharded
 half of the checkpoint; the mini-batch loop, micro-batching and metrics live here, once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 import os
@@ -82,6 +87,8 @@ class TrainEngine(ABC):
     scheduler: Any = None  # torch LR scheduler of a trained model
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite gradient norm
     share_prompts: bool = False  # micro-batches keep a prompt's responses together (one prompt copy)
+    offload_params: bool = False  # the weights wait in host memory between uses (GPU)
+    offload_optimizer: bool = False  # so does the optimizer state between updates (GPU)
 
     # ------------------------------------------------------------------ what a backend implements
     @property
@@ -135,6 +142,10 @@ class TrainEngine(ABC):
         raise NotImplementedError(f"The {type(self).__name__} cannot copy weights between engines yet (the "
                                   "reference reset of trainer.iterative); use strategy=fsdp.")
 
+    def _place(self, device: torch.device, params: bool, optimizer: bool) -> None:
+        """Move the weights and/or the optimizer state to `device` (for `resident`)."""
+        raise NotImplementedError(f"The {type(self).__name__} cannot offload to host memory yet.")
+
     def hf_module(self) -> torch.nn.Module:
         """The model as a `transformers` module, for `rollout.name=hf`."""
         raise NotImplementedError(f"The {type(self).__name__} has no transformers module to generate with; "
@@ -151,6 +162,22 @@ class TrainEngine(ABC):
         count = int(all_reduce_scalar(count, self.device, op=dist.ReduceOp.MAX, group=self.dp_group))
         return seqlen_balancing.split_into(batch, count, self.share_prompts)
 
+    @contextlib.contextmanager
+    def resident(self, optimizer: bool = False):
+        """The offloaded weights (with `optimizer`, also the offloaded optimizer state) on the
+        compute device inside the block, back in host memory after it."""
+        params, optimizer = self.offload_params, optimizer and self.offload_optimizer
+        if not (params or optimizer):
+            yield
+            return
+        self._place(self.device, params, optimizer)
+        try:
+            yield
+        finally:
+            self._place(torch.device("cpu"), params, optimizer)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # the memory goes back to the rollout engine
+
     def _to_device(self, part: Batch, keys) -> dict[str, torch.Tensor]:
         return {k: part[k].to(self.device) for k in keys}
 
@@ -160,8 +187,9 @@ class TrainEngine(ABC):
         """`output` for every row of `batch`, on the CPU, in micro-batches of `micro_rows` rows
         or `max_tokens` tokens."""
         groups = self.micro_batches(batch, micro_rows, max_tokens)
-        results = self.forward_backward([self._to_device(batch[rows], FORWARD_KEYS) for rows in groups],
-                                        output, temperature)
+        with self.resident():
+            results = self.forward_backward([self._to_device(batch[rows], FORWARD_KEYS) for rows in groups],
+                                            output, temperature)
         out: dict[str, torch.Tensor] = {}
         for rows, result in zip(groups, results):
             for key, value in result.items():
@@ -190,30 +218,31 @@ class TrainEngine(ABC):
         max_tokens = role_cfg.ppo_max_token_len_per_gpu if role_cfg.use_dynamic_bsz else None
         metrics: dict[str, list[float]] = {}
         generator = torch.Generator().manual_seed(seed)
-        for _ in range(role_cfg.ppo_epochs):
-            epoch = batch[torch.randperm(len(batch), generator=generator)] if role_cfg.shuffle else batch
-            for mini in epoch.split(mini_rows):
-                mask = mini["response_mask"]
-                agg_kwargs = {
-                    "global_num_tokens": all_reduce_scalar(float(mask.sum()), self.device, group=self.dp_group),
-                    "global_num_seqs": all_reduce_scalar(float((mask.sum(-1) > 0).sum()), self.device,
-                                                         group=self.dp_group),
-                    "dp_size": self.dp_size,
-                }
-                parts = [mini[rows] for rows in self.micro_batches(mini, role_cfg.ppo_micro_batch_size_per_gpu,
-                                                                    max_tokens)]
-                micros = [self._to_device(part, part.tensors.keys()) for part in parts]
-                terms = self.forward_backward(micros, output, temperature,
-                                              lambda out, micro: loss_fn(out, micro, agg_kwargs))
-                sums: dict[str, float] = {}
-                for micro_terms in terms:
-                    for key, value in micro_terms.items():
-                        sums[key] = combine_metric(key, sums.get(key), value)
-                sums["grad_norm"] = self.optimizer_step(role_cfg.grad_clip)
-                sums[FORWARD_TOKENS] = sum(sum(seqlen_balancing.cost_units(part, self.share_prompts)[1])
-                                           for part in parts)
-                for key, value in sums.items():
-                    metrics.setdefault(key, []).append(value)
+        with self.resident(optimizer=True):
+            for _ in range(role_cfg.ppo_epochs):
+                epoch = batch[torch.randperm(len(batch), generator=generator)] if role_cfg.shuffle else batch
+                for mini in epoch.split(mini_rows):
+                    mask = mini["response_mask"]
+                    agg_kwargs = {
+                        "global_num_tokens": all_reduce_scalar(float(mask.sum()), self.device, group=self.dp_group),
+                        "global_num_seqs": all_reduce_scalar(float((mask.sum(-1) > 0).sum()), self.device,
+                                                             group=self.dp_group),
+                        "dp_size": self.dp_size,
+                    }
+                    parts = [mini[rows] for rows in self.micro_batches(mini, role_cfg.ppo_micro_batch_size_per_gpu,
+                                                                        max_tokens)]
+                    micros = [self._to_device(part, part.tensors.keys()) for part in parts]
+                    terms = self.forward_backward(micros, output, temperature,
+                                                  lambda out, micro: loss_fn(out, micro, agg_kwargs))
+                    sums: dict[str, float] = {}
+                    for micro_terms in terms:
+                        for key, value in micro_terms.items():
+                            sums[key] = combine_metric(key, sums.get(key), value)
+                    sums["grad_norm"] = self.optimizer_step(role_cfg.grad_clip)
+                    sums[FORWARD_TOKENS] = sum(sum(seqlen_balancing.cost_units(part, self.share_prompts)[1])
+                                               for part in parts)
+                    for key, value in sums.items():
+                        metrics.setdefault(key, []).append(value)
         self.scheduler.step()
         out = {(key if "/" in key else f"{role}/{key}"): summarise(key, values) for key, values in metrics.items()}
         out[f"{role}/lr"] = self.scheduler.get_last_lr()[0]
@@ -234,7 +263,8 @@ class TrainEngine(ABC):
     def save_checkpoint(self, folder: str) -> None:
         """This rank's shards plus its scheduler, RNG states and skipped-step count; everything
         loads back with `weights_only` loading."""
-        self._save_sharded(folder)
+        with self.resident(optimizer=True):
+            self._save_sharded(folder)
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
@@ -243,7 +273,8 @@ class TrainEngine(ABC):
 
     def load_checkpoint(self, folder: str) -> None:
         """Inverse of `save_checkpoint` (same world size and layout)."""
-        self._load_sharded(folder)
+        with self.resident(optimizer=True):
+            self._load_sharded(folder)
         extra = torch.load(_extra_path(folder), weights_only=True)
         if self.scheduler is not None:
             self.scheduler.load_state_dict(extra["scheduler"])

@@ -92,12 +92,19 @@ class FSDPEngine(TrainEngine):
         mesh = data_parallel_mesh(device.type) if dist.is_initialized() else None
         # On GPU FSDP2 casts the weights to the compute dtype; on CPU the forward is autocast.
         param_dtype = dtype if device.type == "cuda" else None
-        # verl's FSDP2 switch; on CPU the weights are in host memory already.
-        cpu_offload = device.type == "cuda" and bool(fsdp_cfg.get("offload_policy", False))
+        # verl's switches; on CPU the weights are in host memory already. FSDP2's offload_policy
+        # keeps the shards on the host for good (each layer copied over for its compute); the
+        # other two move whole models between the GPU and the host around each use.
+        on_gpu = device.type == "cuda"
+        cpu_offload = on_gpu and bool(fsdp_cfg.get("offload_policy", False))
         self.module = shard_model(model, mesh, param_dtype,
                                   fsdp_cfg.reshard_after_forward if trainable else True, cpu_offload)
         if trainable:
             self.optimizer, self.scheduler = build_optimizer(self.module, spec.optim_cfg, spec.total_steps)
+        self.offload_params = on_gpu and not cpu_offload and bool(fsdp_cfg.get("param_offload", False))
+        self.offload_optimizer = on_gpu and trainable and bool(fsdp_cfg.get("optimizer_offload", False))
+        if self.offload_params:
+            self._place(torch.device("cpu"), params=True, optimizer=False)
 
     @property
     def dp_rank(self) -> int:
@@ -151,6 +158,16 @@ class FSDPEngine(TrainEngine):
             self.skipped_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
         return norm
+
+    @torch.no_grad()
+    def _place(self, device: torch.device, params: bool, optimizer: bool) -> None:
+        if params:
+            self.module.to(device)  # FSDP2 re-registers the moved shards as its parameters
+        if optimizer:
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        state[key] = value.to(device)
 
     def per_tensor_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         # The module is the transformers model, so its state-dict names are Hugging Face's.

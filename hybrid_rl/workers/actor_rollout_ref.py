@@ -8,6 +8,7 @@ the batch, `ONE_TO_ALL` methods run on every rank with the same arguments.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -75,7 +76,10 @@ class ActorRolloutRefWorker(ModelWorker):
         # exactly what an uninterrupted one would.
         replica = self.rollout.dp_rank
         torch.manual_seed(hash((self.cfg.trainer.seed, prompts.meta.step, replica, sampling.value)) % 2**62)
-        tokens, log_probs = self.rollout.generate(prompts, settings, rollout_cfg.response_length)
+        # The hf rollout generates with the actor's own weights (offloaded or not).
+        weights_here = self.actor.resident() if isinstance(self.rollout, HFRollout) else contextlib.nullcontext()
+        with weights_here:
+            tokens, log_probs = self.rollout.generate(prompts, settings, rollout_cfg.response_length)
         return assemble_rollout(prompts, tokens, log_probs, rollout_cfg.response_length,
                                 self.pad_token_id, self.eos_token_ids)
 
@@ -159,10 +163,12 @@ class ActorRolloutRefWorker(ModelWorker):
             return self._actor_loss(out, t, {**agg_kwargs, "loss_scale_factor": cfg.loss_scale_factor},
                                     cfg, policy_loss, temperature, on_policy)
 
-        # The full KL is the only loss that needs whole next-token distributions.
-        metrics = self.actor.update(batch, cfg, rollout_n=n, seed=self.cfg.trainer.seed + batch.meta.step,
-                                    output=Output.LOGITS if full_kl else Output.LOG_PROBS_ENTROPY,
-                                    temperature=temperature, loss_fn=loss_fn)
+        # The full KL is the only loss that needs whole next-token distributions, the reference's
+        # among them (its weights on the GPU throughout).
+        with self.ref.resident() if full_kl else contextlib.nullcontext():
+            metrics = self.actor.update(batch, cfg, rollout_n=n, seed=self.cfg.trainer.seed + batch.meta.step,
+                                        output=Output.LOGITS if full_kl else Output.LOG_PROBS_ENTROPY,
+                                        temperature=temperature, loss_fn=loss_fn)
         metrics["perf/max_memory_gb"] = peak_memory_gb(self.device)
         return metrics
 

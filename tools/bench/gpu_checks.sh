@@ -4,12 +4,14 @@
 # log per step, the engine JSONs, operator profiles), and a step that fails does not stop the next.
 #
 #   OUT=runs/bench/gpu PYTHON=python bash tools/bench/gpu_checks.sh
+#   ONLY="test_gpu profile-fsdp-135m" bash tools/bench/gpu_checks.sh   # just these steps
 #
-# 1. tests/test_gpu.py: the engines on CUDA against each other, bf16, FSDP2 offload, megatron's
+# 1. tests/test_gpu.py: the engines on CUDA against each other, bf16, the FSDP offloads, megatron's
 #    recomputation;
 # 2. where an FSDP update's time goes on the GPU: operator profiles (torch.profiler) of one
 #    update of the 135M and 0.5B shapes;
-# 3. Qwen2.5-1.5B on both engines, and on FSDP with offload_policy (its memory saving);
+# 3. Qwen2.5-1.5B on both engines, and on FSDP with offload_policy (its memory saving); the 0.5B
+#    shape on Megatron (its memory with the output layer at response positions only);
 # 4. the other shapes on both engines (tools/bench/engines.sh).
 set -u
 cd "$(dirname "$0")/../.."
@@ -24,6 +26,7 @@ TOKEN_BUDGETS=(actor_rollout_ref.actor.use_dynamic_bsz=true actor_rollout_ref.ac
 step() {  # step NAME SECONDS COMMAND...: run under a time limit, log to $OUT/NAME.log, print its end
   local name=$1 limit=$2
   shift 2
+  [[ -z ${ONLY:-} || " $ONLY " == *" $name "* ]] || return 0
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "== $name: exit $?"
   grep -v -i -E "warn|it/s\]|func\(" "$OUT/$name.log" | tail -n 8
@@ -45,5 +48,6 @@ bench megatron-1.5b 180 --strategy megatron --shape qwen2.5-1.5b "${BATCH[@]}" -
 bench fsdp-offload-1.5b 180 --strategy fsdp --shape qwen2.5-1.5b "${BATCH[@]}" --steps 3 \
   actor_rollout_ref.actor.fsdp_config.offload_policy=true
 bench fsdp-1.5b 180 --strategy fsdp --shape qwen2.5-1.5b "${BATCH[@]}" --steps 3
-OUT="$OUT/engines" PYTHON="$PYTHON" SHAPES="smollm2-135m qwen2.5-0.5b" timeout 400 bash tools/bench/engines.sh
+bench megatron-0.5b 150 --strategy megatron --shape qwen2.5-0.5b "${BATCH[@]}" --steps 3
+step engines 400 env OUT="$OUT/engines" PYTHON="$PYTHON" SHAPES="smollm2-135m qwen2.5-0.5b" bash tools/bench/engines.sh
 echo "== done"
