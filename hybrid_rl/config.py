@@ -115,6 +115,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     check_overlong_buffer(cfg)
     check_dynamic_sampling(cfg)
     check_iterative_config(cfg)
+    check_lora(cfg)
     if algo.kl_ctrl.type == "adaptive" and not algo.kl_ctrl.horizon > 0:
         raise ConfigError(f"algorithm.kl_ctrl.horizon={algo.kl_ctrl.horizon} must be positive for the adaptive "
                           "KL controller.")
@@ -346,6 +347,32 @@ def resolve_dtypes(cfg: DictConfig) -> None:
     slow = {(c.dtype, c.slow_because): c for c in choices.values() if c.slow_because}
     for choice in slow.values():  # one warning (and one probe) per distinct cause
         logger.warning(choice.warning())
+
+
+def check_lora(cfg: DictConfig) -> None:
+    """verl's LoRA keys: the FSDP engine's actor only, a non-negative rank, an adapter folder."""
+    model = cfg.actor_rollout_ref.model
+    rank = model.lora_rank
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ConfigError(f"actor_rollout_ref.model.lora_rank={rank!r} must be a whole number >= 0 (0: no LoRA; "
+                          "8-64 are usual).")
+    path = model.lora_adapter_path
+    if not rank and not path:
+        return
+    if not isinstance(model.lora_alpha, (int, float)) or isinstance(model.lora_alpha, bool) or model.lora_alpha <= 0:
+        raise ConfigError(f"actor_rollout_ref.model.lora_alpha={model.lora_alpha!r} must be a positive number "
+                          "(the adapter's output is scaled by lora_alpha / lora_rank).")
+    if path and not os.path.isfile(os.path.join(os.path.expanduser(str(path)), "adapter_config.json")):
+        raise ConfigError(f"actor_rollout_ref.model.lora_adapter_path={path!r} is not a peft adapter folder (no "
+                          "adapter_config.json there); give the folder that PeftModel.save_pretrained (or "
+                          "hybrid-rl-export --adapter-only) wrote.")
+    _choice(cfg.actor_rollout_ref.actor.strategy, ("fsdp", "fsdp2"), "actor_rollout_ref.actor.strategy",
+            {"megatron": "LoRA runs on the FSDP engine only; set actor_rollout_ref.actor.strategy=fsdp2 or "
+                         "actor_rollout_ref.model.lora_rank=0"})
+    if cfg.trainer.iterative.enable and cfg.trainer.iterative.reset_reference and needs_reference(cfg):
+        raise ConfigError("trainer.iterative.reset_reference=true with LoRA: the reference policy is the base model "
+                          "with the adapter off and cannot move to the actor; set "
+                          "trainer.iterative.reset_reference=false or actor_rollout_ref.model.lora_rank=0.")
 
 
 def check_lengths(cfg: DictConfig) -> None:

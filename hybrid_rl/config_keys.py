@@ -185,9 +185,15 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NOT_YET, "checkpoints are written synchronously", "*.checkpoint.async_save"),
     *_rules(NOT_YET, "checkpoints always load strictly", "*.checkpoint.strict"),
     # --- model
-    *_rules(NOT_YET, "LoRA is not built yet", "actor_rollout_ref.model.lora_rank", "*.model.lora_adapter_path",
-            "actor_rollout_ref.model.lora.rank", "actor_rollout_ref.model.lora.adapter_path", "*.model.lora_rank"),
-    *_rules(NO_EFFECT, "read only with LoRA, which is not supported yet", "*.model.lora_alpha",
+    *_rules(WORKS, "LoRA on the FSDP engine (peft); the reference policy is the base model with the adapter off",
+            *(f"actor_rollout_ref.model.{k}" for k in ("lora_rank", "lora_alpha", "target_modules", "exclude_modules",
+                                                       "lora_adapter_path"))),
+    *_rules(NOT_YET, "LoRA on the Megatron engine (megatron-bridge's model.lora.*) is not built yet; the FSDP "
+            "engine's LoRA is set by actor_rollout_ref.model.lora_rank",
+            "actor_rollout_ref.model.lora.rank", "actor_rollout_ref.model.lora.adapter_path"),
+    *_rules(NOT_YET, "LoRA for this model is not built yet (the actor's is: actor_rollout_ref.model.lora_rank)",
+            "*.model.lora_adapter_path", "*.model.lora_rank"),
+    *_rules(NO_EFFECT, "read only with LoRA, which is not supported for this model yet", "*.model.lora_alpha",
             "*.model.target_modules", "*.model.exclude_modules", "actor_rollout_ref.model.lora.*"),
     *_rules(NOT_YET, "not built yet", "*.model.hf_config_path", "*.model.external_lib",
             "*.model.enable_activation_offload", "*.model.use_liger", "*.model.tiled_mlp.enabled",

@@ -13,6 +13,10 @@ and writes a folder that `transformers.AutoModel*.from_pretrained` and vLLM load
 
 or from the command line: `hybrid-rl-export CHECKPOINT OUT_DIR [--role] [--dtype]` (in a checkout
 also `python tools/export_hf.py ...`).
+
+A LoRA run's checkpoint holds only the adapter (next to peft's `adapter_config.json`): the export
+rebuilds it with peft on the run's base model (`actor_rollout_ref.model.path`, or `base_model`)
+and writes the merged model, or with `adapter_only` the adapter in peft's own format.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from pathlib import Path
 import torch
 
 from hybrid_rl.checkpoint import POINTER, STATE, STEP_DIR, CheckpointManager
+from hybrid_rl.engines import lora
 from hybrid_rl.engines.megatron import convert
 from hybrid_rl.hardware import TORCH_DTYPES
 
@@ -182,12 +187,9 @@ def read_model_state(role_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 # --------------------------------------------------------------------------- building the model
-def _role_config(step: Path, role: str):
-    """The model config the role was trained with: huggingface/config.json plus the run's
-    override_config (and the value head's settings for the critic), as the workers build it."""
+def _stored_model_config(step: Path, role: str):
+    """The role's `model` section of the run's config, as the checkpoint recorded it."""
     from omegaconf import OmegaConf
-
-    from hybrid_rl.models import model_config
 
     try:
         run_cfg = json.loads((step / STATE).read_text()).get("config") or {}
@@ -197,9 +199,36 @@ def _role_config(step: Path, role: str):
     stored = ((run_cfg.get("critic") or {}) if role == "critic"
               else (run_cfg.get("actor_rollout_ref") or {})).get("model") or {}
     # A checkpoint's config may come from a version without these keys: their defaults then.
-    model_cfg = OmegaConf.create({"trust_remote_code": False, "override_config": {}, **stored})
+    return OmegaConf.create({"trust_remote_code": False, "override_config": {}, "path": None, **stored})
+
+
+def _role_config(step: Path, role: str):
+    """The model config the role was trained with: huggingface/config.json plus the run's
+    override_config (and the value head's settings for the critic), as the workers build it."""
+    from hybrid_rl.models import model_config
+
+    model_cfg = _stored_model_config(step, role)
     config = model_config(str(step / HF_DIR), model_cfg, scalar_head=role == "critic")
     return config, bool(model_cfg.trust_remote_code)
+
+
+def _with_adapter(state: dict[str, torch.Tensor], role_dir: Path, base_model: str, config, trust: bool):
+    """The base model with the checkpoint's LoRA adapter, as a peft model."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_model, config=config, dtype=torch.float32,
+                                                 trust_remote_code=trust)
+    peft_model = get_peft_model(model, LoraConfig.from_pretrained(str(role_dir)))
+    result = peft_model.get_base_model().load_state_dict(state, strict=False)
+    not_set = [k for k in result.missing_keys if lora.is_adapter_tensor(k)]
+    if result.unexpected_keys or not_set:
+        raise ExportError(
+            f"The adapter in {role_dir} does not fit the base model {base_model}: "
+            f"{len(result.unexpected_keys)} unexpected tensors (e.g. {result.unexpected_keys[:3]}), "
+            f"{len(not_set)} adapter tensors not in the checkpoint (e.g. {not_set[:3]}). Pass the model the run "
+            "trained from (--base-model).")
+    return peft_model
 
 
 def _build_empty_model(config, role: str, trust: bool):
@@ -299,13 +328,17 @@ def _install(tmp: Path, out: Path, overwrite: bool) -> None:
 
 
 def export_checkpoint(checkpoint: str, out_dir: str, role: str = "actor", dtype: str = "float32",
-                      overwrite: bool = False) -> str:
+                      overwrite: bool = False, adapter_only: bool = False, base_model: str | None = None) -> str:
     """Write the `role` model of a checkpoint as a Hugging Face folder at `out_dir`; returns its path.
 
     `checkpoint` is a `global_step_<N>` folder or a run folder (its latest checkpoint is used).
     The folder gets `config.json` + `model.safetensors` in `dtype`, and the tokenizer files, chat
     template and `generation_config.json` the run trained with. It appears at `out_dir` only when
     complete (written to a temporary sibling folder, then renamed).
+
+    A LoRA checkpoint is merged into its base model (`base_model`, default the run's
+    `actor_rollout_ref.model.path`); with `adapter_only` the folder gets the adapter alone, as
+    peft writes it (`adapter_config.json` + `adapter_model.safetensors`).
     """
     if dtype not in TORCH_DTYPES:
         raise ExportError(f"dtype={dtype!r} is not valid. Valid choices: float32, bfloat16, float16.")
@@ -321,12 +354,30 @@ def export_checkpoint(checkpoint: str, out_dir: str, role: str = "actor", dtype:
 
     config, trust = _role_config(step, role)
     state = read_model_state(role_dir)
+    adapter = (role_dir / lora.ADAPTER_CONFIG).is_file()
+    if adapter_only and not adapter:
+        raise ExportError(f"{role_dir} holds a whole model, not a LoRA adapter; export it without --adapter-only.")
     if is_megatron_checkpoint(role_dir):
         layout = convert.Layout.from_hf_config(config, value_head=role == "critic")
         state = convert.hf_state_from_dist_checkpoint(state, layout)
+    if adapter:
+        from hybrid_rl.models import ModelPathError, resolve_model_path
+
+        try:
+            base = resolve_model_path(base_model or _stored_model_config(step, role).path,
+                                      "--base-model" if base_model else "the run's actor_rollout_ref.model.path")
+        except ModelPathError as exc:
+            raise ExportError(f"{role_dir} holds a LoRA adapter, which needs its base model: {exc} Pass the "
+                              "model folder the run trained from with --base-model.") from None
+        peft_model = _with_adapter(state, role_dir, base, config, trust)
+        state = None if adapter_only else peft_model.merge_and_unload().state_dict()
 
     def write(tmp: Path) -> None:
-        save_hf_weights(state, config, tmp, role=role, dtype=torch_dtype, trust_remote_code=trust, source=role_dir)
+        if adapter_only:
+            peft_model.save_pretrained(str(tmp))
+        else:
+            save_hf_weights(state, config, tmp, role=role, dtype=torch_dtype, trust_remote_code=trust,
+                            source=role_dir)
         _copy_hf_files(step / HF_DIR, tmp)
 
     write_folder(out, write, overwrite)
@@ -352,11 +403,13 @@ EXPORT_USAGE = """Export a hybrid-rl checkpoint as a Hugging Face model folder (
 
     hybrid-rl-export checkpoints/my_run exported/my_run
     hybrid-rl-export checkpoints/my_run/global_step_40 exported/critic40 --role critic --dtype bfloat16
+    hybrid-rl-export checkpoints/lora_run exported/lora_adapter --adapter-only
 
 CHECKPOINT is a run folder (trainer.default_local_dir; its latest checkpoint is exported) or one of
 its global_step_<N> folders. OUT_DIR gets config.json, model.safetensors, the tokenizer files, the
 chat template and generation_config.json, and loads with transformers' from_pretrained or vLLM.
-Only the model weights are read; the optimizer state is left on disk.
+Only the model weights are read; the optimizer state is left on disk. A LoRA run's adapter is
+merged into its base model, or written alone (--adapter-only) for peft's PeftModel.from_pretrained.
 """
 
 
@@ -370,12 +423,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                     help="dtype of the saved weights")
     ap.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it already exists")
+    ap.add_argument("--adapter-only", action="store_true",
+                    help="a LoRA run's checkpoint: write the adapter alone in peft's format (default: merged model)")
+    ap.add_argument("--base-model", help="a LoRA run's base model folder (default: the run's actor_rollout_ref.model.path)")
     args = ap.parse_args(argv)
 
     try:
         step = resolve_step_folder(args.checkpoint)
         out = export_checkpoint(args.checkpoint, args.out_dir, role=args.role, dtype=args.dtype,
-                                overwrite=args.overwrite)
+                                overwrite=args.overwrite, adapter_only=args.adapter_only, base_model=args.base_model)
     except (ValueError, OSError) as exc:  # clear messages from hybrid_rl.export; no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 1

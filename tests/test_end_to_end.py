@@ -39,20 +39,25 @@ def long_prompt_batch(tokenizer, pad_token_id, temperature):
     return batch
 
 
-@pytest.mark.parametrize("eager, rollout_tp", [(True, 1), (False, 1), (True, 2)],
-                         ids=["eager", "compiled", "rollout_tp2"])
-def test_two_ranks_vllm_grpo(eager, rollout_tp, ray_session, tiny_model_dir, tiny_tokenizer, arithmetic_files,
-                             tmp_path):
+@pytest.mark.parametrize("eager, rollout_tp, lora_rank", [(True, 1, 0), (False, 1, 0), (True, 2, 0), (True, 1, 8)],
+                         ids=["eager", "compiled", "rollout_tp2", "lora"])
+def test_two_ranks_vllm_grpo(eager, rollout_tp, lora_rank, ray_session, tiny_model_dir, tiny_tokenizer,
+                             arithmetic_files, tmp_path):
     """Also with the engine's torch.compile'd model (enforce_eager=false, the default on GPU):
-    the synced weights must reach the compiled graph; and with one vLLM engine split over both
-    ranks (rollout TP=2 while FSDP trains over both: verl's diff_tp)."""
+    the synced weights must reach the compiled graph; with one vLLM engine split over both
+    ranks (rollout TP=2 while FSDP trains over both: verl's diff_tp); and with LoRA, where each
+    sync after the first pushes only the merged adapted weights and the KL's reference is the
+    base model with the adapter off."""
     cfg = compose_config(run_overrides(tiny_model_dir, arithmetic_files, tmp_path, MAX_PROMPT, RESPONSE) + [
-        f"actor_rollout_ref.rollout.enforce_eager={eager}",
+        f"actor_rollout_ref.rollout.enforce_eager={eager}", f"actor_rollout_ref.model.lora_rank={lora_rank}",
         f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp}",
         "trainer.n_gpus_per_node=2", "trainer.cpus_per_worker=1", "trainer.total_training_steps=2",
         "trainer.test_freq=-1", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.rollout.name=vllm",
+        # The random model earns no reward: the entropy bonus gives the adapter a gradient (weight
+        # decay alone moves a full model, not an adapter whose B starts at zero).
+        f"actor_rollout_ref.actor.entropy_coeff={0.01 if lora_rank else 0.0}",
     ])
     shared_memory = set(glob.glob("/dev/shm/*"))
     trainer = build_trainer(cfg)
@@ -75,6 +80,8 @@ def test_two_ranks_vllm_grpo(eager, rollout_tp, ray_session, tiny_model_dir, tin
             assert math.isfinite(m[key]), (key, m[key])
         # Measured in the update's own forward: the fp32 engine samples from the trainer's weights.
         assert m["rollout_corr/abs_logp_diff_max"] <= 1e-4, m["rollout_corr/abs_logp_diff_max"]
+    if lora_rank:  # adapter B starts at zero: the first step's policy is the reference
+        assert steps[0]["actor/kl_loss"] == 0.0 and steps[1]["actor/kl_loss"] > 0.0
     assert [step for step, _ in summary.val_scores] == [0, 2]
 
     # The update changed the weights: the actor scores the same sequences differently.

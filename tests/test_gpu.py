@@ -1,7 +1,7 @@
 """The training engines on a CUDA GPU (skipped without one): the Megatron engine against the FSDP
 engine on the same model, batch and seed; megatron's bf16 path; FSDP2's CPU offload
 (`fsdp_config.offload_policy`) and verl's `param_offload` / `optimizer_offload` change where the
-weights live, not what a step computes."""
+weights live, not what a step computes; LoRA on CUDA (bf16 compute) computes what it does on the CPU."""
 
 from __future__ import annotations
 
@@ -122,6 +122,25 @@ def test_fsdp_param_and_optimizer_offload_on_cuda(model_dir, tmp_path):
     torch.testing.assert_close(runs[True]["infer"]["log_probs"], runs[False]["infer"]["log_probs"])
     for name, tensor in runs[False]["after"].items():
         torch.testing.assert_close(runs[True]["after"][name], tensor, rtol=1e-5, atol=1e-6)
+
+
+def test_lora_on_cuda_matches_the_cpu(model_dir):
+    """An adapter trained on the GPU (FSDP2, float32): the same losses, the same merged weights,
+    and the same reference (the base model) as on the CPU."""
+    from hybrid_rl.engines.lora import AdapterDisabled
+
+    cfg = actor_config("fsdp2", extra=["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8"])
+    runs = {}
+    for device in (torch.device("cpu"), CUDA):
+        torch.manual_seed(0)  # the adapter's A, as the worker seeds it
+        engine = make_engine(cfg, model_dir, device)
+        runs[device.type] = {"first": step(engine, cfg, 1), "second": step(engine, cfg, 2), "after": weights(engine),
+                             "ref": AdapterDisabled(engine).infer(rollout_batch(3), Output.LOG_PROBS, 0.7, 3, None)}
+    for key in ("actor/loss", "actor/grad_norm"):
+        assert runs["cuda"]["second"][key] == pytest.approx(runs["cpu"]["second"][key], rel=1e-4)
+    for name, tensor in runs["cpu"]["after"].items():
+        torch.testing.assert_close(runs["cuda"]["after"][name].cpu(), tensor, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(runs["cuda"]["ref"]["log_probs"], runs["cpu"]["ref"]["log_probs"], rtol=0, atol=1e-4)
 
 
 def test_megatron_recomputation_on_cuda(model_dir):

@@ -27,10 +27,13 @@ pytestmark = pytest.mark.slow
 STEPS = 4
 
 
-# The Megatron engine with two pipeline stages on two ranks (its dist-checkpoints, the schedule).
+# The Megatron engine with two pipeline stages on two ranks (its dist-checkpoints, the schedule);
+# FSDP with LoRA (checkpoints of the adapter alone; the entropy bonus gives it a gradient, as the
+# random model earns no reward).
 ENGINES = {"fsdp": [], "megatron": ["--config-name=ppo_megatron_trainer", "trainer.n_gpus_per_node=2",
                                     "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
-                                    "actor_rollout_ref.actor.megatron.dtype=fp32"]}
+                                    "actor_rollout_ref.actor.megatron.dtype=fp32"],
+           "lora": ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.actor.entropy_coeff=0.01"]}
 
 
 def command(model_dir, files, run_dir, rollout: str, engine: str = "fsdp") -> list[str]:
@@ -84,7 +87,7 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@pytest.mark.parametrize("rollout, engine", [("hf", "fsdp"), ("vllm", "fsdp"), ("vllm", "megatron")])
+@pytest.mark.parametrize("rollout, engine", [("hf", "fsdp"), ("vllm", "fsdp"), ("vllm", "megatron"), ("vllm", "lora")])
 def test_kill_and_resume_is_exact(rollout, engine, tiny_model_dir, arithmetic_files, tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run(command(tiny_model_dir, arithmetic_files, straight, rollout, engine))
@@ -108,7 +111,32 @@ def test_kill_and_resume_is_exact(rollout, engine, tiny_model_dir, arithmetic_fi
 
         exported = load_file(Path(export_checkpoint(str(straight), str(tmp_path / "exported"))) / "model.safetensors")
         assert exported.keys() == a.keys() and all(torch.equal(exported[k], a[k]) for k in a)
+    if engine == "lora":
+        assert_lora_exports_match(straight, a, tiny_model_dir, tmp_path)
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+
+
+def assert_lora_exports_match(run_dir: Path, final: dict, base_dir: str, tmp_path: Path) -> None:
+    """The checkpoint holds the adapter alone; exported merged, it is the run's final model, and
+    exported alone it loads with peft onto the base model to the same merged weights."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from hybrid_rl.export import export_checkpoint
+
+    actor = CheckpointManager(str(run_dir)).latest() / "actor"
+    assert (actor / "adapter_config.json").is_file()
+    merged = load_file(Path(export_checkpoint(str(run_dir), str(tmp_path / "merged"))) / "model.safetensors")
+    assert merged.keys() == final.keys()
+    assert max((merged[k] - final[k]).abs().max().item() for k in final) <= 1e-6
+    adapter = export_checkpoint(str(run_dir), str(tmp_path / "adapter"), adapter_only=True)
+    assert (Path(adapter) / "adapter_model.safetensors").is_file()
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter).merge_and_unload()
+    state = model.state_dict()
+    assert max((state[k] - final[k]).abs().max().item() for k in final) <= 1e-6
+    assert any((state[k] - load_file(Path(base_dir) / "model.safetensors")[k]).abs().max() > 0 for k in final
+               if "proj" in k)  # the adapter moved the weights
 
 
 def test_resume_errors(tmp_path):

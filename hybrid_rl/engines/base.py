@@ -123,9 +123,11 @@ class TrainEngine(ABC):
         returns the pre-clip norm."""
 
     @abstractmethod
-    def per_tensor_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    def per_tensor_weights(self, dtype: torch.dtype, only_trained: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Every weight as a full tensor with its Hugging Face name, cast to `dtype`, one at a
-        time. A collective: every rank iterates to the end in the same order."""
+        time. A collective: every rank iterates to the end in the same order. With
+        `only_trained`, only the weights training can change (under LoRA the adapted ones,
+        merged; otherwise all)."""
 
     @abstractmethod
     def num_params(self) -> int: ...
@@ -145,6 +147,10 @@ class TrainEngine(ABC):
     def _place(self, device: torch.device, params: bool, optimizer: bool) -> None:
         """Move the weights and/or the optimizer state to `device` (for `resident`)."""
         raise NotImplementedError(f"The {type(self).__name__} cannot offload to host memory yet.")
+
+    def adapter_disabled(self) -> contextlib.AbstractContextManager:
+        """Forward passes inside compute the model without its LoRA adapter (see `lora.AdapterDisabled`)."""
+        raise NotImplementedError(f"The {type(self).__name__} has no LoRA adapter to disable.")
 
     def hf_module(self) -> torch.nn.Module:
         """The model as a `transformers` module, for `rollout.name=hf`."""

@@ -4,7 +4,8 @@ Every parameter is a DTensor sharded over all ranks; each decoder layer is its o
 only one layer is gathered at a time. The fp32 weights are the masters: on GPU FSDP2 computes in
 `fsdp_config.dtype` (mixed precision, fp32 gradient reduction), on CPU the forward is autocast.
 A single CPU rank keeps the plain module (see `shard_model`). Checkpoints are
-`torch.distributed.checkpoint` shards of the model and the optimizer.
+`torch.distributed.checkpoint` shards of the model and the optimizer (with LoRA, of the adapter
+and its optimizer state only: the base weights are the model folder's).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from hybrid_rl.engines import hf_model
+from hybrid_rl.engines import hf_model, lora
 from hybrid_rl.engines.base import Head, ModelSpec, Output, TrainEngine, lr_lambda
 
 
@@ -87,6 +88,10 @@ class FSDPEngine(TrainEngine):
                                               per_token=spec.head is Head.STEP_SCORE)
         else:  # the policy, or a step-tag scorer
             model = hf_model.load_causal_lm(spec.path, spec.model_cfg, device, trainable=trainable)
+        # A trained policy with LoRA: peft adapts `model` in place and freezes its base weights.
+        self.peft = lora.attach(model, spec.model_cfg) if (
+            spec.head is Head.LM and trainable and lora.enabled(spec.model_cfg)) else None
+        self.lora_scalings = lora.scalings(self.peft) if self.peft is not None else {}
         self.options = hf_model.forward_options(spec.model_cfg, dtype, device)
         self.share_prompts = self.options.share_prompts
         mesh = data_parallel_mesh(device.type) if dist.is_initialized() else None
@@ -169,30 +174,52 @@ class FSDPEngine(TrainEngine):
                     if isinstance(value, torch.Tensor):
                         state[key] = value.to(device)
 
-    def per_tensor_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        # The module is the transformers model, so its state-dict names are Hugging Face's.
-        for name, tensor in self.module.state_dict().items():
-            if isinstance(tensor, DTensor):
-                # Gathered on the compute device (CPU-offloaded shards included), as NCCL needs.
-                tensor = tensor.to(self.device).full_tensor()
-            yield name, tensor.detach().to(dtype=dtype)
+    def _full(self, tensor: torch.Tensor) -> torch.Tensor:
+        if isinstance(tensor, DTensor):
+            # Gathered on the compute device (CPU-offloaded shards included), as NCCL needs.
+            tensor = tensor.to(self.device).full_tensor()
+        return tensor.detach()
 
-    def _save_sharded(self, folder: str) -> None:
-        import torch.distributed.checkpoint as dcp
+    def per_tensor_weights(self, dtype: torch.dtype, only_trained: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        # The module is the transformers model, so its state-dict names are Hugging Face's.
+        state = self.module.state_dict()
+        if self.peft is not None:
+            weights = lora.merged_weights(state, self.lora_scalings, self._full, only_adapted=only_trained)
+        else:
+            weights = ((name, self._full(tensor)) for name, tensor in state.items())
+        for name, tensor in weights:
+            yield name, tensor.to(dtype=dtype)
+
+    def adapter_disabled(self):
+        if self.peft is None:
+            return super().adapter_disabled()
+        return self.peft.disable_adapter()
+
+    def _sharded_state(self) -> dict:
+        """The model's and optimizer's state-dict entries a checkpoint holds, as DCP writes and
+        reads them: under LoRA the adapter's only (the frozen base comes from the model folder)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optim_state = get_state_dict(self.module, self._optimizers())
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder)
+        if self.peft is not None:
+            model_state = {name: t for name, t in model_state.items() if lora.is_adapter_tensor(name)}
+        return {"model": model_state, "optim": optim_state}
+
+    def _save_sharded(self, folder: str) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._sharded_state(), checkpoint_id=folder)
+        if self.peft is not None and self.dp_rank == 0:
+            self.peft.peft_config[lora.ADAPTER].save_pretrained(folder)  # how to rebuild it (export)
 
     def _load_sharded(self, folder: str) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        model_state, optim_state = get_state_dict(self.module, self._optimizers())
-        state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=folder)
+        state = self._sharded_state()
+        dcp.load(state, checkpoint_id=folder)  # fails on a missing tensor, adapter ones included
         set_state_dict(self.module, self._optimizers(), model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+                       optim_state_dict=state["optim"], options=StateDictOptions(strict=self.peft is None))
 
     def _optimizers(self) -> list:
         """The optimizer of a trained model; none for a frozen one (a reset reference is saved too)."""

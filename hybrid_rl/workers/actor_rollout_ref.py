@@ -20,7 +20,7 @@ from hybrid_rl.algorithms import (
 )
 from hybrid_rl.config import needs_reference
 from hybrid_rl.controller import Dispatch, register
-from hybrid_rl.engines import ModelSpec, Output, build_engine
+from hybrid_rl.engines import ModelSpec, Output, build_engine, lora
 from hybrid_rl.engines.base import FORWARD_KEYS, token_share
 from hybrid_rl.hardware import peak_memory_gb
 from hybrid_rl.models import load_tokenizer, model_config
@@ -47,7 +47,9 @@ class ActorRolloutRefWorker(ModelWorker):
         self.actor = build_engine(ModelSpec("actor", self.model_path, model_cfg, optim_cfg=actor_cfg.optim,
                                             total_steps=self.total_steps), actor_cfg, self.device)
         self.ref = None
-        if needs_reference(cfg):
+        if needs_reference(cfg) and lora.enabled(model_cfg):
+            self.ref = lora.AdapterDisabled(self.actor)  # the base model: no second copy
+        elif needs_reference(cfg):
             self.ref = build_engine(ModelSpec("ref", self.model_path, model_cfg), cfg.actor_rollout_ref.ref,
                                     self.device)
 
@@ -90,7 +92,8 @@ class ActorRolloutRefWorker(ModelWorker):
         if not isinstance(self.rollout, VLLMRollout):
             return {"bytes": 0, "seconds": 0.0}
         start = time.perf_counter()
-        sent = sync_weights(self.actor, self.rollout)
+        # The engine holds the weights of the first sync: from then on only trained ones change.
+        sent = sync_weights(self.actor, self.rollout, only_trained=True)
         return {"bytes": sent, "seconds": time.perf_counter() - start}
 
     @register(dispatch=Dispatch.ONE_TO_ALL)

@@ -11,13 +11,14 @@ from __future__ import annotations
 from hybrid_rl.engines import TrainEngine
 
 
-def sync_weights(engine: TrainEngine, rollout) -> int:
-    """Push the engine's weights into `rollout`; returns the number of bytes sent."""
+def sync_weights(engine: TrainEngine, rollout, only_trained: bool = False) -> int:
+    """Push the engine's weights into `rollout` (with `only_trained`, those training can have
+    changed since the last push: under LoRA the adapted ones); returns the number of bytes sent."""
     sent = 0
 
     def counted():
         nonlocal sent
-        for name, tensor in engine.per_tensor_weights(rollout.dtype):
+        for name, tensor in engine.per_tensor_weights(rollout.dtype, only_trained):
             sent += tensor.numel() * tensor.element_size()
             yield name, tensor
 

@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", help="after the timed steps, profile one more update with torch.profiler and "
                                       "write its operators, most time first, to this text file (rank 0)")
     ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # overrides may come before and after options
 
     import torch
     import torch.distributed as dist

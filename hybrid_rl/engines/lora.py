@@ -1,0 +1,138 @@
+"""LoRA on the FSDP engine, with `peft` and verl's keys (`actor_rollout_ref.model.lora_rank`,
+`lora_alpha`, `target_modules`, `exclude_modules`, `lora_adapter_path`).
+
+peft injects the adapter into the `transformers` model in place: the engine trains that model
+(only the adapter's tensors require gradients, so the optimizer holds only them) and keeps the
+`PeftModel` wrapper for what peft does well: switching the adapter off, which makes the frozen
+base model the reference policy without a second copy (`AdapterDisabled`), and writing the
+adapter in its own format for export.
+
+The rollout engine and the Hugging Face export get merged weights under the base model's names,
+W + scaling * B A, one tensor at a time (`merged_weights`); after the first sync only the merged
+target weights change, so only they are pushed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+
+ADAPTER = "default"  # peft's name for the one adapter
+LORA_TENSORS = (f".lora_A.{ADAPTER}.", f".lora_B.{ADAPTER}.")
+BASE_LAYER = ".base_layer."
+ADAPTER_CONFIG = "adapter_config.json"  # peft's file name, written next to an engine's checkpoint
+
+
+def enabled(model_cfg: Any) -> bool:
+    """LoRA is on when `lora_rank` > 0 or an adapter is given to start from."""
+    return int(model_cfg.get("lora_rank", 0) or 0) > 0 or bool(model_cfg.get("lora_adapter_path"))
+
+
+def lora_config(model_cfg: Any):
+    """peft's `LoraConfig` from verl's keys (`target_modules` a module-name list or `all-linear`,
+    every linear layer but the LM head)."""
+    from omegaconf import OmegaConf
+    from peft import LoraConfig
+
+    def plain(value):
+        return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+
+    return LoraConfig(r=int(model_cfg.lora_rank), lora_alpha=float(model_cfg.lora_alpha),
+                      target_modules=plain(model_cfg.target_modules), exclude_modules=plain(model_cfg.exclude_modules),
+                      lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+
+
+def attach(model: torch.nn.Module, model_cfg: Any, key: str = "actor_rollout_ref.model"):
+    """Inject a new adapter (or the one at `lora_adapter_path`, trainable) into `model`; returns
+    the `PeftModel`. Its `get_base_model()` is `model` itself, adapter layers included."""
+    from peft import PeftModel, get_peft_model
+
+    path = model_cfg.get("lora_adapter_path")
+    try:
+        if path:
+            peft_model = PeftModel.from_pretrained(model, path, is_trainable=True)
+        else:
+            peft_model = get_peft_model(model, lora_config(model_cfg))
+    except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
+        names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                        if isinstance(m, torch.nn.Linear)})
+        raise ValueError(f"{key}.target_modules={model_cfg.target_modules!r} / exclude_modules="
+                         f"{model_cfg.exclude_modules!r} leave no layer to adapt in {type(model).__name__} "
+                         f"({exc}). Its linear layers are named {names}; or use all-linear.") from None
+    except OSError as exc:
+        raise ValueError(f"{key}.lora_adapter_path={path!r} is not a peft adapter folder (adapter_config.json + "
+                         f"adapter_model.safetensors): {exc}") from None
+    config = peft_model.peft_config[ADAPTER]
+    if getattr(config, "use_dora", False) or getattr(config, "modules_to_save", None):
+        raise ValueError(f"{key}.lora_adapter_path={path!r}: DoRA adapters and modules_to_save are not supported; "
+                         "use a plain LoRA adapter.")
+    return peft_model
+
+
+def is_adapter_tensor(name: str) -> bool:
+    return any(part in name for part in LORA_TENSORS)
+
+
+def merged_weights(state: dict[str, Any], scalings: dict[str, float], full: Callable[[Any], torch.Tensor],
+                   only_adapted: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(base-model name, full tensor) for every weight of the model whose `state` dict has
+    adapters injected: an adapted layer's weight is W + scaling * B A (float32 math), its other
+    tensors and every other layer's come as they are. `full` turns a (possibly sharded) entry
+    into a full tensor; `scalings` maps each adapted layer's name to its scaling. With
+    `only_adapted`, only the adapted weights: the ones training changes."""
+    for name, tensor in state.items():
+        if is_adapter_tensor(name):
+            continue
+        layer, in_adapted_layer, param = name.partition(BASE_LAYER)
+        if not in_adapted_layer or param != "weight":  # frozen: other layers, an adapted layer's bias
+            if not only_adapted:
+                yield (f"{layer}.{param}" if in_adapted_layer else name), full(tensor)
+            continue
+        a = full(state[f"{layer}.lora_A.{ADAPTER}.weight"]).float()
+        b = full(state[f"{layer}.lora_B.{ADAPTER}.weight"]).float()
+        yield f"{layer}.weight", torch.addmm(full(tensor).float(), b, a, alpha=scalings[layer])
+
+
+def scalings(peft_model) -> dict[str, float]:
+    """Each adapted layer's scaling (lora_alpha / r, or / sqrt(r) with rsLoRA), by its name in
+    the base model."""
+    from peft.tuners.lora import LoraLayer
+
+    base = peft_model.get_base_model()
+    return {name: float(module.scaling[ADAPTER]) for name, module in base.named_modules()
+            if isinstance(module, LoraLayer)}
+
+
+class AdapterDisabled:
+    """The reference policy of a LoRA run: the actor's engine with its adapter switched off, so
+    the frozen base model is computed with no second copy in memory. Offers what the worker asks
+    of a reference: `infer`, `forward_backward` (the full KL's logits), `resident` and the
+    engine's data-parallel layout."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    @property
+    def dp_rank(self) -> int:
+        return self.engine.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.engine.dp_size
+
+    @property
+    def is_output_rank(self) -> bool:
+        return self.engine.is_output_rank
+
+    def infer(self, *args, **kwargs):
+        with self.engine.adapter_disabled():
+            return self.engine.infer(*args, **kwargs)
+
+    def forward_backward(self, *args, **kwargs):
+        with self.engine.adapter_disabled():
+            return self.engine.forward_backward(*args, **kwargs)
+
+    def resident(self) -> contextlib.AbstractContextManager:
+        return self.engine.resident()

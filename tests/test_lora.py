@@ -1,0 +1,137 @@
+"""LoRA on the FSDP engine (`actor_rollout_ref.model.lora_rank`): only the adapter trains, the
+rollout and export get merged weights under the base model's names, the reference policy is the
+base model with the adapter off, checkpoints hold the adapter and its optimizer state alone.
+(The whole run with vLLM: tests/test_end_to_end.py; kill -9 and resume, export: tests/test_resume.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybrid_rl.config import ConfigError, validate_config
+from hybrid_rl.config_keys import compose_config
+from hybrid_rl.engines import Output
+from hybrid_rl.engines.lora import AdapterDisabled
+from tests.conftest import build_tiny_model
+from tests.engine_helpers import actor_config, make_engine, rollout_batch, step, weights
+
+LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
+        # A gradient for the adapter's A as well as its B from the first step on.
+        "actor_rollout_ref.actor.optim.weight_decay=0.0"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tiny_tokenizer):
+    return build_tiny_model(tmp_path_factory.mktemp("lora_model"), tiny_tokenizer, num_layers=2)
+
+
+def lora_engine(model_dir, extra=()):
+    """A LoRA actor; its adapter's A is drawn from torch's generator, seeded here as the worker does."""
+    cfg = actor_config("fsdp2", extra=[*LORA, *extra])
+    torch.manual_seed(0)
+    return cfg, make_engine(cfg, model_dir)
+
+
+def test_only_the_adapter_trains_and_the_weights_come_out_merged(model_dir):
+    plain = make_engine(actor_config("fsdp2"), model_dir)
+    cfg, engine = lora_engine(model_dir)
+    trained = {n for n, p in engine.module.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
+    assert sum(p.numel() for group in engine.optimizer.param_groups for p in group["params"]) == \
+        sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+    base = weights(plain)
+    assert weights(engine).keys() == base.keys()  # the base model's names: what vLLM and export load
+    assert all(torch.equal(weights(engine)[k], base[k]) for k in base)  # B starts at zero
+
+    step(engine, cfg, 1)
+    step(engine, cfg, 2)
+    after = weights(engine)
+    changed = {k for k in after if not torch.equal(after[k], base[k])}
+    assert changed and changed == set(dict(engine.per_tensor_weights(torch.float32, only_trained=True)))
+    # Each merged weight against peft's own delta of that layer.
+    layers = dict(engine.module.named_modules())
+    for name in changed:
+        layer = layers[name.removesuffix(".weight")]
+        expected = layer.base_layer.weight + layer.get_delta_weight("default")
+        torch.testing.assert_close(after[name], expected, rtol=0, atol=1e-6)
+
+
+def test_the_reference_is_the_base_model_with_the_adapter_off(model_dir):
+    plain = make_engine(actor_config("fsdp2"), model_dir)
+    cfg, engine = lora_engine(model_dir)
+    step(engine, cfg, 1)
+    batch = rollout_batch(3)
+    mask = batch["response_mask"].bool()
+    base = plain.infer(batch, Output.LOG_PROBS, 0.7, 3, None)["log_probs"]
+    reference = AdapterDisabled(engine).infer(batch, Output.LOG_PROBS, 0.7, 3, None)["log_probs"]
+    actor = engine.infer(batch, Output.LOG_PROBS, 0.7, 3, None)["log_probs"]
+    assert torch.equal(reference, base)
+    assert (actor - base)[mask].abs().max() > 1e-4
+    # The adapter is back on after the reference's pass.
+    assert torch.equal(engine.infer(batch, Output.LOG_PROBS, 0.7, 3, None)["log_probs"], actor)
+
+
+def test_the_checkpoint_holds_the_adapter_and_resumes_exactly(model_dir, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    cfg, engine = lora_engine(model_dir)
+    step(engine, cfg, 1)
+    engine.save_checkpoint(str(tmp_path))
+    tensors = [k for k, v in FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata.items()
+               if k.startswith("model.") and hasattr(v, "size")]
+    assert tensors and all(".lora_A." in k or ".lora_B." in k for k in tensors)
+    assert (tmp_path / "adapter_config.json").is_file()
+
+    _, resumed = lora_engine(model_dir)
+    resumed.load_checkpoint(str(tmp_path))
+    expected, got = step(engine, cfg, 2), step(resumed, cfg, 2)
+    assert got == expected
+    a, b = weights(engine), weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_an_adapter_folder_to_start_from(model_dir, tmp_path):
+    cfg, engine = lora_engine(model_dir)
+    step(engine, cfg, 1)
+    engine.peft.save_pretrained(str(tmp_path))  # what hybrid-rl-export --adapter-only writes
+    _, started = lora_engine(model_dir, [f"actor_rollout_ref.model.lora_adapter_path={tmp_path}"])
+    a, b = weights(engine), weights(started)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(p.requires_grad for p in started.module.parameters())
+
+
+def test_gradient_checkpointing_with_lora_gives_the_same_update(model_dir):
+    runs = []
+    for flag in (False, True):
+        cfg, engine = lora_engine(model_dir, [f"actor_rollout_ref.model.enable_gradient_checkpointing={flag}"])
+        runs.append((step(engine, cfg, 1), weights(engine)))
+    (plain_metrics, plain_weights), (ckpt_metrics, ckpt_weights) = runs
+    assert ckpt_metrics["actor/loss"] == pytest.approx(plain_metrics["actor/loss"], rel=1e-6)
+    assert ckpt_metrics["actor/grad_norm"] == pytest.approx(plain_metrics["actor/grad_norm"], rel=1e-6)
+    for name, tensor in plain_weights.items():
+        torch.testing.assert_close(ckpt_weights[name], tensor, rtol=1e-6, atol=1e-7)
+
+
+def test_target_modules_that_match_nothing_name_the_key_and_the_layers(model_dir):
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.model\.target_modules=.*q_proj"):
+        lora_engine(model_dir, ["actor_rollout_ref.model.target_modules=[attention_dense]"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["actor_rollout_ref.model.lora_rank=-4"], r"lora_rank=-4 must be a whole number >= 0"),
+    (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=0"], r"lora_alpha=0 must be a positive number"),
+    (["actor_rollout_ref.model.lora_adapter_path=/nonexistent/adapter"], r"is not a peft adapter folder"),
+    (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.actor.strategy=megatron"],
+     r"LoRA runs on the FSDP engine only"),
+    (["actor_rollout_ref.model.lora_rank=8", "trainer.iterative.enable=true"], r"reset_reference=true with LoRA"),
+])
+def test_lora_settings_that_cannot_work_stop_at_start(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_config(compose_config(overrides))
+
+
+def test_megatron_bridge_lora_keys_are_refused():
+    from hybrid_rl.config_keys import check_verl_keys
+
+    errors = check_verl_keys(compose_config(["actor_rollout_ref.model.lora.rank=8"]), "cpu")
+    assert errors and "actor_rollout_ref.model.lora_rank" in errors[0]
