@@ -144,11 +144,14 @@ def update_dtype(cfg, device: str) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def update_flops(nonembedding_params: int, head_params: int, tokens: float, response_tokens: float) -> float:
+def update_flops(nonembedding_params: int, head_params: int, tokens: float, response_tokens: float,
+                 frozen_base: bool = False) -> float:
     """FLOPs of one forward + backward: 6 x the non-embedding parameters over every token the
     forward computes, plus 6 x the LM head over the response tokens only (the head runs nowhere
-    else). Attention scores are left out, so a fraction of a peak is a slight underestimate."""
-    return 6 * (nonembedding_params * tokens + head_params * response_tokens)
+    else). Attention scores are left out, so a fraction of a peak is a slight underestimate.
+    With a `frozen_base` (LoRA) the backward computes no weight gradients: 4 x (the adapter's own
+    FLOPs are left out)."""
+    return (4 if frozen_base else 6) * (nonembedding_params * tokens + head_params * response_tokens)
 
 
 def parameter_counts(model_path: str) -> tuple[int, int]:

@@ -123,6 +123,7 @@ def main(argv=None) -> int:
 
     from hybrid_rl.config_keys import compose_config
     from hybrid_rl.engines import ModelSpec, Output, build_engine
+    from hybrid_rl.engines.lora import enabled as lora_enabled
     from hybrid_rl.hardware import peak_memory_gb
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -190,7 +191,8 @@ def main(argv=None) -> int:
     response_tokens = float(batch["response_mask"].sum())
     # With tensor or pipeline parallelism each rank computes its share of every token's FLOPs.
     model_parallel = world // engine.dp_size
-    flops = common.update_flops(nonembed, head, tokens, response_tokens) / model_parallel
+    lora = lora_enabled(cfg.actor_rollout_ref.model)
+    flops = common.update_flops(nonembed, head, tokens, response_tokens, frozen_base=lora) / model_parallel
     achieved = flops / measured["update"] / 1e12
     result = common.header({"strategy": args.strategy, "model": args.shape or model_path, "device": device.type,
                             "ranks": world, "dp_size": engine.dp_size, "prompts": args.prompts, "n": args.responses,

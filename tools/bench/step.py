@@ -91,6 +91,7 @@ def main(argv=None) -> int:
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    from hybrid_rl.engines.lora import enabled as lora_enabled
     from hybrid_rl.main import compose_config
 
     compute_dtype = common.update_dtype(compose_config(args.overrides, args.config_name), device)
@@ -104,7 +105,8 @@ def main(argv=None) -> int:
     ranks = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     sequences = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
     response_tokens = mean("response_length/mean") * sequences / ranks
-    update_flops = common.update_flops(nonembed, head, mean("actor/update_tokens"), response_tokens)
+    update_flops = common.update_flops(nonembed, head, mean("actor/update_tokens"), response_tokens,
+                                       frozen_base=lora_enabled(cfg.actor_rollout_ref.model))
     achieved = update_flops / phases["update_actor"] / 1e12
     result = common.header({"steps": args.steps, "config_name": args.config_name, "overrides": args.overrides,
                             "device": device, "ranks": ranks, "sequences_per_step": sequences,
