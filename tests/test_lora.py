@@ -112,6 +112,19 @@ def test_gradient_checkpointing_with_lora_gives_the_same_update(model_dir):
         torch.testing.assert_close(ckpt_weights[name], tensor, rtol=1e-6, atol=1e-7)
 
 
+def test_skipping_peft_input_casts_under_cpu_autocast_changes_nothing(model_dir):
+    from peft.tuners.lora import LoraLayer
+
+    cfg, engine = lora_engine(model_dir, ["actor_rollout_ref.actor.fsdp_config.dtype=bf16"])
+    step(engine, cfg, 1)  # a non-zero adapter
+    layers = [m for m in engine.module.modules() if isinstance(m, LoraLayer)]
+    assert layers and not any(layer.cast_input_dtype_enabled for layer in layers)
+    skipped = engine.infer(rollout_batch(3), Output.LOG_PROBS, 0.7, 3, None)["log_probs"]
+    for layer in layers:
+        layer.cast_input_dtype_enabled = True
+    assert torch.equal(engine.infer(rollout_batch(3), Output.LOG_PROBS, 0.7, 3, None)["log_probs"], skipped)
+
+
 def test_target_modules_that_match_nothing_name_the_key_and_the_layers(model_dir):
     with pytest.raises(ValueError, match=r"actor_rollout_ref\.model\.target_modules=.*q_proj"):
         lora_engine(model_dir, ["actor_rollout_ref.model.target_modules=[attention_dense]"])

@@ -88,11 +88,11 @@ class FSDPEngine(TrainEngine):
                                               per_token=spec.head is Head.STEP_SCORE)
         else:  # the policy, or a step-tag scorer
             model = hf_model.load_causal_lm(spec.path, spec.model_cfg, device, trainable=trainable)
+        self.options = hf_model.forward_options(spec.model_cfg, dtype, device)
         # A trained policy with LoRA: peft adapts `model` in place and freezes its base weights.
-        self.peft = lora.attach(model, spec.model_cfg) if (
+        self.peft = lora.attach(model, spec.model_cfg, autocast=self.options.autocast_dtype is not None) if (
             spec.head is Head.LM and trainable and lora.enabled(spec.model_cfg)) else None
         self.lora_scalings = lora.scalings(self.peft) if self.peft is not None else {}
-        self.options = hf_model.forward_options(spec.model_cfg, dtype, device)
         self.share_prompts = self.options.share_prompts
         mesh = data_parallel_mesh(device.type) if dist.is_initialized() else None
         # On GPU FSDP2 casts the weights to the compute dtype; on CPU the forward is autocast.
