@@ -123,11 +123,12 @@ class TrainEngine(ABC):
         returns the pre-clip norm."""
 
     @abstractmethod
-    def per_tensor_weights(self, dtype: torch.dtype, only_trained: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every weight as a full tensor with its Hugging Face name, cast to `dtype`, one at a
-        time. A collective: every rank iterates to the end in the same order. With
-        `only_trained`, only the weights training can change (under LoRA the adapted ones,
-        merged; otherwise all)."""
+    def per_tensor_weights(self, dtype: torch.dtype | None,
+                           only_trained: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every weight as a full tensor with its Hugging Face name, cast to `dtype` (None: as
+        gathered, float32 masters on FSDP), one at a time. A collective: every rank iterates to
+        the end in the same order. With `only_trained`, only the weights training can change
+        (under LoRA the adapted ones, merged; otherwise all)."""
 
     @abstractmethod
     def num_params(self) -> int: ...

@@ -180,7 +180,8 @@ class FSDPEngine(TrainEngine):
             tensor = tensor.to(self.device).full_tensor()
         return tensor.detach()
 
-    def per_tensor_weights(self, dtype: torch.dtype, only_trained: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def per_tensor_weights(self, dtype: torch.dtype | None,
+                           only_trained: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         # The module is the transformers model, so its state-dict names are Hugging Face's.
         state = self.module.state_dict()
         if self.peft is not None:
@@ -188,7 +189,7 @@ class FSDPEngine(TrainEngine):
         else:
             weights = ((name, self._full(tensor)) for name, tensor in state.items())
         for name, tensor in weights:
-            yield name, tensor.to(dtype=dtype)
+            yield name, tensor if dtype is None else tensor.to(dtype=dtype)
 
     def adapter_disabled(self):
         if self.peft is None:

@@ -307,7 +307,8 @@ class MegatronEngine(TrainEngine):
         return norm
 
     # ------------------------------------------------------------------ weights and checkpoints
-    def per_tensor_weights(self, dtype: torch.dtype, only_trained: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def per_tensor_weights(self, dtype: torch.dtype | None,
+                           only_trained: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         with self._megatron():
             yield from mmodel.iter_hf_weights(self.models, self.config, self.layout, dtype)
 

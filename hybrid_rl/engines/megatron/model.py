@@ -181,8 +181,8 @@ def load_hf_weights(chunks: list[torch.nn.Module], config, path: str, layout: co
 
 @torch.no_grad()
 def iter_hf_weights(chunks: list[torch.nn.Module], config, layout: convert.Layout,
-                    dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every weight as a full tensor with its HF name in `dtype`, on every rank, one at a time:
+                    dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every weight as a full tensor with its HF name in `dtype` (None: float32), on every rank, one at a time:
     the TP shards are gathered, and each pipeline stage's tensors are broadcast to the others.
     With tied embeddings the first stage's embedding is sent as both `model.embed_tokens.weight`
     and `lm_head.weight`, as transformers' state dict has it (the last stage's copy is skipped)."""
@@ -225,7 +225,7 @@ def iter_hf_weights(chunks: list[torch.nn.Module], config, layout: convert.Layou
                     full = torch.empty(tuple(shape.tolist()), dtype=torch.float32, device=device)
                 dist.broadcast(full, src=dist.get_global_rank(pp_group, stage), group=pp_group)
             for hf_name, tensor in convert.to_hf(name, full, layout):
-                tensor = tensor.to(dtype)
+                tensor = tensor if dtype is None else tensor.to(dtype)
                 yield hf_name, tensor
                 if layout.tied and hf_name == "model.embed_tokens.weight":
                     # transformers' state dict names the tied output layer too, and vLLM's weight

@@ -1,0 +1,72 @@
+"""`weight_sync.sync_weights` pushes the float32 masters and lets vLLM's loaders cast them into a
+bf16 engine: the engine must then hold exactly what casting first would have given it."""
+
+from __future__ import annotations
+
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def bf16_engine_samples(model_dir: str) -> dict:
+    """In a fresh process, as one worker rank: an FSDP actor and a bf16 vLLM engine. Samples
+    after pushing the weights cast to bf16 first, after pushing other weights, and after pushing
+    the first weights again as float32 masters (`sync_weights`)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    from hybrid_rl.config_keys import compose_config
+    from hybrid_rl.controller.worker import get_free_port
+    from hybrid_rl.engines import ModelSpec, build_engine
+    from hybrid_rl.protocol import Batch
+    from hybrid_rl.workers.rollout import VLLMRollout, sampling_settings
+    from hybrid_rl.workers.weight_sync import sync_weights
+
+    port = get_free_port("127.0.0.1")
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), VLLM_CPU_KVCACHE_SPACE="1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    cfg = compose_config([f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.rollout.dtype=bfloat16",
+                          "actor_rollout_ref.rollout.enforce_eager=true", "actor_rollout_ref.rollout.prompt_length=32",
+                          "actor_rollout_ref.rollout.response_length=16"])
+    actor = cfg.actor_rollout_ref.actor
+    engine = build_engine(ModelSpec("actor", model_dir, cfg.actor_rollout_ref.model, optim_cfg=actor.optim),
+                          actor, torch.device("cpu"))
+    rollout = VLLMRollout(model_dir, cfg.actor_rollout_ref.rollout, torch.device("cpu"), [])
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rows = [tokenizer(text)["input_ids"] for text in ("1 + 2 =", "What is 7 + 5?", "Count: 3 4 5")]
+    width = max(map(len, rows))
+    prompts = Batch({"input_ids": torch.tensor([[0] * (width - len(r)) + r for r in rows]),
+                     "attention_mask": torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])})
+    settings = {**sampling_settings(cfg.actor_rollout_ref.rollout, validate=False), "temperature": 1.0}
+
+    def sample():
+        torch.manual_seed(0)
+        return rollout.generate(prompts, settings, 16)
+
+    masters = {name: param.detach().clone() for name, param in engine.module.named_parameters()}
+    rollout.load_weights(engine.per_tensor_weights(torch.bfloat16))
+    pre_cast = sample()
+    with torch.no_grad():
+        for param in engine.module.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    sync_weights(engine, rollout)
+    other = sample()
+    with torch.no_grad():
+        for name, param in engine.module.named_parameters():
+            param.copy_(masters[name])
+    sync_weights(engine, rollout)
+    return {"pre_cast": pre_cast, "other": other, "float32_push": sample()}
+
+
+def test_float32_pushes_land_as_their_bf16_cast(tiny_model_dir):
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        runs = pool.submit(bf16_engine_samples, tiny_model_dir).result()
+    assert runs["other"] != runs["pre_cast"]  # the push in between took effect
+    assert runs["float32_push"] == runs["pre_cast"]  # tokens and log-probs, to the last bit
