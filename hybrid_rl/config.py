@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from hybrid_rl.algorithms import ADV_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_RS_MODES
 from hybrid_rl.config_keys import check_verl_keys
 from hybrid_rl.controller.worker_group import PLACEMENT_STRATEGIES
-from hybrid_rl.engines import ENGINES
+from hybrid_rl.engines import ENGINES, lora
 from hybrid_rl.engines.megatron.checks import check_roles as check_megatron_roles
 from hybrid_rl.hardware import TORCH_DTYPES, resolve_dtype
 from hybrid_rl.tracking import LOGGERS, OPTIONAL_LOGGERS, VERL_ONLY_LOGGERS
@@ -362,7 +362,7 @@ def check_lora(cfg: DictConfig) -> None:
     if not isinstance(model.lora_alpha, (int, float)) or isinstance(model.lora_alpha, bool) or model.lora_alpha <= 0:
         raise ConfigError(f"actor_rollout_ref.model.lora_alpha={model.lora_alpha!r} must be a positive number "
                           "(the adapter's output is scaled by lora_alpha / lora_rank).")
-    if path and not os.path.isfile(os.path.join(os.path.expanduser(str(path)), "adapter_config.json")):
+    if path and not os.path.isfile(os.path.join(os.path.expanduser(str(path)), lora.ADAPTER_CONFIG)):
         raise ConfigError(f"actor_rollout_ref.model.lora_adapter_path={path!r} is not a peft adapter folder (no "
                           "adapter_config.json there); give the folder that PeftModel.save_pretrained (or "
                           "hybrid-rl-export --adapter-only) wrote.")

@@ -23,6 +23,7 @@ ADAPTER = "default"  # peft's name for the one adapter
 LORA_TENSORS = (f".lora_A.{ADAPTER}.", f".lora_B.{ADAPTER}.")
 BASE_LAYER = ".base_layer."
 ADAPTER_CONFIG = "adapter_config.json"  # peft's file name, written next to an engine's checkpoint
+KEY = "actor_rollout_ref.model"  # where verl's LoRA keys live, for error messages
 
 
 def enabled(model_cfg: Any) -> bool:
@@ -44,7 +45,7 @@ def lora_config(model_cfg: Any):
                       lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
 
 
-def attach(model: torch.nn.Module, model_cfg: Any, autocast: bool = False, key: str = "actor_rollout_ref.model"):
+def attach(model: torch.nn.Module, model_cfg: Any, autocast: bool = False):
     """Inject a new adapter (or the one at `lora_adapter_path`, trainable) into `model`; returns
     the `PeftModel`. Its `get_base_model()` is `model` itself, adapter layers included.
 
@@ -62,11 +63,11 @@ def attach(model: torch.nn.Module, model_cfg: Any, autocast: bool = False, key: 
     except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
         names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
                         if isinstance(m, torch.nn.Linear)})
-        raise ValueError(f"{key}.target_modules={model_cfg.target_modules!r} / exclude_modules="
+        raise ValueError(f"{KEY}.target_modules={model_cfg.target_modules!r} / exclude_modules="
                          f"{model_cfg.exclude_modules!r} leave no layer to adapt in {type(model).__name__} "
                          f"({exc}). Its linear layers are named {names}; or use all-linear.") from None
     except OSError as exc:
-        raise ValueError(f"{key}.lora_adapter_path={path!r} is not a peft adapter folder (adapter_config.json + "
+        raise ValueError(f"{KEY}.lora_adapter_path={path!r} is not a peft adapter folder (adapter_config.json + "
                          f"adapter_model.safetensors): {exc}") from None
     if autocast:
         from peft.tuners.lora import LoraLayer
@@ -75,7 +76,7 @@ def attach(model: torch.nn.Module, model_cfg: Any, autocast: bool = False, key: 
             layer.cast_input_dtype_enabled = False
     config = peft_model.peft_config[ADAPTER]
     if getattr(config, "use_dora", False) or getattr(config, "modules_to_save", None):
-        raise ValueError(f"{key}.lora_adapter_path={path!r}: DoRA adapters and modules_to_save are not supported; "
+        raise ValueError(f"{KEY}.lora_adapter_path={path!r}: DoRA adapters and modules_to_save are not supported; "
                          "use a plain LoRA adapter.")
     return peft_model
 

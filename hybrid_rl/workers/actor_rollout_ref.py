@@ -47,11 +47,10 @@ class ActorRolloutRefWorker(ModelWorker):
         self.actor = build_engine(ModelSpec("actor", self.model_path, model_cfg, optim_cfg=actor_cfg.optim,
                                             total_steps=self.total_steps), actor_cfg, self.device)
         self.ref = None
-        if needs_reference(cfg) and lora.enabled(model_cfg):
-            self.ref = lora.AdapterDisabled(self.actor)  # the base model: no second copy
-        elif needs_reference(cfg):
-            self.ref = build_engine(ModelSpec("ref", self.model_path, model_cfg), cfg.actor_rollout_ref.ref,
-                                    self.device)
+        if needs_reference(cfg):
+            # Under LoRA the base model, the actor's adapter switched off: no second copy.
+            self.ref = lora.AdapterDisabled(self.actor) if lora.enabled(model_cfg) else build_engine(
+                ModelSpec("ref", self.model_path, model_cfg), cfg.actor_rollout_ref.ref, self.device)
 
         rollout_cfg = cfg.actor_rollout_ref.rollout
         if rollout_cfg.name == "vllm":

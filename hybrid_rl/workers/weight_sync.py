@@ -10,8 +10,6 @@ copy them into its own weights, which saves a pass over every weight (12 % of a 
 
 from __future__ import annotations
 
-import torch
-
 from hybrid_rl.engines import TrainEngine
 
 
@@ -20,12 +18,11 @@ def sync_weights(engine: TrainEngine, rollout, only_trained: bool = False) -> in
     changed since the last push: under LoRA the adapted ones); returns the number of bytes that
     land in the rollout engine's dtype."""
     sent = 0
-    element_size = torch.empty(0, dtype=rollout.dtype).element_size()
 
     def counted():
         nonlocal sent
         for name, tensor in engine.per_tensor_weights(None, only_trained):
-            sent += tensor.numel() * element_size
+            sent += tensor.numel() * rollout.dtype.itemsize
             yield name, tensor
 
     rollout.load_weights(counted())
