@@ -19,9 +19,13 @@ from hybrid_rl.protocol import Batch
 from tests.conftest import build_tiny_model
 from tests.engine_helpers import actor_config, make_engine, rollout_batch, step, weights
 
+# A micro-batch's 15 response positions in 4 chunks of the LM head (the last one short).
+SMALL_HEAD_CHUNKS = ("actor_rollout_ref.model.head_chunk_size=4",)
+
+
 def _rank_main(rank, world, init_file, model_dir, out_dir, tp, pp):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    cfg = actor_config("megatron", tp, pp)
+    cfg = actor_config("megatron", tp, pp, extra=SMALL_HEAD_CHUNKS)
     engine = make_engine(cfg, model_dir)
     infer = engine.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None)
     before = weights(engine)
@@ -40,7 +44,7 @@ def _rank_main(rank, world, init_file, model_dir, out_dir, tp, pp):
 
 def _bf16_rank_main(rank, world, init_file, model_dir, out_dir, tp, pp):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    cfg = actor_config("megatron", tp, pp, dtype="bf16")
+    cfg = actor_config("megatron", tp, pp, extra=SMALL_HEAD_CHUNKS, dtype="bf16")
     engine = make_engine(cfg, model_dir)
     infer = engine.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None)
     torch.save({"infer": infer, "first": step(engine, cfg, 1), "dtype": engine.config.params_dtype},

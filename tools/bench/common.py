@@ -187,16 +187,30 @@ MODEL_SHAPES = {
 
 
 def random_model(shape: str, seed: int = 0) -> str:
-    """A Hugging Face folder holding a randomly initialised model of `MODEL_SHAPES[shape]`, written
-    once into the cache folder."""
+    """A Hugging Face folder holding a randomly initialised model of `MODEL_SHAPES[shape]` and the
+    default model's tokenizer (every shape's vocabulary holds its ids), written once into the cache
+    folder: enough for the engines alone and for a whole job (`actor_rollout_ref.model.path`)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from hybrid_rl.models import cache_dir
+    from hybrid_rl.models import cache_dir, resolve_model_path
 
     folder = str(cache_dir() / "bench_models" / f"{shape}-seed{seed}")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(None))
     if os.path.isfile(os.path.join(folder, "config.json")):
+        if not os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
+            tokenizer.save_pretrained(folder)  # folders written before the tokenizer was added
         return folder
+    settings = dict(MODEL_SHAPES[shape])
+    config = AutoConfig.for_model(settings.pop("model_type"), **settings, bos_token_id=tokenizer.bos_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    # Written next to its final place and renamed, so an interrupted write leaves no half model.
+    partial = f"{folder}.partial-{os.getpid()}"
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    os.replace(partial, folder)
+    return folder
     settings = dict(MODEL_SHAPES[shape])
     config = AutoConfig.for_model(settings.pop("model_type"), **settings)
     torch.manual_seed(seed)

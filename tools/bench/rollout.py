@@ -117,6 +117,28 @@ def measure_hf(model_path: str, dtype: str, batch, settings: dict, max_new_token
     return {**time_calls(generate, repeats, eos_ids, max_new_tokens), "build_seconds": build_s}
 
 
+def training_batch(cfg, prompts: int):
+    """The first `prompts` built-in training prompts, rendered and collated as the trainer does,
+    each repeated `rollout.n` times; with the model's folder and its EOS ids."""
+    from hybrid_rl.data import RLDataset, collate_prompts
+    from hybrid_rl.main import default_data_files
+    from hybrid_rl.models import load_tokenizer, resolve_model_path
+    from hybrid_rl.workers.actor_rollout_ref import eos_ids as model_eos_ids
+
+    model_path = resolve_model_path(cfg.actor_rollout_ref.model.path)
+    tokenizer = load_tokenizer(cfg, model_path)
+    train_file = cfg.data.train_files or default_data_files()[0]
+    dataset = RLDataset(train_file, tokenizer, prompt_key=cfg.data.prompt_key,
+                        max_prompt_length=cfg.data.max_prompt_length, truncation=cfg.data.truncation,
+                        apply_chat_template_kwargs=cfg.data.apply_chat_template_kwargs)
+    if prompts > len(dataset):
+        raise SystemExit(f"--prompts {prompts}: the data set has only {len(dataset)} prompts")
+    rows = [dataset[i] for i in range(prompts)]
+    batch = collate_prompts(rows, tokenizer.pad_token_id, cfg.data.max_prompt_length)
+    return model_path, batch.repeat(int(cfg.actor_rollout_ref.rollout.n), interleave=True), \
+        model_eos_ids(model_path, tokenizer)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=8, help="distinct prompts (each sampled rollout.n times)")
@@ -132,31 +154,18 @@ def main(argv=None) -> int:
     import torch
     from omegaconf import OmegaConf
 
-    from hybrid_rl.data import RLDataset, collate_prompts
-    from hybrid_rl.main import compose_config, default_data_files
-    from hybrid_rl.models import load_tokenizer, resolve_model_path
-    from hybrid_rl.workers.actor_rollout_ref import eos_ids as model_eos_ids
+    from hybrid_rl.main import compose_config
+    from hybrid_rl.models import load_tokenizer
     from hybrid_rl.workers.rollout import sampling_settings
 
     device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cfg = compose_config([f"data.max_response_length={args.max_new_tokens}", *args.overrides])
-    model_path = resolve_model_path(cfg.actor_rollout_ref.model.path)
-    tokenizer = load_tokenizer(cfg, model_path)
-    eos_ids = model_eos_ids(model_path, tokenizer)
-    pad_token_id = tokenizer.pad_token_id
+    model_path, batch, eos_ids = training_batch(cfg, args.prompts)
+    pad_token_id = load_tokenizer(cfg, model_path).pad_token_id
     rollout_cfg = cfg.actor_rollout_ref.rollout
     settings = sampling_settings(rollout_cfg, validate=False)
     n = int(rollout_cfg.n)
-
-    train_file = cfg.data.train_files or default_data_files()[0]
-    dataset = RLDataset(train_file, tokenizer, prompt_key=cfg.data.prompt_key,
-                        max_prompt_length=cfg.data.max_prompt_length, truncation=cfg.data.truncation,
-                        apply_chat_template_kwargs=cfg.data.apply_chat_template_kwargs)
-    if args.prompts > len(dataset):
-        ap.error(f"--prompts {args.prompts}: the data set has only {len(dataset)} prompts")
-    rows = [dataset[i] for i in range(args.prompts)]
-    batch = collate_prompts(rows, pad_token_id, cfg.data.max_prompt_length).repeat(n, interleave=True)
-    prompt_lengths = [len(r["prompt_ids"]) for r in rows]
+    prompt_lengths = batch["attention_mask"][::n].sum(dim=1).tolist()
 
     results = {}
     for dtype in dtypes:

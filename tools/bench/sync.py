@@ -15,54 +15,27 @@ of the engine dtype (a plain copy for fp32, a cast for bf16), through 64 Mi-elem
 counts the bytes that land in the engine's dtype, as `sync_weights` does.
 
 `qwen2.5-0.5b-shape` is a seeded random model with Qwen2.5-0.5B's shape (494M parameters, tied
-embeddings) and SmolLM2's tokenizer, built once in the hybrid_rl cache folder.
+embeddings) and SmolLM2's tokenizer, built once in the hybrid_rl cache folder (`common.random_model`).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from collections import deque
 
 import common
 
-QWEN_SHAPE = dict(hidden_size=896, num_hidden_layers=24, intermediate_size=4864, num_attention_heads=14,
-                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
-                  max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6)
 MODELS = ("smollm2-135m", "qwen2.5-0.5b-shape")
 
 
-def build_qwen_shape_model(tokenizer_path: str, out_dir: str) -> None:
-    """Save a seeded random Qwen2 model of Qwen2.5-0.5B's shape (once; renamed into place so an
-    interrupted build is never reused)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    # Token ids of the smaller vocabulary all exist in the larger embedding.
-    config = Qwen2Config(**QWEN_SHAPE, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tmp = f"{out_dir}.tmp{os.getpid()}"
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    os.rename(tmp, out_dir)
-
-
 def model_path(name: str) -> str:
-    from hybrid_rl.models import cache_dir, resolve_model_path
+    from hybrid_rl.models import resolve_model_path
 
-    default = resolve_model_path(None)
     if name == "smollm2-135m":
-        return default
-    path = cache_dir() / "models" / "bench-qwen2.5-0.5b-shape-random"
-    if not (path / "config.json").is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        common.run_isolated(build_qwen_shape_model, default, str(path))
-    return str(path)
+        return resolve_model_path(None)
+    return common.random_model("qwen2.5-0.5b")
 
 
 def timed(fn, device_type: str) -> float:

@@ -126,7 +126,9 @@ class MegatronEngine(TrainEngine):
             self.models = [chunk.to(device) for chunk in mmodel.build_model(hf_config, self.layout, self.config,
                                                                            te, seed)]
             mmodel.load_hf_weights(self.models, self.config, spec.path, self.layout)
-            self.head = mmodel.ResponsePositionsHead(self.models, enabled=not self.config.sequence_parallel)
+            chunk_size = hf_model.forward_options(spec.model_cfg, dtype, device).head_chunk_size
+            self.head = mmodel.ResponsePositionsHead(self.models, not self.config.sequence_parallel, chunk_size,
+                                                     self.layout.vocab)
             self.chunks = [self._half(m) for m in self.models]
             if trainable:
                 self._build_training(megatron_cfg, spec, role_cfg)
@@ -235,24 +237,28 @@ class MegatronEngine(TrainEngine):
             micro = next(data_iterator)
             ids, positions, predict = mmodel.left_aligned(micro)
             ids, positions = _pad_columns(ids, pad_to), _pad_columns(positions, pad_to)
-            with self.head.at(predict):
-                logits = model(ids, positions, None)
+            with_entropy = output is Output.LOG_PROBS_ENTROPY
+            head_log_probs = None if output is Output.VALUES else (micro["responses"], temperature, with_entropy)
+            with self.head.at(predict, head_log_probs):
+                outputs = model(ids, positions, None)
 
-            def loss_func(logits: torch.Tensor):
-                logits = self.head.outputs(logits, predict)
+            def loss_func(outputs: torch.Tensor):
+                outputs = self.head.outputs(outputs, predict)
                 if output is Output.VALUES:  # V(s_t): the value head's output before each response token
-                    out = {"values": logits[..., 0].float()}
+                    out = {"values": outputs[..., 0].float()}
                 else:
-                    log_probs, entropy = mmodel.logits_to_log_probs(
-                        logits, micro["responses"], temperature, self.layout.vocab,
-                        output is Output.LOG_PROBS_ENTROPY)
+                    if self.head.enabled:  # the head gave (log-prob, entropy) pairs
+                        log_probs, entropy = outputs.float().unbind(-1)
+                    else:
+                        log_probs, entropy = mmodel.logits_to_log_probs(
+                            outputs, micro["responses"], temperature, self.layout.vocab, with_entropy)
                     out = dict(zip(OUTPUT_KEYS[output], (log_probs, entropy)))
                 if loss_fn is None:
-                    return logits.new_zeros(()), out
+                    return outputs.new_zeros(()), out
                 loss, terms = loss_fn(out, micro)
                 return loss * steps, terms  # the schedule divides every loss by the micro-batch count
 
-            return logits, loss_func
+            return outputs, loss_func
 
         iterators = [iter(batch) for _ in self.chunks]
         with self._megatron(), (torch.no_grad() if loss_fn is None else contextlib.nullcontext()):

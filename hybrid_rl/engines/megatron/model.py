@@ -18,6 +18,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from hybrid_rl.engines.megatron import convert
 from hybrid_rl.engines.megatron.cpu import check_version, cpu_device_layer
@@ -274,29 +275,64 @@ class ResponsePositionsHead:
     returns (B, T_response, V) logits instead of (B, S, V): with long prompts, a fraction of the
     head's compute and of the logits' memory.
 
+    Given the response tokens too (`at(predict, log_probs=...)`), an LM output layer returns
+    their log-probs and entropies, (B, T_response, 2) float32, instead of logits: it runs over
+    `chunk_size` positions at a time, each chunk checkpointed, so that neither pass holds more
+    than one chunk's logits (with a 150k vocabulary, 0.6 GB per 1k positions in float32, several
+    times over for the softmax and entropy that backward needs), as the FSDP engine's chunked head
+    does. The backward pass computes each chunk's logits again.
+
     Not with sequence parallelism, where the output layer gathers the sequence from the TP
     ranks itself (`enabled` False: the head runs everywhere and `at_positions` narrows after).
     """
 
-    def __init__(self, chunks: list[torch.nn.Module], enabled: bool):
-        self.enabled, self.predict = enabled, None
+    def __init__(self, chunks: list[torch.nn.Module], enabled: bool, chunk_size: int, vocab: int):
+        self.enabled, self.chunk_size, self.vocab = enabled, chunk_size, vocab
+        self.predict, self.log_probs = None, None
         if enabled:
             for chunk in chunks:
                 if chunk.post_process:
-                    chunk.output_layer.register_forward_pre_hook(self._narrow)
+                    layer = chunk.output_layer
+                    layer.register_forward_pre_hook(self._narrow)
+                    if not isinstance(layer, ValueHead):
+                        layer.forward = self._log_probs_forward(layer.forward)
 
     def _narrow(self, module, args):
         hidden = args[0]
         index = self.predict.t().unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
         return (hidden.gather(0, index), *args[1:])
 
+    def _log_probs_forward(self, logits_forward):
+        def forward(hidden, *args, **kwargs):
+            if self.log_probs is None:
+                return logits_forward(hidden, *args, **kwargs)
+            responses, temperature, with_entropy = self.log_probs
+            targets = responses.t().reshape(-1)  # (T, B) like the narrowed hidden states
+            flat = hidden.reshape(-1, 1, hidden.shape[-1])
+
+            def chunk_outputs(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+                logits = logits_forward(h, *args, **kwargs)[0][:, 0]
+                return torch.stack(logits_to_log_probs(logits, t, temperature, self.vocab, with_entropy), dim=-1)
+
+            # One empty chunk when there is no response position (a pipeline filler), so the
+            # output still depends on the weights as the schedule's backward expects.
+            outputs = [checkpoint(chunk_outputs, flat[start:start + self.chunk_size],
+                                  targets[start:start + self.chunk_size], use_reentrant=False)
+                       for start in range(0, max(flat.shape[0], 1), self.chunk_size)]
+            return torch.cat(outputs).view(*hidden.shape[:2], 2), None
+
+        return forward
+
     @contextlib.contextmanager
-    def at(self, predict: torch.Tensor):
-        self.predict = predict
+    def at(self, predict: torch.Tensor, log_probs: tuple[torch.Tensor, float, bool] | None = None):
+        """Within the block the head runs at `predict` (B, T_response); with `log_probs`
+        (responses (B, T_response), temperature, with_entropy) an LM head returns their
+        log-probs and entropies."""
+        self.predict, self.log_probs = predict, log_probs if self.enabled else None
         try:
             yield
         finally:
-            self.predict = None
+            self.predict, self.log_probs = None, None
 
     def outputs(self, head_outputs: torch.Tensor, predict: torch.Tensor) -> torch.Tensor:
         """The head's outputs (B, T_response, X) at the response positions."""
