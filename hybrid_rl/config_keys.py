@@ -144,8 +144,9 @@ RULES: tuple[Rule, ...] = tuple([
             *(f"*.megatron.{k}" for k in ("context_parallel_size", "expert_model_parallel_size",
                                           "expert_tensor_parallel_size", "dynamic_context_parallel",
                                           "use_megatron_fsdp"))),
-    *_rules(NOT_YET, "offloading the Megatron model, gradients or optimizer is not built yet",
-            "*.megatron.param_offload", "*.megatron.grad_offload", "*.megatron.optimizer_offload"),
+    *_rules(NO_EFFECT_ON_CPU, "offloading the Megatron model, gradients or optimizer to host memory; on CPU "
+            "they are already there", "*.megatron.param_offload", "*.megatron.grad_offload",
+            "*.megatron.optimizer_offload"),
     *_rules(NOT_YET, "the Megatron engine converts the Hugging Face folder itself (exactly); loading a "
             "pre-converted dist-checkpoint is not built yet", "*.megatron.use_dist_checkpointing"),
     *_rules(NO_EFFECT, "weights are converted by hybrid_rl's own exact converter, not mbridge",

@@ -150,13 +150,16 @@ def test_keys_with_no_effect_accept_any_value_and_are_reported(caplog):
     assert "no effect here (docs/config.md): " in caplog.text and " more" in caplog.text
 
 
-def test_critic_offload_has_no_effect_on_cpu_and_is_refused_on_gpu():
-    key = "critic.fsdp.param_offload"
+@pytest.mark.parametrize("key, config_name, note", [
+    ("critic.fsdp.param_offload", "ppo_trainer", "offloading to host memory; on CPU the model is already there"),
+    ("actor_rollout_ref.actor.megatron.grad_offload", "ppo_megatron_trainer",
+     "offloading the Megatron model, gradients or optimizer to host memory; on CPU they are already there"),
+])
+def test_offload_without_an_implementation_has_no_effect_on_cpu_and_is_refused_on_gpu(key, config_name, note):
     assert status_of(key)[0] == NO_EFFECT_ON_CPU
-    cfg = compose_config([f"{key}=true"])
+    cfg = compose_config([f"{key}=true"], config_name=config_name)
     assert check_verl_keys(cfg, "cpu") == []
-    assert check_verl_keys(cfg, "cuda") == [f"{key}=True is not supported yet (offloading to host memory; on CPU "
-                                            "the model is already there)"]
+    assert check_verl_keys(cfg, "cuda") == [f"{key}=True is not supported yet ({note})"]
 
 
 def test_actor_and_reference_offload_are_accepted_on_both_devices():

@@ -91,8 +91,13 @@ def build_model(hf_config, layout: convert.Layout, config, transformer_engine: b
     )
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    spec = (get_gpt_layer_with_transformer_engine_spec() if transformer_engine
-            else get_gpt_layer_local_spec(normalization="RMSNorm"))
+    if transformer_engine:
+        spec = get_gpt_layer_with_transformer_engine_spec()
+    else:
+        from hybrid_rl.engines.megatron.attention import SDPAttention
+
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
     chunks = []
     for stage in range(config.virtual_pipeline_model_parallel_size or 1):
         vp_stage = _vp_stage(config, stage)
