@@ -101,7 +101,8 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NOT_YET, "weights are kept in float32; fsdp_config.dtype sets the compute dtype", "*.model_dtype"),
     *_rules(NO_EFFECT, "the critic scores the actor's token ids; it has no tokenizer of its own",
             "critic.model.tokenizer_path", "critic.model.custom_chat_template"),
-    *_rules(NOT_YET, "the critic runs padded batches (same values, more compute)", "critic.model.use_remove_padding"),
+    *_rules(WORKS, "true (the default here): the critic's forward runs on packed rows of real tokens, as the "
+            "actor's; false runs padded rows (same values, more compute)", "critic.model.use_remove_padding"),
     *_rules(NOT_YET, "LoRA is not built yet", "critic.model.lora.rank", "critic.model.lora.adapter_path"),
     *_rules(NO_EFFECT, "read only with LoRA, which is not supported yet", "critic.model.lora.*"),
     *_rules(NOT_YET, "multi-token prediction is not built yet", "critic.model.mtp.enable"),

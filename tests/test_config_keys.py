@@ -175,6 +175,13 @@ def test_our_own_keys_work():
     assert status_of("actor_rollout_ref.rollout.engine_kwargs.vllm")[0] == WORKS
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_the_critic_runs_packed_or_padded_rows(packed):
+    """Both settings are built (tests/test_megatron_engine.py compares their values)."""
+    cfg = compose_config([f"critic.model.use_remove_padding={packed}", "algorithm.adv_estimator=gae"])
+    assert check_verl_keys(cfg, "cpu") == check_verl_keys(cfg, "cuda") == []
+
+
 def test_megatron_config_composes_and_validates_with_verls_megatron_defaults():
     cfg = compose_config(["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
                           "trainer.n_gpus_per_node=2"], config_name="ppo_megatron_trainer")
