@@ -44,3 +44,22 @@ def test_cluster_sizes_models_and_data_are_substituted_for_the_one_step_run(tmp_
     assert kept[-1] == "trainer.logger=[console,wandb,jsonl]"  # the step is read from metrics.jsonl
     assert "trainer.total_training_steps=1" in kept and f"trainer.default_local_dir={tmp_path}" in kept
     assert not any(o.startswith(("actor_rollout_ref.model.path", "data.train_batch_size")) for o in kept)
+
+
+def test_a_scripts_reward_model_becomes_a_classifier_built_from_the_default_model(tmp_path):
+    """The hub classifier's folder is not here; an untrained one-label classifier is, and the
+    reward model loader takes it."""
+    import torch
+
+    from hybrid_rl.engines.hf_model import load_score_model
+    from hybrid_rl.main import compose_config
+
+    kept = verl_examples.substituted(["reward_model.enable=True", "reward_model.model.path=Skywork/Skywork-Reward"],
+                                     tmp_path, ["console"])
+    folder = verl_examples.reward_model_folder()
+    assert [o for o in kept if o.startswith("reward_model.")] == [
+        "reward_model.enable=True", f"reward_model.model.path={folder}"]
+    model = load_score_model(folder, compose_config([]).reward_model.model, torch.device("cpu"), False)
+    assert model.score.out_features == 1
+    assert not any(o.startswith("reward_model.model.path") for o in verl_examples.substituted(
+        ["algorithm.adv_estimator=grpo"], tmp_path, ["console"]))

@@ -47,6 +47,9 @@ SUBSTITUTED = (
     "trainer.resume_mode", "trainer.resume_from_path", "trainer.final_model_dir", "trainer.progress_bar",
     "trainer.logger",
 )
+# A script's reward model (a hub classifier) becomes a classifier built from the default model,
+# its one-label score head untrained: one step needs a scorer that runs, not a good one.
+REWARD_MODEL = "an untrained sequence classifier built from the default model for `reward_model.model.path`"
 ONE_STEP = ("trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.test_freq=-1",
             "trainer.save_freq=-1", "trainer.final_model_dir=null", "trainer.progress_bar=false",
             "trainer.resume_mode=disable")
@@ -116,10 +119,34 @@ def override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
+def reward_model_folder() -> str:
+    """REWARD_MODEL: the default model as `AutoModelForSequenceClassification` with one label and
+    a seeded fresh score head, with its tokenizer; written once into the cache folder."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from hybrid_rl.export import write_folder
+    from hybrid_rl.models import cache_dir, resolve_model_path
+
+    folder = cache_dir() / "verl_examples" / "untrained-reward-model"
+    if not (folder / "config.json").is_file():
+        base = resolve_model_path(None)
+
+        def write(tmp: Path) -> None:
+            torch.manual_seed(0)
+            AutoModelForSequenceClassification.from_pretrained(base, num_labels=1).save_pretrained(tmp)
+            AutoTokenizer.from_pretrained(base).save_pretrained(tmp)
+
+        write_folder(folder, write, overwrite=True)
+    return str(folder)
+
+
 def substituted(overrides: list[str], run_dir: Path, loggers: list[str]) -> list[str]:
     """The script's overrides for a one-step run here; its `loggers` keep running, with jsonl
     added (the step is judged from its metrics file)."""
     kept = [o for o in overrides if not any(fnmatch.fnmatchcase(override_key(o), p) for p in SUBSTITUTED)]
+    if any(override_key(o) == "reward_model.model.path" for o in overrides):
+        kept.append(f"reward_model.model.path={reward_model_folder()}")
     loggers = [name for name in loggers if name != "jsonl"] + ["jsonl"]
     return kept + list(ONE_STEP) + [f"trainer.default_local_dir={run_dir}", f"trainer.logger=[{','.join(loggers)}]"]
 
@@ -220,7 +247,7 @@ def report(results: list[dict], source: str, ran: bool) -> str:
             compose += " (the script's own text: Hydra's grammar, the same in verl, rejects it)"
         lines.append(f"| {r['script']} | {compose} | {start} | {step} |".replace("\n", " "))
     lines += ["", "Substituted for the one-step runs (the script's own value dropped): "
-              + ", ".join(f"`{p}`" for p in SUBSTITUTED) + "; then " + ", ".join(f"`{o}`" for o in ONE_STEP)
+              + ", ".join(f"`{p}`" for p in SUBSTITUTED) + f"; {REWARD_MODEL}; then " + ", ".join(f"`{o}`" for o in ONE_STEP)
               + ". wandb logs offline (`WANDB_MODE=offline`).", ""]
     return "\n".join(lines)
 
