@@ -58,14 +58,19 @@ class CheckpointManager:
         self.root = Path(os.path.expanduser(root))
         self.max_to_keep = max_to_keep
 
-    def save(self, step: int, write_parts: Callable[[str], None], trainer_state: dict) -> Path:
-        """`write_parts(folder)` has the workers write their shards under `folder`."""
+    def save(self, step: int, write_parts: Callable[[str], None], trainer_state: dict,
+             before_commit: Callable[[], None] | None = None) -> Path:
+        """`write_parts(folder)` has the workers write their shards under `folder`;
+        `before_commit()` runs once everything is written, before the checkpoint becomes the
+        latest."""
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".tmp_global_step_{step}_{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
             write_parts(str(tmp))
             _write_atomic(tmp / STATE, json.dumps(trainer_state, indent=1))
+            if before_commit is not None:
+                before_commit()
         except BaseException:  # a failure or a second Ctrl-C: leave no half-written folder behind
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -262,12 +262,20 @@ class Trainer:
                 metrics.update(val_metrics)
             save_freq = cfg.trainer.save_freq
             saved = save_freq > 0 and (is_last or step % save_freq == 0 or bool(self.stop_requested))
+            start = time.perf_counter()
+
+            def log_step() -> None:
+                if saved:
+                    metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
+                self.summary.add_step(metrics)
+                tracker.log(metrics, step=step)
+
             if saved:
-                start = time.perf_counter()
-                self.save_checkpoint()
-                metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
-            self.summary.add_step(metrics)
-            tracker.log(metrics, step=step)
+                # Logged before the checkpoint becomes the latest: a run killed in between repeats
+                # the step when resumed instead of losing its line.
+                self.save_checkpoint(before_commit=log_step)
+            else:
+                log_step()
             tracker.advance(metrics["critic/score/mean"])
             if self.stop_requested:
                 if save_freq > 0 and not saved:  # the signal came while this step was being logged
@@ -300,7 +308,7 @@ class Trainer:
         logger.info("Saved the final model to %s", out)
         return str(out)
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self, before_commit=None) -> None:
         def write_parts(folder: str) -> None:
             # Config, tokenizer and chat template, so a checkpoint exports without the original model.
             hf_dir = os.path.join(folder, "huggingface")
@@ -320,7 +328,7 @@ class Trainer:
         state = {"global_step": self.global_step, "sampler": self.sampler.state_dict(),
                  "kl_ctrl": self.kl_ctrl.state_dict(), "reward_stats": self.reward_stats.state_dict(),
                  "config": to_container(self.cfg)}
-        self.checkpoints.save(self.global_step, write_parts, state)
+        self.checkpoints.save(self.global_step, write_parts, state, before_commit)
 
     def load_checkpoint(self, folder) -> None:
         state = read_trainer_state(folder)

@@ -1,5 +1,6 @@
 """A crash in the middle of writing a checkpoint leaves the previous one complete and pointed to;
-a non-finite gradient norm skips the optimizer step."""
+a step's metrics are logged before its checkpoint is the latest; a non-finite gradient norm skips the
+optimizer step."""
 
 from __future__ import annotations
 
@@ -54,6 +55,16 @@ def test_rotation_keeps_the_newest(tmp_path):
     for step in range(1, 5):
         manager.save(step, lambda folder: None, {"global_step": step})
     assert [p.name for p in manager.completed()] == ["global_step_3", "global_step_4"]
+
+
+def test_the_step_is_logged_before_its_checkpoint_becomes_the_latest(tmp_path):
+    """The trainer logs a step's metrics in `before_commit`: a run killed once checkpoint N is the
+    latest has logged step N (tests/test_resume.py kills runs right then)."""
+    manager = CheckpointManager(str(tmp_path))
+    manager.save(1, lambda folder: None, {"global_step": 1})
+    seen = []
+    manager.save(2, lambda folder: None, {"global_step": 2}, before_commit=lambda: seen.append(manager.latest().name))
+    assert seen == ["global_step_1"] and manager.latest().name == "global_step_2"
 
 
 def test_non_finite_gradient_skips_the_step(tiny_model_dir):
