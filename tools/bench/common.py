@@ -196,10 +196,12 @@ def random_model(shape: str, seed: int = 0) -> str:
     from hybrid_rl.models import cache_dir, resolve_model_path
 
     folder = str(cache_dir() / "bench_models" / f"{shape}-seed{seed}")
+    has_model = os.path.isfile(os.path.join(folder, "config.json"))
+    if has_model and os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
+        return folder
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(None))
-    if os.path.isfile(os.path.join(folder, "config.json")):
-        if not os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
-            tokenizer.save_pretrained(folder)  # folders written before the tokenizer was added
+    if has_model:  # a folder written before the tokenizer was added
+        tokenizer.save_pretrained(folder)
         return folder
     settings = dict(MODEL_SHAPES[shape])
     config = AutoConfig.for_model(settings.pop("model_type"), **settings, bos_token_id=tokenizer.bos_token_id,
@@ -209,13 +211,5 @@ def random_model(shape: str, seed: int = 0) -> str:
     partial = f"{folder}.partial-{os.getpid()}"
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(partial)
     tokenizer.save_pretrained(partial)
-    os.replace(partial, folder)
-    return folder
-    settings = dict(MODEL_SHAPES[shape])
-    config = AutoConfig.for_model(settings.pop("model_type"), **settings)
-    torch.manual_seed(seed)
-    # Written next to its final place and renamed, so an interrupted write leaves no half model.
-    partial = f"{folder}.partial-{os.getpid()}"
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(partial)
     os.replace(partial, folder)
     return folder
