@@ -74,6 +74,50 @@ def resolve_device(cfg: DictConfig) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _check_rollout_pool(cfg: DictConfig) -> None:
+    """Asynchronous training (actor_rollout_ref.hybrid_engine=false)."""
+    rollout, pool = cfg.actor_rollout_ref.rollout, cfg.rollout
+    key = "actor_rollout_ref.hybrid_engine=false"
+    if rollout.name != "vllm":
+        raise ConfigError(f"{key} runs the rollout in vLLM engines of their own: set actor_rollout_ref.rollout.name=vllm "
+                          f"(got {rollout.name}).")
+    for name in ("nnodes", "n_gpus_per_node"):
+        _positive(pool[name], f"rollout.{name}")
+    if not (isinstance(pool.max_staleness, int) and pool.max_staleness >= 0):
+        raise ConfigError(f"rollout.max_staleness={pool.max_staleness} must be an integer >= 0 (0: on-policy).")
+    ranks = pool.nnodes * pool.n_gpus_per_node
+    if ranks % rollout.tensor_model_parallel_size:
+        raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size} "
+                          f"must divide the rollout pool's {ranks} processes (rollout.nnodes x rollout.n_gpus_per_node).")
+    for name, why in (("algorithm.filter_groups.enable", "dynamic sampling decides how much to generate after scoring"),
+                      ("trainer.iterative.enable", "iterative RL moves the reference in the middle of the pipeline")):
+        if OmegaConf.select(cfg, name):
+            raise ConfigError(f"{name}=true cannot be combined with {key} yet ({why}); use hybrid_engine=true.")
+    if cfg.algorithm.adv_estimator == "remax":
+        raise ConfigError(f"algorithm.adv_estimator=remax cannot be combined with {key} yet (its greedy baseline "
+                          "must come from the weights being trained); use hybrid_engine=true.")
+
+
+def _check_multi_turn(rollout: DictConfig) -> None:
+    key = "actor_rollout_ref.rollout.multi_turn"
+    mt = rollout.multi_turn
+    if rollout.name != "vllm":
+        raise ConfigError(f"{key}.enable=true needs actor_rollout_ref.rollout.name=vllm (got {rollout.name}): "
+                          "the tool loop continues each trajectory from its token ids in the vLLM engine.")
+    if rollout.beam_search:
+        raise ConfigError(f"{key}.enable=true and actor_rollout_ref.rollout.beam_search=true cannot be combined: "
+                          "a beam search cannot stop for tool calls. Set one of them to false.")
+    for name in ("max_assistant_turns", "max_user_turns"):
+        if mt[name] is not None and mt[name] < 1:
+            raise ConfigError(f"{key}.{name}={mt[name]} must be >= 1, or null for no limit.")
+    for name in ("max_parallel_calls", "max_tool_response_length"):
+        if mt[name] < 1:
+            raise ConfigError(f"{key}.{name}={mt[name]} must be >= 1.")
+    if not mt.tool_timeout_s > 0:
+        raise ConfigError(f"{key}.tool_timeout_s={mt.tool_timeout_s} must be > 0 (seconds).")
+    _choice(mt.tool_response_truncate_side, ("left", "right", "middle"), f"{key}.tool_response_truncate_side")
+
+
 def validate_config(cfg: DictConfig) -> DictConfig:
     """Check choices, batch-size arithmetic and numeric ranges; fill derived fields in place."""
     actor = cfg.actor_rollout_ref.actor
@@ -126,6 +170,15 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     for mode in (correction.rollout_rs or "").split(","):
         if mode.strip():
             _choice(mode.strip(), ROLLOUT_RS_MODES, "algorithm.rollout_correction.rollout_rs")
+    if correction.bypass_mode is None:
+        correction.bypass_mode = not cfg.actor_rollout_ref.hybrid_engine
+    if correction.bypass_mode and (correction.rollout_is or correction.rollout_rs):
+        raise ConfigError("algorithm.rollout_correction.bypass_mode=true makes the engine's log-probs the old "
+                          "log-probs of the PPO ratio, which then corrects for the behaviour policy itself: there is "
+                          "no second set of log-probs for rollout_is / rollout_rs to compare them with. Set "
+                          "bypass_mode=false to use those (the actor then recomputes the old log-probs).")
+    if not cfg.actor_rollout_ref.hybrid_engine:
+        _check_rollout_pool(cfg)
 
     _positive(trainer.nnodes, "trainer.nnodes")
     _positive(trainer.n_gpus_per_node, "trainer.n_gpus_per_node")
@@ -202,6 +255,8 @@ def validate_config(cfg: DictConfig) -> DictConfig:
             raise ConfigError(f"actor_rollout_ref.rollout.beam_search=true needs whole groups on every rank: "
                               f"data.train_batch_size ({data.train_batch_size}) must be a multiple of the {world} "
                               "ranks, so that no prompt's beams are split between two of them.")
+    if rollout.multi_turn.enable:
+        _check_multi_turn(rollout)
     if cfg.algorithm.adv_estimator == "grpo_passk" and rollout.n < 2:
         raise ConfigError("algorithm.adv_estimator=grpo_passk compares the best and second-best of each "
                           f"group and needs actor_rollout_ref.rollout.n >= 2 (got {rollout.n}).")

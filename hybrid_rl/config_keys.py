@@ -77,8 +77,6 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(WORKS, "hf_model adds a Hugging Face copy in global_step_<N>/huggingface; model, optimizer and "
             "extra are always saved (an exact resume needs them; a list without them is warned about)",
             "actor_rollout_ref.actor.checkpoint.save_contents"),
-    *_rules(NOT_YET, "actor, reference and rollout engine always share one worker process here",
-            "actor_rollout_ref.hybrid_engine"),
     *_rules(NO_EFFECT, "verl reads nothing from it either; the tokenizer comes from "
             "actor_rollout_ref.model.tokenizer_path (or the model folder)", "data.tokenizer"),
     *_rules(NO_EFFECT, "verl's copy of actor_rollout_ref.model.use_remove_padding, which is the key read",
@@ -218,7 +216,9 @@ RULES: tuple[Rule, ...] = tuple([
             "actor_rollout_ref.rollout.prometheus.enable", "actor_rollout_ref.rollout.trace.backend",
             "actor_rollout_ref.rollout.checkpoint_engine.backend",
             "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module"),
-    *_rules(NO_EFFECT, "the rollout uses all of trainer.n_gpus_per_node", "actor_rollout_ref.rollout.n_gpus_per_node"),
+    *_rules(NO_EFFECT, "the colocated rollout uses all of trainer.n_gpus_per_node; a rollout pool of its own "
+            "(hybrid_engine=false) is sized by rollout.n_gpus_per_node, verl's one-step-off-policy key",
+            "actor_rollout_ref.rollout.n_gpus_per_node"),
     *_rules(NO_EFFECT, "the engine starts with dummy weights and receives the actor's in memory",
             "actor_rollout_ref.rollout.load_format", "actor_rollout_ref.rollout.layered_summon",
             "actor_rollout_ref.rollout.multi_stage_wake_up", "actor_rollout_ref.rollout.checkpoint_engine.*"),
@@ -228,12 +228,19 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NO_EFFECT, "MoE routing metrics; no MoE model runs here", "actor_rollout_ref.rollout.moe_load_balance_metrics_interval"),
     *_rules(NOT_YET, "only engine_kwargs.vllm is passed on (name=vllm)", "actor_rollout_ref.rollout.engine_kwargs.sglang",
             "actor_rollout_ref.rollout.engine_kwargs.trtllm"),
-    *_rules(NOT_YET, "multi-turn rollouts are not built yet", "actor_rollout_ref.rollout.multi_turn.enable",
+    *_rules(NOT_YET, "agent loops other than the tool loop of multi_turn.enable are not built yet",
             "actor_rollout_ref.rollout.agent.default_agent_loop", "actor_rollout_ref.rollout.agent.agent_loop_config_path",
             "actor_rollout_ref.rollout.agent.custom_async_server.*"),
-    *_rules(NO_EFFECT, "read only by multi-turn or agent-loop rollouts, which are not supported yet",
-            "actor_rollout_ref.rollout.multi_turn.*", "actor_rollout_ref.rollout.agent.*",
-            "data.tool_config_path", "data.function_tool_path"),
+    *_rules(NOT_YET, "tools are classes named in multi_turn.tool_config_path; Python functions as tools and "
+            "interaction agents are not built yet", "actor_rollout_ref.rollout.multi_turn.function_tool_path",
+            "actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts",
+            "actor_rollout_ref.rollout.multi_turn.interaction_config_path", "data.function_tool_path"),
+    *_rules(NO_EFFECT, "a trajectory is trained on the exact token ids the engine sampled and the tool turns "
+            "inserted; nothing is rendered or tokenised again", "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template",
+            "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode"),
+    *_rules(NO_EFFECT, "the prompts show the tools of actor_rollout_ref.rollout.multi_turn.tool_config_path "
+            "(verl's default for this key)", "data.tool_config_path"),
+    *_rules(NO_EFFECT, "the tool loop runs in each rank's worker, over the rank's rows", "actor_rollout_ref.rollout.agent.*"),
     *_rules(NO_EFFECT, "read only with a tracing backend, which is not supported yet",
             "actor_rollout_ref.rollout.trace.*"),
     *_rules(NO_EFFECT, "read only with the feature above it enabled, which is not supported yet",
@@ -272,8 +279,9 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NO_EFFECT, "read only with a sandbox url, which is not supported yet", "sandbox_fusion.*",
             "reward.sandbox_fusion.*"),
     # --- algorithm
-    *_rules(NOT_YET, "not built yet", "algorithm.use_pf_ppo",
-            "algorithm.rollout_correction.bypass_mode", "algorithm.rollout_correction.loss_type"),
+    *_rules(NOT_YET, "not built yet", "algorithm.use_pf_ppo"),
+    *_rules(NOT_YET, "bypass mode trains with the PPO clipped loss (ppo_clip) only",
+            "algorithm.rollout_correction.loss_type"),
     *_rules(NO_EFFECT, "read only with the switch next to it on, which is not supported yet", "algorithm.pf_ppo.*"),
     *_rules(NO_EFFECT, "verl's asynchronous trainer overlaps generation batches; here they run one after another",
             "algorithm.filter_groups.max_inflight_gen_batches"),
@@ -457,6 +465,8 @@ DEVIATIONS: dict[str, str] = {
     **_deviations("FSDP2 is the FSDP engine here; fsdp is accepted as the same",
                   "actor_rollout_ref.actor.strategy", "critic.strategy"),
     **_deviations("verl leaves it required; vllm is the engine here", "actor_rollout_ref.rollout.name"),
+    **_deviations("null: true with a rollout pool of its own (hybrid_engine=false), whose batches older weights "
+                  "sampled, else false as in verl", "algorithm.rollout_correction.bypass_mode"),
     **_deviations("the same behaviour as verl's null", "custom_reward_function.name",
                   "reward_model.reward_manager", "reward_model.enable", "reward_model.model.trust_remote_code"),
     **_deviations("follows actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu (verl leaves it required)",

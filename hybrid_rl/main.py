@@ -61,6 +61,13 @@ def prepare(cfg: DictConfig):
     data_kwargs = dict(prompt_key=cfg.data.prompt_key, max_prompt_length=cfg.data.max_prompt_length,
                        truncation=cfg.data.truncation, filter_overlong_prompts=cfg.data.filter_overlong_prompts,
                        seed=cfg.data.seed, apply_chat_template_kwargs=cfg.data.apply_chat_template_kwargs)
+    if cfg.actor_rollout_ref.rollout.multi_turn.enable:
+        from hybrid_rl import agent
+
+        # The tools are built once here so a bad tool config stops the run before any worker starts.
+        tools = agent.setup(cfg.actor_rollout_ref.rollout, tokenizer, cfg.data.apply_chat_template_kwargs)
+        tools.close()
+        data_kwargs.update(apply_chat_template_kwargs=tools.chat_template_kwargs, system_prompt=tools.system_prompt)
     train_dataset = RLDataset(train_files, tokenizer, max_samples=cfg.data.train_max_samples, **data_kwargs)
     val_dataset = (RLDataset(val_files, tokenizer, max_samples=cfg.data.val_max_samples, **data_kwargs)
                    if val_files else None)

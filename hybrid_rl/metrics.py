@@ -21,7 +21,7 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
 
 def compute_data_metrics(batch: Batch) -> dict[str, float]:
     mask = batch["response_mask"].bool()
-    response_length = mask.sum(-1).float()
+    response_length = batch.response_lengths().float()
     prompt_length = batch["attention_mask"][:, : batch["prompts"].shape[1]].sum(-1).float()
     valid_adv = batch["advantages"][mask]
     scores = batch["token_level_scores"].sum(-1)
@@ -39,10 +39,24 @@ def compute_data_metrics(batch: Batch) -> dict[str, float]:
     for name, chosen in (("correct", right), ("incorrect", ~right)):
         if chosen.any():
             metrics[f"response_length/{name}_mean"] = float(response_length[chosen].mean())
+    metrics.update(multi_turn_metrics(batch))
     if "uid" in batch:  # the share of groups whose responses all scored the same: no advantage to learn from
         varied = groups_with_variance(scores, batch["uid"])
         metrics["critic/score/zero_variance_groups"] = 1.0 - float(varied.float().mean())
     return metrics
+
+
+def multi_turn_metrics(batch: Batch, prefix: str = "") -> dict[str, float]:
+    """Turns, tool calls and tool errors per trajectory of a multi-turn rollout, and the share of
+    trajectories that called a tool; nothing for a single-turn batch."""
+    if "multi_turn_tool_calls" not in batch:
+        return {}
+    calls = batch["multi_turn_tool_calls"].float()
+    return {f"{prefix}multi_turn/assistant_turns/mean": float(batch["multi_turn_assistant_turns"].float().mean()),
+            f"{prefix}multi_turn/assistant_turns/max": float(batch["multi_turn_assistant_turns"].max()),
+            f"{prefix}multi_turn/tool_calls/mean": float(calls.mean()),
+            f"{prefix}multi_turn/tool_call_share": float((calls > 0).float().mean()),
+            f"{prefix}multi_turn/tool_errors/mean": float(batch["multi_turn_tool_errors"].float().mean())}
 
 
 def reduce_worker_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
@@ -81,10 +95,12 @@ def per_source_means(data_sources, values: dict, n: int) -> dict[str, float]:
     """Validation per data source (verl's ``val-core/<source>/<name>/mean@<n>``) of the samples'
     ``reward``, and of the values a scorer reports beside its score: ``acc``, and each mixture
     source's ``reward/<name>`` (so a source at weight 0, such as the rule beside a reward model,
-    is seen per data set). Samples a value is missing for (None: failed or abstained) are left out."""
+    is seen per data set); in a multi-turn validation also ``tool_call`` (1 for a trajectory that
+    called a tool). Samples a value is missing for (None: failed or abstained) are left out."""
     grouped: dict[str, list[float]] = defaultdict(list)
     for key, column in values.items():
-        if (key not in ("reward", "acc") and not key.startswith("reward/")) or len(column) != len(data_sources):
+        if (key not in ("reward", "acc", "tool_call") and not key.startswith("reward/")) or \
+                len(column) != len(data_sources):
             continue
         for source, value in zip(data_sources, column):
             if isinstance(value, (bool, int, float)):

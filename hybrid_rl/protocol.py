@@ -167,6 +167,11 @@ class Batch:
     def __contains__(self, key: str) -> bool:
         return key in self.non_tensors or key in self.tensors.keys()
 
+    def response_lengths(self) -> torch.Tensor:
+        """Tokens in each row's response, tokens that tools wrote into a multi-turn trajectory
+        included (the attention over the response columns; `response_mask` marks the trained ones)."""
+        return self["attention_mask"][:, -self["response_mask"].shape[1]:].sum(-1)
+
     def keys(self) -> list[str]:
         """Tensor keys followed by non-tensor keys."""
         return list(self.tensors.keys()) + list(self.non_tensors)

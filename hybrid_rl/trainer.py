@@ -3,6 +3,9 @@
     prompts -> generate -> [reward model] -> reward -> [dynamic sampling: more prompts until enough groups differ]
             -> [balance over ranks] -> [old log-probs] -> [reference log-probs]
             -> advantages -> actor update -> weight sync into the rollout engine -> [validation] -> log
+
+With a rollout pool of its own (`actor_rollout_ref.hybrid_engine=false`) "generate" takes the
+batch the pool generated while earlier steps trained, and starts the next ones (`next_generated`).
 """
 
 from __future__ import annotations
@@ -11,10 +14,12 @@ import json
 import logging
 import math
 import os
+import pickle
 import shutil
 import time
 import uuid
-from dataclasses import replace
+from collections import deque
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -30,11 +35,12 @@ from hybrid_rl.checkpoint import CheckpointManager, read_trainer_state
 from hybrid_rl.config import FILTER_METRICS_OF_BATCH, needs_critic, needs_reference, to_container
 from hybrid_rl.console import RunSummary, quiet_env
 from hybrid_rl.controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool, WorkerError, create_colocated_worker_cls
+from hybrid_rl.controller.worker_group import PendingCall
 from hybrid_rl.models import resolve_model_path
 from hybrid_rl.data import EpochSampler, RLDataset, collate_prompts
 from hybrid_rl.iterative import IterationSamples
-from hybrid_rl.metrics import (Timer, compute_data_metrics, per_source_means, reduce_worker_metrics,
-                               reward_source_metrics, throughput_metrics)
+from hybrid_rl.metrics import (Timer, compute_data_metrics, multi_turn_metrics, per_source_means,
+                               reduce_worker_metrics, reward_source_metrics, throughput_metrics)
 from hybrid_rl.protocol import Batch, BatchMeta, Sampling
 from hybrid_rl.rewards import RewardManager
 from hybrid_rl.tracking import Tracker
@@ -42,6 +48,7 @@ from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
 from hybrid_rl.workers.critic import CriticWorker
 from hybrid_rl.workers.reward_model import RewardModelWorker
 from hybrid_rl.workers.rollout import training_temperature
+from hybrid_rl.workers.rollout_worker import RolloutWorker
 
 logger = logging.getLogger(__name__)
 
@@ -62,15 +69,22 @@ def worker_env(cfg: DictConfig, cpus_per_worker: float) -> dict[str, str]:
     return env
 
 
-def default_cpus_per_worker(trainer_cfg: DictConfig) -> float:
+def default_cpus_per_worker(trainer_cfg: DictConfig, processes_per_node: int | None = None) -> float:
     """Each worker's share of a node: the CPUs of the smallest Ray node that can host workers
     (one with GPUs when training on them; a head started with --num-cpus=0 hosts none) over
-    `trainer.n_gpus_per_node`."""
+    `processes_per_node` (default `trainer.n_gpus_per_node`; a rollout pool's processes share the
+    node too)."""
     import ray
 
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     hosts = [r["CPU"] for r in nodes if r.get("CPU", 0) > 0 and (trainer_cfg.device != "cuda" or r.get("GPU", 0) > 0)]
-    return max(0.5, min(hosts, default=os.cpu_count() or 1) / trainer_cfg.n_gpus_per_node)
+    return max(0.5, min(hosts, default=os.cpu_count() or 1) / (processes_per_node or trainer_cfg.n_gpus_per_node))
+
+
+def cpus_per_worker(cfg: DictConfig) -> float:
+    """`trainer.cpus_per_worker`, else the trainer's and the rollout pool's processes share each node."""
+    pool = 0 if cfg.actor_rollout_ref.hybrid_engine else cfg.rollout.n_gpus_per_node
+    return cfg.trainer.cpus_per_worker or default_cpus_per_worker(cfg.trainer, cfg.trainer.n_gpus_per_node + pool)
 
 
 def _plain(value):
@@ -91,12 +105,31 @@ def _rows_of(extra: dict, rows: list[int]) -> dict:
     return {key: [values[i] for i in rows] for key, values in extra.items()}
 
 
-def _add_on_last_token(token_values: torch.Tensor, response_mask: torch.Tensor, per_response: torch.Tensor) -> torch.Tensor:
-    """A copy of (B, T) ``token_values`` with each response's value added on its last valid token."""
-    last = (response_mask.sum(-1) - 1).clamp_min(0)
+def _add_on_last_token(token_values: torch.Tensor, lengths: torch.Tensor, per_response: torch.Tensor) -> torch.Tensor:
+    """A copy of (B, T) ``token_values`` with each response's value added on its last token
+    (``lengths``: `Batch.response_lengths`)."""
+    last = (lengths - 1).clamp_min(0)
     out = token_values.clone()
     out[torch.arange(len(out)), last] += per_response
     return out
+
+
+IN_FLIGHT_FILE = "in_flight_batches.pkl"
+
+
+@dataclass
+class InFlight:
+    """A batch the rollout pool generates for a later step (asynchronous training)."""
+
+    step: int  # the step that trains on it
+    version: int  # the actor update count of the weights that sample it
+    call: PendingCall | None
+    batch: Batch | None = None  # once collected (or restored from a checkpoint)
+
+    def result(self) -> Batch:
+        if self.batch is None:
+            self.batch = self.call.result()
+        return self.batch
 
 
 class Trainer:
@@ -127,9 +160,13 @@ class Trainer:
         correction = cfg.algorithm.rollout_correction
         # With a single on-policy update the ratio is exactly 1 and the old log-probs are the
         # update's own forward; they need a pass of their own only when used before the update.
-        self.recompute_old_log_probs = bool(
+        # In bypass mode the engine's log-probs are the old ones.
+        self.bypass = bool(correction.bypass_mode)
+        self.recompute_old_log_probs = not self.bypass and bool(
             actor.ppo_epochs > 1 or actor.ppo_mini_batch_size < cfg.data.train_batch_size
             or cfg.algorithm.use_kl_in_reward or correction.rollout_is or correction.rollout_rs)
+        # A rollout pool of its own generates up to rollout.max_staleness batches ahead.
+        self.async_rollout = not cfg.actor_rollout_ref.hybrid_engine
         self.n_ranks = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
         self.stop_requested: str | None = None  # the signal's name, once one asked to stop
         self.summary = RunSummary()
@@ -147,11 +184,15 @@ class Trainer:
         iterative = self.cfg.trainer.iterative
         self.iteration = (IterationSamples(iterative, self.tokenizer, self.pad_token_id, self.cfg.trainer.seed)
                           if iterative.enable else None)
+        self.weights_version = 0  # actor updates so far
+        self.rollout_version: int | None = None  # the update count of the rollout pool's weights
+        self.launched_step = 0  # the last step a generation was started for
+        self.in_flight: deque[InFlight] = deque()
 
     # ------------------------------------------------------------------ workers
     def init_workers(self) -> None:
         cfg = self.cfg
-        cpus = cfg.trainer.cpus_per_worker or default_cpus_per_worker(cfg.trainer)
+        cpus = cpus_per_worker(cfg)
         self.resource_pool = pool = ResourcePool([cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes,
                             use_gpu=cfg.trainer.device == "cuda", cpus_per_process=cpus,
                             strategy=cfg.trainer.placement_strategy)
@@ -184,8 +225,68 @@ class Trainer:
                             "is decoded and re-templated for it.")
         # Last: the rollout engine sizes its cache after the trainers.
         self.engine_settings = self.workers.init_model()[0]["rollout"]
+        self.generator = self.workers
+        if self.async_rollout:
+            self.engine_settings = self.init_rollout_pool(config)
         if self.engine_settings:
             logger.info("vLLM engine: %s", ", ".join(f"{k} {v}" for k, v in self.engine_settings.items()))
+
+    def init_rollout_pool(self, config: dict) -> dict:
+        """Asynchronous training: the rollout pool's workers, the weight channel from the trainer's
+        rank 0 to each of them, and the first push of the actor's weights."""
+        cfg = self.cfg
+        cpus = cpus_per_worker(cfg)
+        self.rollout_pool = ResourcePool([cfg.rollout.n_gpus_per_node] * cfg.rollout.nnodes,
+                                         use_gpu=cfg.trainer.device == "cuda", cpus_per_process=cpus,
+                                         strategy=cfg.trainer.placement_strategy)
+        self.rollout_group = RayWorkerGroup(
+            self.rollout_pool, ClassWithInitArgs(RolloutWorker, config, self.model_path, self.total_steps),
+            name_prefix="rollout_", env_vars=worker_env(cfg, cpus))
+        settings = self.rollout_group.init_model()[0]
+        host, port = self.workers.weight_channel_address()
+        world = 1 + self.rollout_group.world_size
+        joining = self.rollout_group.join_weight_channel.submit(host, port, world)
+        self.workers.join_weight_channel(host, port, world)
+        joining.result()
+        self.generator = self.rollout_group
+        self.push_rollout_weights(everything=True)
+        return settings
+
+    def push_rollout_weights(self, everything: bool = False) -> dict[str, float]:
+        """Asynchronous training: send the actor's weights to the rollout pool unless it has them
+        (it takes them after the generation it may be running)."""
+        if self.rollout_version == self.weights_version and not everything:
+            return {}
+        start = time.perf_counter()
+        receiving = self.rollout_group.receive_weights.submit()
+        sent = self.workers.send_rollout_weights(only_trained=not everything)[0]["bytes"]
+        receiving.result()
+        self.rollout_version = self.weights_version
+        return {"perf/sync_gb_per_rank": sent / 1e9, "timing_s/update_weights": time.perf_counter() - start}
+
+    def launch_generation(self, metrics: dict) -> None:
+        """Asynchronous training: start generating the next step's batch with the actor's
+        current weights."""
+        metrics.update(self.push_rollout_weights())
+        step = self.launched_step + 1
+        prompts = self.prompt_batch(next(self.batches))
+        prompts["uid"] = [str(uuid.uuid4()) for _ in range(len(prompts))]
+        prompts.meta = BatchMeta(step=step, temperature=training_temperature(self.cfg.actor_rollout_ref.rollout))
+        batch = prompts.repeat(self.cfg.actor_rollout_ref.rollout.n, interleave=True)
+        self.in_flight.append(InFlight(step, self.weights_version, self.rollout_group.generate_sequences.submit(batch)))
+        self.launched_step = step
+
+    def next_generated(self, metrics: dict) -> Batch:
+        """Asynchronous training: this step's batch, then enough launches that rollout.max_staleness
+        batches are generated while this one trains."""
+        if not self.in_flight:
+            self.launch_generation(metrics)
+        head = self.in_flight.popleft()
+        batch = head.result()
+        while len(self.in_flight) < self.cfg.rollout.max_staleness and self.launched_step < self.total_steps:
+            self.launch_generation(metrics)
+        metrics["async/staleness"] = float(self.weights_version - head.version)
+        return batch
 
     def restart_workers(self) -> None:
         """New worker processes, resuming from the latest checkpoint of this run (or from
@@ -203,10 +304,12 @@ class Trainer:
 
     def shutdown(self) -> None:
         """Stop the workers and free their CPUs/GPUs (the Ray session itself stays up)."""
-        if getattr(self, "group", None) is not None:
-            self.group.kill()
-        if getattr(self, "resource_pool", None) is not None:
-            self.resource_pool.remove()
+        for group in ("group", "rollout_group"):
+            if getattr(self, group, None) is not None:
+                getattr(self, group).kill()
+        for pool in ("resource_pool", "rollout_pool"):
+            if getattr(self, pool, None) is not None:
+                getattr(self, pool).remove()
 
     # ------------------------------------------------------------------ loop
     def request_stop(self, signal_name: str) -> None:
@@ -250,7 +353,7 @@ class Trainer:
         self.batches = iter(self.sampler)
         for step in range(self.global_step + 1, self.total_steps + 1):
             self.global_step = step
-            metrics = self.train_step(next(self.batches))
+            metrics = self.train_step(None if self.async_rollout else next(self.batches))
             if self.iteration is not None and self.iteration.due(step):
                 metrics.update(self.end_iteration())
             is_last = step == self.total_steps
@@ -323,10 +426,17 @@ class Trainer:
                 self.iteration.save(folder)
                 if self.reward_model is not None:
                     self.reward_model.save_checkpoint(os.path.join(folder, "reward_model"))
+            if self.in_flight:
+                # Batches sampled by weights no checkpoint holds: kept as generated, so a resumed
+                # run trains on exactly what an uninterrupted one would.
+                with open(os.path.join(folder, IN_FLIGHT_FILE), "wb") as f:
+                    pickle.dump([(g.step, g.version, g.result()) for g in self.in_flight], f)
 
-        # The sampler has already handed out this step's batch: its state is the next batch.
+        # The sampler has already handed out this step's batch (and those in flight): its state is
+        # the next batch.
         state = {"global_step": self.global_step, "sampler": self.sampler.state_dict(),
                  "kl_ctrl": self.kl_ctrl.state_dict(), "reward_stats": self.reward_stats.state_dict(),
+                 "weights_version": self.weights_version, "launched_step": self.launched_step,
                  "config": to_container(self.cfg)}
         self.checkpoints.save(self.global_step, write_parts, state, before_commit)
 
@@ -343,6 +453,13 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.reward_stats.load_state_dict(state["reward_stats"])
+        self.weights_version = int(state.get("weights_version", self.global_step))
+        self.launched_step = int(state.get("launched_step", self.global_step))
+        self.rollout_version = None  # the pool has the weights of its first push: send the restored ones
+        in_flight = os.path.join(folder, IN_FLIGHT_FILE)
+        if os.path.exists(in_flight):
+            with open(in_flight, "rb") as f:
+                self.in_flight = deque(InFlight(step, version, None, batch) for step, version, batch in pickle.load(f))
         logger.info("Resumed from %s at step %d", folder, self.global_step)
 
     def moving_reference_folder(self, folder: str) -> str | None:
@@ -393,7 +510,9 @@ class Trainer:
                 batch = batch[seqlen_balancing.balance_permutation(
                     batch, self.n_ranks, share_prompts=model.use_remove_padding and model.share_prompt_prefix)]
 
-            if self.recompute_old_log_probs:
+            if self.bypass:  # the behaviour policy's log-probs, as the engine sampled them
+                batch["old_log_probs"] = batch["rollout_log_probs"]
+            elif self.recompute_old_log_probs:
                 with timer.phase("old_log_prob"):
                     batch.union(self.workers.compute_log_prob(batch))
 
@@ -421,11 +540,13 @@ class Trainer:
             if self.global_step >= cfg.trainer.critic_warmup:
                 with timer.phase("update_actor"):
                     metrics.update(reduce_worker_metrics(self.workers.update_actor(batch)))
+                self.weights_version += 1
 
-                with timer.phase("update_weights"):
-                    pushed = self.workers.sync_rollout_weights()
-                # Every rank's engine receives every weight, in the rollout's dtype.
-                metrics["perf/sync_gb_per_rank"] = pushed[0]["bytes"] / 1e9
+                if not self.async_rollout:  # the pool takes them when it starts its next batch
+                    with timer.phase("update_weights"):
+                        pushed = self.workers.sync_rollout_weights()
+                    # Every rank's engine receives every weight, in the rollout's dtype.
+                    metrics["perf/sync_gb_per_rank"] = pushed[0]["bytes"] / 1e9
 
         if self.iteration is not None and self.reward_model is not None:
             self.iteration.collect(batch)
@@ -440,19 +561,24 @@ class Trainer:
             metrics["critic/acc/mean"] = float(np.mean(accuracies))
         return metrics
 
-    def generate_and_score(self, indices: list[int], timer: Timer, metrics: dict) -> tuple[Batch, dict]:
-        """n responses to each of the prompts at `indices`, with their (reward model's and) reward
-        function's scores as `token_level_scores`; returns the batch and the reward function's
-        per-sample values."""
+    def generate_and_score(self, indices: list[int] | None, timer: Timer, metrics: dict) -> tuple[Batch, dict]:
+        """n responses to each of the prompts at `indices` (asynchronous training: the batch the
+        rollout pool generated for this step), with their (reward model's and) reward function's
+        scores as `token_level_scores`; returns the batch and the reward function's per-sample
+        values."""
         cfg = self.cfg
         n = cfg.actor_rollout_ref.rollout.n
-        prompts = self.prompt_batch(indices)
-        prompts["uid"] = [str(uuid.uuid4()) for _ in range(len(prompts))]
-        prompts.meta = BatchMeta(step=self.global_step, temperature=training_temperature(cfg.actor_rollout_ref.rollout))
-        batch = prompts.repeat(n, interleave=True)
-
-        with timer.phase("gen"):
-            batch = self.workers.generate_sequences(batch)
+        if self.async_rollout:
+            with timer.phase("gen"):
+                batch = self.next_generated(metrics)
+        else:
+            prompts = self.prompt_batch(indices)
+            prompts["uid"] = [str(uuid.uuid4()) for _ in range(len(prompts))]
+            prompts.meta = BatchMeta(step=self.global_step,
+                                     temperature=training_temperature(cfg.actor_rollout_ref.rollout))
+            batch = prompts.repeat(n, interleave=True)
+            with timer.phase("gen"):
+                batch = self.workers.generate_sequences(batch)
 
         if cfg.algorithm.adv_estimator == "remax":
             with timer.phase("gen_max"):
@@ -476,14 +602,14 @@ class Trainer:
         buffer = self.cfg.reward_model.overlong_buffer
         if not buffer.enable:
             return scores
-        penalty = overlong_penalty(batch["response_mask"].sum(-1), self.cfg.data.max_response_length, buffer.len,
+        penalty = overlong_penalty(batch.response_lengths(), self.cfg.data.max_response_length, buffer.len,
                                    buffer.penalty_factor)
         metrics["reward/overlong_penalty/mean"] = float(penalty.mean())
         metrics["reward/overlong_share"] = float((penalty < 0).float().mean())
         if buffer.log:
             reward_extra["overlong_reward"] = penalty.tolist()
             reward_extra["overlong"] = (penalty < 0).tolist()
-        return _add_on_last_token(scores, batch["response_mask"], penalty)
+        return _add_on_last_token(scores, batch.response_lengths(), penalty)
 
     def keep_varied_groups(self, batch: Batch, reward_extra: dict, timer: Timer,
                            metrics: dict) -> tuple[Batch, dict]:
@@ -561,7 +687,7 @@ class Trainer:
         shaped = shape_scores(totals, batch["uid"], self.cfg.algorithm, self.reward_stats)
         if shaped is totals:
             return scores
-        return _add_on_last_token(scores, batch["response_mask"], shaped - totals)
+        return _add_on_last_token(scores, batch.response_lengths(), shaped - totals)
 
     def reward_kl_and_rollout_correction(self, batch: Batch) -> dict[str, float]:
         """KL penalty in the reward (`algorithm.use_kl_in_reward`) and, when the trainer's own
@@ -573,7 +699,7 @@ class Trainer:
                 batch["token_level_rewards"], batch["old_log_probs"], batch["ref_log_prob"],
                 batch["response_mask"], self.kl_ctrl, cfg.kl_penalty)
             metrics.update(kl_metrics)
-        if "old_log_probs" in batch and "rollout_log_probs" in batch:
+        if "old_log_probs" in batch and "rollout_log_probs" in batch and not self.bypass:
             old, rollout, mask = batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"]
             metrics.update(mismatch_metrics(old, rollout, mask))
             rc = cfg.rollout_correction
@@ -603,13 +729,19 @@ class Trainer:
         # No step: every validation samples with the same seeds, so its scores compare across steps.
         batch.meta = BatchMeta(temperature=cfg.actor_rollout_ref.rollout.temperature, sampling=Sampling.VALIDATE)
         batch = batch.repeat(n, interleave=True)
-        batch = self.workers.generate_sequences(batch)
+        if self.async_rollout:
+            self.push_rollout_weights()  # validation samples from the weights just trained
+        batch = self.generator.generate_sequences(batch)
         self.add_rm_scores(batch)
         scores, reward_extra = self.val_reward_fn(batch)
         batch["token_level_scores"] = scores
         sample_scores = scores.sum(-1)
-        metrics = per_source_means(batch["data_source"], {**reward_extra, "reward": sample_scores.tolist()}, n)
+        values = {**reward_extra, "reward": sample_scores.tolist()}
+        if "multi_turn_tool_calls" in batch:
+            values["tool_call"] = (batch["multi_turn_tool_calls"] > 0).float().tolist()
+        metrics = per_source_means(batch["data_source"], values, n)
         metrics["val/score/mean"] = float(sample_scores.mean())
+        metrics.update(multi_turn_metrics(batch, prefix="val/"))
         metrics["val/reward/failed_samples"] = float(self.val_reward_fn.failures)
         metrics.update(reward_source_metrics(reward_extra, self.val_reward_fn.sandbox_failures, prefix="val/"))
         metrics["timing_s/validate"] = time.perf_counter() - start
@@ -628,8 +760,8 @@ class Trainer:
         columns = {
             "input": [self.tokenizer.decode(batch["prompts"][i][prompt_mask[i]], skip_special_tokens=True)
                       for i in range(rows)],
-            "output": [self.tokenizer.decode(batch["responses"][i][batch["response_mask"][i].bool()],
-                                             skip_special_tokens=True) for i in range(rows)],
+            "output": [self.tokenizer.decode(batch["responses"][i][:length], skip_special_tokens=True)
+                       for i, length in enumerate(batch.response_lengths().tolist())],
             "gts": [(info or {}).get("ground_truth") for info in batch["reward_model"]],
             "score": batch["token_level_scores"].sum(-1).tolist(),
             "step": [self.global_step] * rows,
@@ -643,7 +775,7 @@ class Trainer:
 
     def print_generations(self, batch: Batch, scores: torch.Tensor) -> None:
         for i in range(min(self.cfg.trainer.log_val_generations, len(batch))):
-            length = int(batch["response_mask"][i].sum())
+            length = int(batch.response_lengths()[i])
             prompt = batch["raw_prompt"][i][-1]["content"]
             response = self.tokenizer.decode(batch["responses"][i, :length], skip_special_tokens=True)
             logger.info("[val sample %d] %r -> %r (truth %s, score %.2f)", i, prompt, response,

@@ -40,6 +40,13 @@ PAPER = {
                           "actor_rollout_ref.actor.ppo_mini_batch_size": 64, "actor_rollout_ref.actor.optim.lr": 1e-6,
                           "critic.optim.lr": 1e-5, "algorithm.kl_ctrl.kl_coef": 0.001, "data.max_prompt_length": 512,
                           "data.max_response_length": 256, "trainer.total_epochs": 15},
+    "retool": {"actor_rollout_ref.rollout.multi_turn.enable": True, "actor_rollout_ref.rollout.multi_turn.format": "hermes",
+               "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 16,
+               "actor_rollout_ref.rollout.multi_turn.max_user_turns": 16, "actor_rollout_ref.actor.optim.lr": 1e-6,
+               "actor_rollout_ref.actor.clip_ratio_low": 0.2, "actor_rollout_ref.actor.clip_ratio_high": 0.28,
+               "actor_rollout_ref.actor.use_kl_loss": False, "actor_rollout_ref.rollout.n": 16,
+               "actor_rollout_ref.actor.ppo_mini_batch_size": 16, "data.max_prompt_length": 2048,
+               "data.max_response_length": 16384},
     "r1_zero_countdown": {"algorithm.adv_estimator": "gae", "data.train_batch_size": 256,
                           "actor_rollout_ref.actor.ppo_mini_batch_size": 64, "actor_rollout_ref.actor.optim.lr": 1e-6,
                           "critic.optim.lr": 1e-5, "algorithm.kl_ctrl.kl_coef": 0.001, "algorithm.use_kl_in_reward": True,
@@ -80,13 +87,20 @@ def test_scripts_without_their_data_print_the_command_that_writes_it(name, tmp_p
         assert done.returncode == 1 and "is missing; run: " in done.stderr and "tools/data/" in done.stderr, done.stderr
 
 
+def recipe_function(recipe: str, module: str, name: str):
+    """A function from a recipe's own module (recipes are folders, not packages)."""
+    import importlib.util
+
+    path = Path(REPO_ROOT, "recipes", recipe, f"{module}.py")
+    spec = importlib.util.spec_from_file_location(f"recipe_{recipe}_{module}", path)
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    return getattr(loaded, name)
+
+
 def test_deepseekmath_step_reward_checks_each_step():
     """The CPU recipe's process reward against steps and checks written out by hand."""
-    sys.path.insert(0, str(Path(REPO_ROOT, "recipes", "deepseekmath_grpo")))
-    try:
-        from step_reward import compute_score
-    finally:
-        sys.path.pop(0)
+    compute_score = recipe_function("deepseekmath_grpo", "step_reward", "compute_score")
     text = "First 12 + 9 = 21\nthen 21 - 5 = 17 and 2 * 3 = 6\nNo numbers here\nSo the answer is 16."
     got = compute_score("arithmetic", text, "16")
     ends = [text.index("\n") + 1, text.index("\nNo") + 1, text.index("\nSo") + 1, len(text)]
@@ -94,3 +108,15 @@ def test_deepseekmath_step_reward_checks_each_step():
     assert got == {"score": 1.0, "acc": 1.0, "step_rewards": [1.0, 0.5, 0.0, 1.0], "step_ends": ends}
     assert compute_score("arithmetic", "3 - 5 = -2\n-2", "2")["step_rewards"] == [1.0, 0.0]
     assert compute_score("arithmetic", "", "2") == {"score": 0.0, "acc": 0.0, "step_rewards": [], "step_ends": []}
+
+
+def test_retool_final_answer_reads_only_the_models_last_turn():
+    """The calculator recipe's reward against trajectories written out by hand."""
+    compute_score = recipe_function("retool", "final_answer", "compute_score")
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "347 + 288"}}</tool_call>'
+    assert compute_score("arithmetic", f"{call}\ntool\n635\nassistant\n635", "635")["score"] == 1.0
+    # The calculator's number alone is not the model's answer.
+    assert compute_score("arithmetic", f"{call}\ntool\n635\nassistant\n", "635")["score"] == 0.0
+    assert compute_score("arithmetic", f"{call}\ntool\n635\nassistant\nIt is 600.", "635")["score"] == 0.0
+    # Without a tool turn the whole response is the answer.
+    assert compute_score("arithmetic/plain", "347 + 288 = 635", "635") == {"score": 1.0, "acc": 1.0, "called": 0.0}

@@ -7,6 +7,8 @@ object that dispatches the call over the ranks and collects the results.
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import inspect
 import logging
@@ -296,6 +298,21 @@ def create_colocated_worker_cls(class_dict: Dict[str, ClassWithInitArgs]) -> Cla
 # ---------------------------------------------------------------------------
 
 
+@dataclasses.dataclass
+class PendingCall:
+    """A worker-group call in flight (`group.method.submit(...)`): `result()` waits for every
+    rank and gathers their results as the blocking call does."""
+
+    group: "RayWorkerGroup"
+    method: str
+    info: DispatchInfo
+    refs: List[Any]
+    pad_size: int
+
+    def result(self) -> Any:
+        return self.group._finish(self)
+
+
 @ray.remote(num_cpus=0)
 def _remote_master_addr_port() -> Tuple[str, int]:
     return Worker.get_master_addr_port()
@@ -402,6 +419,9 @@ class RayWorkerGroup:
         def group_method(*args, **kwargs):
             return self._call(remote_name, info, args, kwargs)
 
+        # `group.method.submit(...)` starts the call and returns at once; `.result()` of what it
+        # returns waits and gathers as the plain call does.
+        group_method.submit = lambda *args, **kwargs: self._start(remote_name, info, args, kwargs)
         group_method.__name__ = remote_name
         group_method.__doc__ = f"{info.dispatch.name} call of {self.worker_cls.__name__}.{remote_name}"
         return group_method
@@ -476,11 +496,14 @@ class RayWorkerGroup:
         return tuple(put(a) for a in args), {k: put(v) for k, v in kwargs.items()}
 
     def _call(self, method: str, info: DispatchInfo, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
+        pending = self._start(method, info, args, kwargs)
+        return pending.result() if info.blocking else pending.refs
+
+    def _start(self, method: str, info: DispatchInfo, args: Sequence[Any], kwargs: Dict[str, Any]) -> "PendingCall":
         ws = self._world_size
         mode = info.dispatch
         if mode is Dispatch.RANK_ZERO:
-            ref = self._submit(0, method, args, kwargs)
-            return self._get([ref], [0], method)[0] if info.blocking else ref
+            return PendingCall(self, method, info, [self._submit(0, method, args, kwargs)], 0)
         pad_size = 0
         if mode is Dispatch.ONE_TO_ALL:
             a, kw = self._broadcast_args(args, kwargs)
@@ -494,14 +517,18 @@ class RayWorkerGroup:
             per_args, per_kwargs, pad_size = split_dp_compute(ws, args, kwargs)
         else:  # pragma: no cover
             raise ValueError(f"unknown dispatch mode {mode}")
-        refs = [self._submit(r, method, per_args[r], per_kwargs[r]) for r in range(ws)]
-        if not info.blocking:
-            return refs
-        results = self._get(refs, list(range(ws)), method)
-        if mode is Dispatch.DP_COMPUTE:
+        return PendingCall(self, method, info, [self._submit(r, method, per_args[r], per_kwargs[r]) for r in range(ws)],
+                           pad_size)
+
+    def _finish(self, pending: "PendingCall") -> Any:
+        info = pending.info
+        if info.dispatch is Dispatch.RANK_ZERO:
+            return self._get(pending.refs, [0], pending.method)[0]
+        results = self._get(pending.refs, list(range(len(pending.refs))), pending.method)
+        if info.dispatch is Dispatch.DP_COMPUTE:
             if info.mesh is not None:
                 results = [results[rank] for rank in output_ranks(self._layout(info.mesh))]
-            return collect_dp_compute(results, pad_size)
+            return collect_dp_compute(results, pending.pad_size)
         return results
 
     def _layout(self, mesh: str) -> List[RankLayout]:

@@ -124,6 +124,13 @@ def to_messages(prompt: Any, row_id: int) -> list[dict]:
     )
 
 
+def with_system_prompt(messages: list[dict], text: str) -> list[dict]:
+    """``text`` as the system message, after the row's own system message if it has one."""
+    if messages and messages[0].get("role") == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
 def _truncate(ids: list[int], max_len: int, mode: str) -> list[int]:
     if len(ids) <= max_len:
         return ids
@@ -159,6 +166,7 @@ class RLDataset(Dataset):
         max_samples: int = -1,
         seed: int | None = None,
         apply_chat_template_kwargs: Mapping[str, Any] | None = None,
+        system_prompt: str | None = None,
     ):
         if truncation not in TRUNCATION_MODES:
             raise ValueError(
@@ -212,6 +220,8 @@ class RLDataset(Dataset):
                 f"{self.files}: column {prompt_key!r}: {exc}. Fix those rows, or set data.prompt_key "
                 "to the column holding the chat messages or prompt strings."
             ) from exc
+        if system_prompt:
+            messages = [with_system_prompt(m, system_prompt) for m in messages]
         prompt_ids = self._tokenize(messages)
 
         keep: list[int] = []

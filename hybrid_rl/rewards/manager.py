@@ -402,12 +402,14 @@ class RewardManager:
         if responses.ndim != 2:
             raise ValueError(f"batch['responses'] must be (B, T), got shape {tuple(responses.shape)}")
         bsz, resp_len = responses.shape
-        if "response_mask" in batch:
-            response_mask = batch["response_mask"]
-        elif "attention_mask" in batch:
+        # The whole response, in a multi-turn trajectory the tools' outputs too (response_mask
+        # would leave those out).
+        if "attention_mask" in batch:
             response_mask = batch["attention_mask"][:, -resp_len:]
+        elif "response_mask" in batch:
+            response_mask = batch["response_mask"]
         else:
-            raise KeyError("batch needs a 'response_mask' (or 'attention_mask') tensor to find valid response tokens")
+            raise KeyError("batch needs an 'attention_mask' (or 'response_mask') tensor to find valid response tokens")
         valid_resp_len = response_mask.to(torch.long).sum(dim=-1).tolist()
 
         if self.reward_fn_key not in batch:

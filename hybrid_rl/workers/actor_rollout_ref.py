@@ -20,14 +20,15 @@ from hybrid_rl.algorithms import (
 )
 from hybrid_rl.config import needs_reference
 from hybrid_rl.controller import Dispatch, register
+from hybrid_rl.controller.worker import get_free_port, get_node_ip
 from hybrid_rl.engines import ModelSpec, Output, build_engine, lora
 from hybrid_rl.engines.base import FORWARD_KEYS, token_share
 from hybrid_rl.hardware import peak_memory_gb
 from hybrid_rl.models import load_tokenizer, model_config
-from hybrid_rl.protocol import Batch, Sampling
+from hybrid_rl.protocol import Batch
 from hybrid_rl.workers.base import ModelWorker
-from hybrid_rl.workers.rollout import HFRollout, VLLMRollout, assemble_rollout, greedy_settings, sampling_settings
-from hybrid_rl.workers.weight_sync import sync_weights
+from hybrid_rl.workers.rollout import HFRollout, VLLMRollout, generate_batch, tool_loop
+from hybrid_rl.workers.weight_sync import WeightChannel, sync_weights
 
 
 class ActorRolloutRefWorker(ModelWorker):
@@ -53,11 +54,16 @@ class ActorRolloutRefWorker(ModelWorker):
                 ModelSpec("ref", self.model_path, model_cfg), cfg.actor_rollout_ref.ref, self.device)
 
         rollout_cfg = cfg.actor_rollout_ref.rollout
+        self.channel = None  # to a rollout pool of its own (hybrid_engine=false), from rank 0
+        if not cfg.actor_rollout_ref.hybrid_engine:
+            self.rollout = self.multi_turn = None  # the rollout pool generates
+            return {"rank": self.rank, "params": self.actor.num_params(), "rollout": {}}
         if rollout_cfg.name == "vllm":
             self.rollout = VLLMRollout(self.model_path, rollout_cfg, self.device, self.eos_token_ids)
             sync_weights(self.actor, self.rollout)  # the engine starts with random weights
         else:
             self.rollout = HFRollout(self.actor.hf_module(), self.pad_token_id, self.eos_token_ids)
+        self.multi_turn = tool_loop(cfg, tok, self.eos_token_ids)
         return {"rank": self.rank, "params": self.actor.num_params(),
                 "rollout": self.rollout.settings() if rollout_cfg.name == "vllm" else {}}
 
@@ -67,32 +73,44 @@ class ActorRolloutRefWorker(ModelWorker):
         """Sample one response per row (the driver repeats prompts n times), as
         `prompts.meta.sampling` says: the rollout's settings, `rollout.val_kwargs`, or greedy. The
         ranks of one rollout tensor-parallel group get the same rows."""
-        rollout_cfg = self.cfg.actor_rollout_ref.rollout
-        sampling = prompts.meta.sampling
-        if sampling is Sampling.GREEDY:
-            settings = greedy_settings()
-        else:
-            settings = sampling_settings(rollout_cfg, validate=sampling is Sampling.VALIDATE)
-        # Sampling depends only on (seed, step, replica, kind of call), so a resumed run samples
-        # exactly what an uninterrupted one would.
-        replica = self.rollout.dp_rank
-        torch.manual_seed(hash((self.cfg.trainer.seed, prompts.meta.step, replica, sampling.value)) % 2**62)
         # The hf rollout generates with the actor's own weights (offloaded or not).
         weights_here = self.actor.resident() if isinstance(self.rollout, HFRollout) else contextlib.nullcontext()
         with weights_here:
-            tokens, log_probs = self.rollout.generate(prompts, settings, rollout_cfg.response_length)
-        return assemble_rollout(prompts, tokens, log_probs, rollout_cfg.response_length,
-                                self.pad_token_id, self.eos_token_ids)
+            return generate_batch(self.rollout, self.multi_turn, self.cfg, prompts, self.pad_token_id,
+                                  self.eos_token_ids)
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def sync_rollout_weights(self) -> dict:
         """Reshard the actor's current weights into the rollout engine (no-op for hf rollout,
         which generates with the actor's own module)."""
-        if not isinstance(self.rollout, VLLMRollout):
+        if not isinstance(self.rollout, VLLMRollout):  # hf: the actor's module itself; or a pool of its own
             return {"bytes": 0, "seconds": 0.0}
         start = time.perf_counter()
         # The engine holds the weights of the first sync: from then on only trained ones change.
         sent = sync_weights(self.actor, self.rollout, only_trained=True)
+        return {"bytes": sent, "seconds": time.perf_counter() - start}
+
+    @register(dispatch=Dispatch.RANK_ZERO)
+    def weight_channel_address(self) -> tuple[str, int]:
+        """Where the rollout pool meets rank 0 to receive weights: this node and a free port."""
+        return get_node_ip(), get_free_port()
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def join_weight_channel(self, host: str, port: int, world_size: int) -> None:
+        if self.rank == 0:
+            self.channel = WeightChannel(host, port, 0, world_size, self.device,
+                                         timeout_s=self.cfg.actor_rollout_ref.nccl_timeout)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def send_rollout_weights(self, only_trained: bool = True) -> dict:
+        """Push the actor's weights to the rollout pool (every rank gathers, rank 0 sends; the
+        pool's `receive_weights` runs at the same time)."""
+        start = time.perf_counter()
+        weights = self.actor.per_tensor_weights(None, only_trained)
+        if self.channel is not None:
+            sent = self.channel.send(weights)
+        else:
+            sent = sum(tensor.numel() * tensor.element_size() for _, tensor in weights)
         return {"bytes": sent, "seconds": time.perf_counter() - start}
 
     @register(dispatch=Dispatch.ONE_TO_ALL)

@@ -14,7 +14,7 @@ from typing import Any, Iterable
 
 import torch
 
-from hybrid_rl.protocol import Batch
+from hybrid_rl.protocol import Batch, Sampling
 
 
 def greedy_settings() -> dict:
@@ -63,23 +63,31 @@ def prompt_token_lists(batch: Batch) -> list[list[int]]:
 
 
 def assemble_rollout(batch: Batch, responses: list[list[int]], log_probs: list[list[float]],
-                     response_length: int, pad_token_id: int, eos_token_ids: Iterable[int]) -> Batch:
-    """Pad responses to `response_length`, mask everything after the first EOS, and build the
-    full [prompt | response] sequence tensors the trainer consumes."""
+                     response_length: int, pad_token_id: int, eos_token_ids: Iterable[int],
+                     loss_masks: list[list[int]] | None = None) -> Batch:
+    """Pad responses to `response_length` and build the full [prompt | response] sequence tensors
+    the trainer consumes. A single-turn response ends at its first EOS; a multi-turn trajectory
+    is kept whole, and its `loss_masks` (0 on the tokens tools wrote) become `response_mask`."""
     eos = set(eos_token_ids)
     n = len(responses)
     resp = torch.full((n, response_length), pad_token_id, dtype=torch.long)
+    resp_attention = torch.zeros((n, response_length), dtype=torch.long)
     resp_mask = torch.zeros((n, response_length), dtype=torch.long)
     resp_logp = torch.zeros((n, response_length), dtype=torch.float32)
     for i, (tokens, lps) in enumerate(zip(responses, log_probs)):
         tokens = tokens[:response_length]
-        length = next((j + 1 for j, t in enumerate(tokens) if t in eos), len(tokens))
+        if loss_masks is None:
+            length = next((j + 1 for j, t in enumerate(tokens) if t in eos), len(tokens))
+            resp_mask[i, :length] = 1
+        else:
+            length = len(tokens)
+            resp_mask[i, :length] = torch.tensor(loss_masks[i][:length], dtype=torch.long)
         resp[i, :length] = torch.tensor(tokens[:length], dtype=torch.long)
-        resp_mask[i, :length] = 1
+        resp_attention[i, :length] = 1
         resp_logp[i, :length] = torch.tensor(lps[:length], dtype=torch.float32)
     prompts = batch["input_ids"]
     prompt_mask = batch["attention_mask"]
-    attention_mask = torch.cat([prompt_mask, resp_mask], dim=1)
+    attention_mask = torch.cat([prompt_mask, resp_attention], dim=1)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp_min(0)
     out = Batch(
         tensors={
@@ -95,6 +103,44 @@ def assemble_rollout(batch: Batch, responses: list[list[int]], log_probs: list[l
         meta=batch.meta,
     )
     return out
+
+
+def tool_loop(cfg: Any, tokenizer, eos_token_ids: list[int]):
+    """The multi-turn tool loop over this rank's engine (`rollout.multi_turn.enable`), else None."""
+    rollout_cfg = cfg.actor_rollout_ref.rollout
+    if not rollout_cfg.multi_turn.enable:
+        return None
+    from hybrid_rl import agent
+
+    tools = agent.setup(rollout_cfg, tokenizer, cfg.data.apply_chat_template_kwargs)
+    return agent.MultiTurnRollout(rollout_cfg.multi_turn, tokenizer, tools.tools, eos_token_ids,
+                                  rollout_cfg.response_length, tools.chat_template_kwargs)
+
+
+def generate_batch(engine, multi_turn, cfg: Any, prompts: Batch, pad_token_id: int, eos_token_ids: list[int]) -> Batch:
+    """One response (or tool-using trajectory) per row, sampled as `prompts.meta.sampling` says:
+    the rollout's settings, `rollout.val_kwargs`, or greedy."""
+    rollout_cfg = cfg.actor_rollout_ref.rollout
+    sampling = prompts.meta.sampling
+    if sampling is Sampling.GREEDY:
+        settings = greedy_settings()
+    else:
+        settings = sampling_settings(rollout_cfg, validate=sampling is Sampling.VALIDATE)
+    # Sampling depends only on (seed, step, replica, kind of call), so a resumed run samples
+    # exactly what an uninterrupted one would.
+    torch.manual_seed(hash((cfg.trainer.seed, prompts.meta.step, engine.dp_rank, sampling.value)) % 2**62)
+    if multi_turn is not None:
+        from hybrid_rl.agent import trajectory_tensors
+
+        trajectories = multi_turn.run(engine, prompt_token_lists(prompts), settings)
+        out = assemble_rollout(prompts, [t.tokens for t in trajectories], [t.log_probs for t in trajectories],
+                               rollout_cfg.response_length, pad_token_id, eos_token_ids,
+                               loss_masks=[t.loss_mask for t in trajectories])
+        for key, counts in trajectory_tensors(trajectories).items():
+            out[key] = counts
+        return out
+    tokens, log_probs = engine.generate(prompts, settings, rollout_cfg.response_length)
+    return assemble_rollout(prompts, tokens, log_probs, rollout_cfg.response_length, pad_token_id, eos_token_ids)
 
 
 def resolve_enforce_eager(enforce_eager: bool | None, device_type: str) -> bool:
@@ -189,20 +235,28 @@ class VLLMRollout:
                 "eager": config.model_config.enforce_eager, "tensor_parallel": get_tensor_model_parallel_world_size()}
 
     def generate(self, batch: Batch, settings: dict, response_length: int) -> tuple[list, list]:
-        from vllm import SamplingParams
-
         if settings.get("beam_width"):
             return self.beam_search(batch, settings["beam_width"], response_length)
-        params = SamplingParams(
-            n=1, max_tokens=response_length, temperature=settings["temperature"],
-            top_p=settings["top_p"], top_k=settings["top_k"], logprobs=0, detokenize=False,
+        prompts = prompt_token_lists(batch)
+        return self.generate_ids(prompts, settings, [response_length] * len(prompts))
+
+    def generate_ids(self, prompts: list[list[int]], settings: dict, max_tokens: list[int],
+                     stop: list[str] | None = None) -> tuple[list, list]:
+        """One continuation of each token list (at most its ``max_tokens``; ending at a stop token
+        or after the first of the ``stop`` texts), with the sampled tokens' log-probs."""
+        from vllm import SamplingParams
+
+        params = [SamplingParams(
+            n=1, max_tokens=limit, temperature=settings["temperature"],
+            top_p=settings["top_p"], top_k=settings["top_k"], logprobs=0,
+            # Stop texts are matched on the detokenised output; token ids alone need no text.
+            detokenize=bool(stop), stop=stop, include_stop_str_in_output=bool(stop),
             stop_token_ids=self.stop_token_ids,
-        )
-        prompts = [{"prompt_token_ids": ids} for ids in prompt_token_lists(batch)]
+        ) for limit in max_tokens]
         if self.asleep:
             self.llm.wake_up()  # allocations already resident (weights after a sync) are skipped
             self.asleep = False
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
         if self.sleep_between_rollouts:
             # Level 1: weights go to host memory (restored on wake-up), the KV cache is dropped.
             self.llm.sleep(level=1)

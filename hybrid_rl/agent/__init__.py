@@ -1,0 +1,68 @@
+"""Multi-turn, tool-using rollouts (``actor_rollout_ref.rollout.multi_turn``): the tools
+(`tools.py`) and the turn loop (`loop.py`). `setup` is what the driver and every worker run at
+start: the tools, and how the prompts tell the model about them."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from hybrid_rl.agent.loop import MultiTurnError, MultiTurnRollout, parse_tool_calls, trajectory_tensors
+from hybrid_rl.agent.tools import TOOLS, Calculator, PythonTool, Tool, ToolConfigError, ToolOutput, load_tools
+
+__all__ = ["TOOLS", "Calculator", "MultiTurnError", "MultiTurnRollout", "PythonTool", "Tool", "ToolConfigError",
+           "ToolOutput", "ToolSetup", "load_tools", "parse_tool_calls", "setup", "trajectory_tensors"]
+
+DESCRIBE_TOOLS = ("template", "system", "none")
+
+
+def tools_system_prompt(schemas: list[dict]) -> str:
+    """Our system message for models whose chat template does not list tools itself: the
+    function schemas and the Hermes call format the rollout parses."""
+    listing = "\n".join(json.dumps(schema, ensure_ascii=False) for schema in schemas)
+    return ("You can call the tools below. Each is described by a JSON function schema:\n"
+            f"<tools>\n{listing}\n</tools>\n"
+            "To call one, write a JSON object with its name and arguments between tool-call tags, then stop:\n"
+            '<tool_call>\n{"name": "<tool name>", "arguments": {<arguments>}}\n</tool_call>\n'
+            "Its result comes back in the next message. When you have the answer, reply without a tool call.")
+
+
+@dataclass
+class ToolSetup:
+    tools: dict[str, Tool]
+    chat_template_kwargs: dict  # what every prompt and tool turn is rendered with
+    system_prompt: str | None  # added to every prompt (describe_tools=system)
+
+    def close(self) -> None:
+        for tool in self.tools.values():
+            tool.close()
+
+
+def setup(rollout_cfg: Any, tokenizer, chat_template_kwargs: dict | None) -> ToolSetup:
+    """The tools of ``multi_turn.tool_config_path`` and the prompt options that describe them;
+    raises ToolConfigError / MultiTurnError naming the problem and the fix."""
+    cfg = rollout_cfg.multi_turn
+    key = "actor_rollout_ref.rollout.multi_turn"
+    if not cfg.tool_config_path:
+        raise ToolConfigError(f"{key}.enable=true needs {key}.tool_config_path: a YAML file listing the tools "
+                              "(docs/multi_turn.md)")
+    if cfg.describe_tools not in DESCRIBE_TOOLS:
+        raise ToolConfigError(f"{key}.describe_tools={cfg.describe_tools}: must be one of {', '.join(DESCRIBE_TOOLS)}")
+    tools = load_tools(cfg.tool_config_path)
+    schemas = [tool.schema for tool in tools.values()]
+    kwargs = dict(chat_template_kwargs or {})
+    system_prompt = None
+    if cfg.describe_tools == "template":
+        kwargs["tools"] = schemas
+        shown = tokenizer.apply_chat_template([{"role": "user", "content": "?"}], tools=schemas, tokenize=False,
+                                              add_generation_prompt=True, **chat_template_kwargs or {})
+        missing = [name for name in tools if name not in shown]
+        if missing:
+            raise MultiTurnError(
+                f"the model's chat template does not show the tools to the model (it ignores the 'tools' "
+                f"argument; {', '.join(missing)} never appear in a rendered prompt). Set {key}.describe_tools=system "
+                "to list them in a system message of ours, or describe_tools=none if your prompts describe them.")
+    elif cfg.describe_tools == "system":
+        system_prompt = tools_system_prompt(schemas)
+    return ToolSetup(tools, kwargs, system_prompt)

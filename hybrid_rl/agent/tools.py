@@ -1,0 +1,225 @@
+"""Tools the policy may call in a multi-turn rollout, and the tool config file that names them.
+
+A tool config is verl's YAML (``actor_rollout_ref.rollout.multi_turn.tool_config_path``)::
+
+    tools:
+      - class_name: calculator            # a name registered below, or a dotted path to a Tool subclass
+        config: {}                         # keyword arguments of the class
+        tool_schema:                       # OpenAI function schema: what the chat template shows the model
+          type: function
+          function: {name: calculator, description: ..., parameters: {...}}
+
+A tool is called with the JSON arguments the model wrote and returns text for the next turn. It
+never raises into the rollout: a failure comes back as an error text the model sees, and is counted.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import math
+import operator
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+
+class ToolConfigError(ValueError):
+    """The tool config file cannot be used; the message names the entry and the fix."""
+
+
+@dataclass
+class ToolOutput:
+    """``text`` goes back to the model; ``error`` marks a call that failed (bad arguments, a
+    crash, a timeout)."""
+
+    text: str
+    error: bool = False
+
+
+class Tool:
+    """One callable tool. Subclasses set ``default_schema`` (used when the config gives none) and
+    implement ``execute``; ``config`` entries arrive as keyword arguments."""
+
+    default_schema: dict = {}
+
+    def __init__(self, schema: dict | None = None):
+        self.schema = schema or self.default_schema
+        function = self.schema.get("function") if isinstance(self.schema, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ToolConfigError(f"{type(self).__name__}: tool_schema needs function.name (an OpenAI function schema)")
+        self.name = function["name"]
+
+    def execute(self, arguments: dict) -> ToolOutput:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the tool holds (processes, pools)."""
+
+
+# --------------------------------------------------------------------------- calculator
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+
+
+class Calculator(Tool):
+    """Evaluates an arithmetic expression: numbers, + - * / // % **, parentheses. Nothing else
+    is evaluated (no names, calls or attributes), and exponents and results are bounded, so a
+    call cannot hang or exhaust memory."""
+
+    default_schema = {"type": "function", "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression and return its value.",
+        "parameters": {"type": "object", "required": ["expression"], "properties": {
+            "expression": {"type": "string", "description": "for example (12 + 7) * 3"}}}}}
+
+    def __init__(self, schema: dict | None = None, max_digits: int = 100):
+        super().__init__(schema)
+        self.max_digits = int(max_digits)
+
+    def execute(self, arguments: dict) -> ToolOutput:
+        expression = arguments.get("expression")
+        if not isinstance(expression, (str, int, float)):
+            return ToolOutput("Error: the calculator needs an 'expression' argument (a string)", error=True)
+        try:
+            value = self._evaluate(ast.parse(str(expression), mode="eval").body)
+        except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, TypeError) as exc:
+            return ToolOutput(f"Error: {type(exc).__name__}: {exc}", error=True)
+        if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+            value = int(value)
+        return ToolOutput(str(value))
+
+    def _evaluate(self, node: ast.AST) -> int | float:
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+            return _UNARY[type(node.op)](self._evaluate(node.operand))
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+            left, right = self._evaluate(node.left), self._evaluate(node.right)
+            if isinstance(node.op, ast.Pow) and abs(right) * math.log10(max(abs(left), 2)) > self.max_digits:
+                raise OverflowError(f"the result would have more than {self.max_digits} digits")
+            value = _BINARY[type(node.op)](left, right)
+            if isinstance(value, complex):
+                raise ValueError("the result is not a real number")
+            if isinstance(value, int) and abs(value) >= 10 ** self.max_digits:
+                raise OverflowError(f"the result has more than {self.max_digits} digits")
+            return value
+        raise ValueError(f"only numbers and + - * / // % ** are allowed, not {ast.unparse(node)!r}")
+
+
+# --------------------------------------------------------------------------- python
+class PythonTool(Tool):
+    """Runs the model's Python program in the code sandbox (``rewards/sandbox.py``: no network,
+    a scratch directory, memory, CPU and process limits, a wall-clock timeout) and returns what it
+    printed. Keyword arguments are the sandbox's limits."""
+
+    default_schema = {"type": "function", "function": {
+        "name": "python",
+        "description": "Run a Python program and return what it prints.",
+        "parameters": {"type": "object", "required": ["code"], "properties": {
+            "code": {"type": "string", "description": "the program; print the values you need"}}}}}
+
+    def __init__(self, schema: dict | None = None, **limits):
+        super().__init__(schema)
+        from hybrid_rl.rewards.sandbox import Sandbox, SandboxUnavailable
+
+        try:
+            self.sandbox = Sandbox(**limits).start()
+        except (SandboxUnavailable, TypeError) as exc:
+            raise ToolConfigError(f"python tool: {exc}") from exc
+
+    def execute(self, arguments: dict) -> ToolOutput:
+        code = arguments.get("code")
+        if not isinstance(code, str):
+            return ToolOutput("Error: the python tool needs a 'code' argument (a string)", error=True)
+        result = self.sandbox.run(code)
+        if result.status == "timeout":
+            return ToolOutput(f"Error: the program ran longer than {self.sandbox.timeout_s:g} s and was stopped",
+                              error=True)
+        if result.status == "error":
+            return ToolOutput((result.stdout + result.stderr[-1000:]).strip() or "Error: the program failed",
+                              error=True)
+        return ToolOutput(result.stdout.strip())
+
+    def close(self) -> None:
+        self.sandbox.close()
+
+
+class SandboxFusionTool(PythonTool):
+    """verl's ``verl.tools.sandbox_fusion_tools.SandboxFusionTool`` entry (a remote code service)
+    run in the local sandbox instead, so verl's tool configs work unchanged: ``default_timeout``
+    and ``memory_limit_mb`` become the sandbox's limits; the service's address, workers and rate
+    limits are not used."""
+
+    default_schema = {**PythonTool.default_schema,
+                      "function": {**PythonTool.default_schema["function"], "name": "code_interpreter"}}
+
+    def __init__(self, schema: dict | None = None, default_timeout: float = 30, memory_limit_mb: int = 1024,
+                 default_language: str = "python", sandbox_fusion_url: str | None = None, num_workers: int = 10,
+                 enable_global_rate_limit: bool = True, rate_limit: int = 10):
+        if default_language != "python":
+            raise ToolConfigError(f"SandboxFusionTool: default_language={default_language!r}; the local sandbox "
+                                  "runs Python only")
+        super().__init__(schema, timeout_s=default_timeout, memory_mb=memory_limit_mb)
+
+
+TOOLS: dict[str, type[Tool]] = {"calculator": Calculator, "python": PythonTool}
+# verl's tool classes that have a local equivalent here.
+VERL_TOOLS: dict[str, type[Tool]] = {"verl.tools.sandbox_fusion_tools.SandboxFusionTool": SandboxFusionTool}
+
+
+# --------------------------------------------------------------------------- config
+def _tool_class(class_name: str, where: str) -> type[Tool]:
+    if class_name in TOOLS or class_name in VERL_TOOLS:
+        return TOOLS.get(class_name) or VERL_TOOLS[class_name]
+    module_name, _, attr = class_name.rpartition(".")
+    hint = (f"Use one of the built-in tools ({', '.join(TOOLS)}) or the dotted path of a subclass of "
+            "hybrid_rl.agent.tools.Tool.")
+    if not module_name:
+        raise ToolConfigError(f"{where}: unknown tool {class_name!r}. {hint}")
+    if module_name.split(".")[0] == "verl":
+        raise ToolConfigError(f"{where}: {class_name!r} is one of verl's tool classes, which need verl's own "
+                              f"async tool runtime (of verl's, {', '.join(VERL_TOOLS)} runs here). {hint}")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ToolConfigError(f"{where}: cannot import {class_name!r} ({exc}). {hint}") from exc
+    if not (isinstance(cls, type) and issubclass(cls, Tool)):
+        raise ToolConfigError(f"{where}: {class_name!r} is not a subclass of hybrid_rl.agent.tools.Tool. {hint}")
+    return cls
+
+
+def load_tools(path: str) -> dict[str, Tool]:
+    """The tools of a tool config file, by the function name the model calls them with."""
+    path = os.path.expanduser(str(path))
+    key = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
+    if not os.path.isfile(path):
+        raise ToolConfigError(f"{key}={path}: no such file. Point it at a YAML file with a 'tools:' list "
+                              "(docs/multi_turn.md).")
+    with open(path) as f:
+        try:
+            doc = yaml.safe_load(f)
+        except yaml.YAMLError as exc:
+            raise ToolConfigError(f"{key}={path} is not valid YAML: {exc}") from exc
+    entries = doc.get("tools") if isinstance(doc, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise ToolConfigError(f"{key}={path}: expected a non-empty 'tools:' list of entries with a class_name")
+    tools: dict[str, Tool] = {}
+    for i, entry in enumerate(entries):
+        where = f"{path}: tools[{i}]"
+        if not isinstance(entry, dict) or not isinstance(entry.get("class_name"), str):
+            raise ToolConfigError(f"{where}: each entry needs a class_name")
+        options = dict(entry.get("config") or {})
+        options.pop("type", None)  # verl's "native" marker: every tool here runs in this process
+        cls = _tool_class(entry["class_name"], where)
+        try:
+            tool = cls(entry.get("tool_schema"), **options)
+        except TypeError as exc:
+            raise ToolConfigError(f"{where}: {entry['class_name']} does not take the config {options}: {exc}") from exc
+        if tool.name in tools:
+            raise ToolConfigError(f"{where}: a second tool named {tool.name!r}; function names must be unique")
+        tools[tool.name] = tool
+    return tools

@@ -1,0 +1,428 @@
+"""Multi-turn tool rollouts (hybrid_rl/agent): tool-call parsing, the tools, the chat template's tool
+turns, the turn loop's limits and failure handling, the loss mask, and a run through the driver in
+which the default model calls the calculator."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from hybrid_rl import agent
+from hybrid_rl.agent.loop import ChatTurns, MultiTurnError, truncate_text
+from hybrid_rl.agent.tools import Tool, ToolConfigError, ToolOutput
+from hybrid_rl.models import resolve_model_path
+from hybrid_rl.protocol import Batch
+from hybrid_rl.workers.rollout import assemble_rollout
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer():
+    """The default model's tokenizer: its ChatML template renders a 'tool' role but ignores `tools`."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(None))
+
+
+def write_tool_config(path, *entries) -> str:
+    path.write_text(json.dumps({"tools": list(entries)}))  # JSON is YAML
+    return str(path)
+
+
+def multi_turn_cfg(tool_config_path, **overrides):
+    base = {"enable": True, "tool_config_path": tool_config_path, "max_assistant_turns": None, "max_user_turns": None,
+            "max_parallel_calls": 1, "max_tool_response_length": 256, "tool_response_truncate_side": "middle",
+            "format": "hermes", "describe_tools": "system", "tool_timeout_s": 10}
+    return OmegaConf.create({"multi_turn": {**base, **overrides}})
+
+
+def call(name, **arguments) -> str:
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+
+
+# ------------------------------------------------------------------------------------------ parsing
+def test_hermes_calls_are_parsed_and_malformed_ones_named():
+    calls, errors = agent.parse_tool_calls('I will check. <tool_call>\n{"name": "calculator", "arguments": '
+                                           '{"expression": "2+3"}}\n</tool_call> and <tool_call>{"name": "python", '
+                                           '"arguments": "{\\"code\\": \\"print(1)\\"}"}</tool_call>')
+    assert [(c.name, c.arguments) for c in calls] == [("calculator", {"expression": "2+3"}),
+                                                      ("python", {"code": "print(1)"})]
+    assert errors == []
+    assert agent.parse_tool_calls("the answer is 5") == ([], [])
+    for text, fragment in [('<tool_call>{"name": "calculator", "arguments": {"expression": }</tool_call>', "not valid JSON"),
+                           ('<tool_call>{"arguments": {}}</tool_call>', '"name"'),
+                           ('<tool_call>{"name": "calculator", "arguments": [1]}</tool_call>', "JSON object"),
+                           ('<tool_call>{"name": "calculator"', "not closed")]:
+        calls, errors = agent.parse_tool_calls(text)
+        assert calls == [] and len(errors) == 1 and fragment in errors[0], (text, errors)
+
+
+def test_tool_output_truncation_keeps_the_chosen_side():
+    text = "abcdefghij"
+    assert truncate_text(text, 20, "middle") == text
+    assert truncate_text(text, 4, "left") == "abcd...(truncated)"
+    assert truncate_text(text, 4, "right") == "(truncated)...ghij"
+    assert truncate_text(text, 4, "middle") == "ab...(truncated)...ij"
+
+
+# ------------------------------------------------------------------------------------------- tools
+def test_calculator_evaluates_arithmetic_and_refuses_everything_else():
+    calc = agent.Calculator()
+    assert calc.execute({"expression": "(12 + 7) * 3"}) == ToolOutput("57")
+    assert calc.execute({"expression": "7 / 2"}) == ToolOutput("3.5")
+    assert calc.execute({"expression": "-2 ** 3 + 10 // 3 - 9 % 4"}) == ToolOutput(str(-2 ** 3 + 10 // 3 - 9 % 4))
+    for bad in ["__import__('os').system('true')", "x + 1", "1 / 0", "9 ** 9 ** 9", "(1, 2)", "2 +"]:
+        out = calc.execute({"expression": bad})
+        assert out.error and out.text.startswith("Error"), (bad, out)
+    assert calc.execute({}).error
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="the code sandbox needs bubblewrap")
+def test_python_tool_runs_in_the_sandbox_with_a_timeout():
+    tool = agent.PythonTool(timeout_s=2)
+    try:
+        assert tool.execute({"code": "print(sum(range(10)))"}) == ToolOutput("45")
+        crash = tool.execute({"code": "raise ValueError('boom')"})
+        assert crash.error and "ValueError: boom" in crash.text
+        start = time.monotonic()
+        hang = tool.execute({"code": "while True: pass"})
+        assert hang.error and "longer than 2 s" in hang.text and time.monotonic() - start < 10
+        net = tool.execute({"code": "import socket; socket.create_connection(('1.1.1.1', 53), timeout=2)"})
+        assert net.error
+    finally:
+        tool.close()
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="the code sandbox needs bubblewrap")
+def test_verls_sandbox_fusion_tool_config_runs_in_the_local_sandbox(tmp_path):
+    """An entry shaped like verl's examples/sglang_multiturn/config/tool_config/sandbox_fusion_tool_config.yaml."""
+    path = tmp_path / "sandbox_fusion_tool_config.yaml"
+    path.write_text("""tools:
+  - class_name: "verl.tools.sandbox_fusion_tools.SandboxFusionTool"
+    config:
+      sandbox_fusion_url: "https://example.invalid/run_code"
+      num_workers: 10
+      enable_global_rate_limit: true
+      rate_limit: 10
+      default_timeout: 3
+      default_language: "python"
+      memory_limit_mb: 512
+      type: native
+    tool_schema:
+      type: "function"
+      function:
+        name: "code_interpreter"
+        description: "A tool for executing code."
+        parameters: {type: "object", properties: {code: {type: "string"}}, required: ["code"]}
+""")
+    tools = agent.load_tools(str(path))
+    tool = tools["code_interpreter"]
+    try:
+        assert (tool.sandbox.timeout_s, tool.sandbox.memory_mb) == (3, 512)
+        assert tool.execute({"code": "print(6 * 7)"}) == ToolOutput("42")
+    finally:
+        tool.close()
+    path.write_text(path.read_text().replace('"python"', '"cpp"'))
+    with pytest.raises(ToolConfigError, match="runs Python only"):
+        agent.load_tools(str(path))
+
+
+class Echo(Tool):
+    default_schema = {"type": "function", "function": {"name": "echo", "parameters": {"type": "object"}}}
+
+    def __init__(self, schema=None, prefix=""):
+        super().__init__(schema)
+        self.prefix = prefix
+
+    def execute(self, arguments):
+        return ToolOutput(self.prefix + str(arguments.get("text", "")))
+
+
+class Sleeper(Tool):
+    default_schema = {"type": "function", "function": {"name": "sleeper", "parameters": {"type": "object"}}}
+
+    def execute(self, arguments):
+        time.sleep(30)
+        return ToolOutput("woke up")
+
+
+class Crasher(Tool):
+    default_schema = {"type": "function", "function": {"name": "crasher", "parameters": {"type": "object"}}}
+
+    def execute(self, arguments):
+        raise RuntimeError("the tool has a bug")
+
+
+def test_tool_config_loads_ours_and_dotted_classes_and_names_bad_entries(tmp_path):
+    tools = agent.load_tools(write_tool_config(
+        tmp_path / "tools.yaml", {"class_name": "calculator", "config": {"type": "native"}},
+        {"class_name": "tests.test_multi_turn.Echo", "config": {"prefix": "> "}}))
+    assert sorted(tools) == ["calculator", "echo"] and tools["echo"].execute({"text": "hi"}).text == "> hi"
+    cases = [
+        ({"class_name": "search"}, "unknown tool 'search'"),
+        ({"class_name": "verl.tools.gsm8k_tool.Gsm8kTool"}, "verl's tool classes"),
+        ({"class_name": "tests.test_multi_turn.Nope"}, "cannot import"),
+        ({"class_name": "tests.test_multi_turn.call"}, "not a subclass"),
+        ({"class_name": "calculator", "config": {"digits": 3}}, "does not take the config"),
+        ({"config": {}}, "needs a class_name"),
+    ]
+    for entry, message in cases:
+        with pytest.raises(ToolConfigError, match=message):
+            agent.load_tools(write_tool_config(tmp_path / "bad.yaml", entry))
+    with pytest.raises(ToolConfigError, match="a second tool named 'calculator'"):
+        agent.load_tools(write_tool_config(tmp_path / "twice.yaml", {"class_name": "calculator"},
+                                           {"class_name": "calculator"}))
+    with pytest.raises(ToolConfigError, match="no such file"):
+        agent.load_tools(str(tmp_path / "missing.yaml"))
+
+
+# ---------------------------------------------------------------------------------- chat templates
+def test_tool_turn_tokens_come_from_the_chat_template(smol_tokenizer):
+    chat = ChatTurns(smol_tokenizer)
+    after_stop = smol_tokenizer.decode(chat.tool_turn(["42"], "<|im_end|>"))
+    assert after_stop == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+    # A turn cut after its tool call is closed first.
+    assert smol_tokenizer.decode(chat.tool_turn(["42", "Error: x"], "")) == (
+        "<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>tool\nError: x<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_templates_that_cannot_show_tools_are_refused_with_the_fix(smol_tokenizer, make_tokenizer, tmp_path):
+    path = write_tool_config(tmp_path / "tools.yaml", {"class_name": "calculator"})
+    with pytest.raises(MultiTurnError, match="describe_tools=system"):
+        agent.setup(multi_turn_cfg(path, describe_tools="template"), smol_tokenizer, {})
+    system = agent.setup(multi_turn_cfg(path), smol_tokenizer, {})
+    assert '"name": "calculator"' in system.system_prompt and "tools" not in system.chat_template_kwargs
+    with_tools = make_tokenizer(
+        "{% if tools %}<|system|>{% for t in tools %}{{ t.function.name }} {% endfor %}<eos>{% endif %}"
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    listed = agent.setup(multi_turn_cfg(path, describe_tools="template"), with_tools, {})
+    assert listed.system_prompt is None and listed.chat_template_kwargs["tools"][0]["function"]["name"] == "calculator"
+    no_tool_role = make_tokenizer("{% for m in messages %}{% if m['role'] != 'tool' %}<|{{ m['role'] }}|>"
+                                  "{{ m['content'] }}<eos>{% endif %}{% endfor %}"
+                                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    with pytest.raises(MultiTurnError, match="does not render a tool message"):
+        ChatTurns(no_tool_role)
+
+
+# --------------------------------------------------------------------------------------- turn loop
+class ScriptedModel:
+    """Stands in for the engine where a test chooses what the model writes: each row's turns are
+    scripted texts, returned as token ids (cut at the row's budget and after a stop text, as vLLM
+    cuts them) with made-up log-probs."""
+
+    def __init__(self, tokenizer, scripts: dict[str, list[str]]):
+        self.tokenizer = tokenizer
+        self.scripts = {tuple(tokenizer.encode(prompt)): list(turns) for prompt, turns in scripts.items()}
+        self.calls = 0
+
+    def generate_ids(self, prompts, settings, max_tokens, stop=None):
+        self.calls += 1
+        tokens, log_probs = [], []
+        for context, limit in zip(prompts, max_tokens):
+            turns = next(turns for prompt, turns in self.scripts.items() if tuple(context[:len(prompt)]) == prompt)
+            text = turns.pop(0)
+            for s in stop or []:
+                text = text[:text.index(s) + len(s)] if s in text else text
+            ids = self.tokenizer.encode(text)[:limit]
+            tokens.append(ids)
+            log_probs.append([-0.25] * len(ids))
+        return tokens, log_probs
+
+
+def make_loop(tokenizer, tools, response_length=200, **overrides):
+    cfg = multi_turn_cfg("unused", **overrides).multi_turn
+    return agent.MultiTurnRollout(cfg, tokenizer, tools, [tokenizer.eos_token_id], response_length)
+
+
+def test_trajectories_interleave_sampled_turns_and_masked_tool_turns(smol_tokenizer):
+    tok = smol_tokenizer
+    end = "<|im_end|>"
+    model = ScriptedModel(tok, {
+        "A": [f"Let me compute. {call('calculator', expression='347 + 288')}{end}", f"635{end}"],
+        "B": [f"12{end}"],
+        # Writes on past its call: the turn is cut right after it.
+        "C": [f"{call('calculator', expression='2 * 21')} and then more text{end}", f"42{end}"],
+    })
+    loop = make_loop(tok, {"calculator": agent.Calculator()})
+    prompts = [tok.encode(p) for p in "ABC"]
+    trajectories = loop.run(model, prompts, {})
+    a, b, c = trajectories
+    assert tok.decode(a.tokens) == (f"Let me compute. {call('calculator', expression='347 + 288')}{end}"
+                                    f"\n<|im_start|>tool\n635{end}\n<|im_start|>assistant\n635{end}")
+    assert (a.assistant_turns, a.tool_turns, a.tool_calls, a.tool_errors) == (2, 1, 1, 0)
+    # Loss mask and log-probs: 1 / sampled values on the model's tokens, 0 on the inserted tool
+    # turn. The engine stops right after the call, so the turn's end is inserted too.
+    first = len(tok.encode(f"Let me compute. {call('calculator', expression='347 + 288')}"))
+    inserted = len(tok.encode(f"{end}\n<|im_start|>tool\n635{end}\n<|im_start|>assistant\n"))
+    assert a.loss_mask == [1] * first + [0] * inserted + [1] * (len(a.tokens) - first - inserted)
+    assert all((lp == -0.25) == bool(m) for lp, m in zip(a.log_probs, a.loss_mask))
+    assert tok.decode(b.tokens) == f"12{end}" and b.loss_mask == [1] * len(b.tokens) and b.assistant_turns == 1
+    assert tok.decode(c.tokens) == (f"{call('calculator', expression='2 * 21')}"
+                                    f"{end}\n<|im_start|>tool\n42{end}\n<|im_start|>assistant\n42{end}")
+    assert model.calls == 2  # the rows generate together, turn by turn
+
+    batch = Batch(tensors={"input_ids": torch.ones(3, 4, dtype=torch.long),
+                           "attention_mask": torch.ones(3, 4, dtype=torch.long)})
+    out = assemble_rollout(batch, [t.tokens for t in trajectories], [t.log_probs for t in trajectories], 200,
+                           tok.pad_token_id, [tok.eos_token_id], loss_masks=[t.loss_mask for t in trajectories])
+    # The whole trajectory is attended to (and scored at its end); only the model's tokens are trained.
+    assert out.response_lengths().tolist() == [len(t.tokens) for t in trajectories]
+    assert out["response_mask"][0].tolist() == a.loss_mask + [0] * (200 - len(a.tokens))
+    assert out["rollout_log_probs"][0, first:first + inserted].abs().sum() == 0
+
+
+def test_turn_limits_budget_and_failing_tools_end_or_continue_trajectories(smol_tokenizer):
+    tok = smol_tokenizer
+    end = "<|im_end|>"
+    again = f"{call('echo', text='x')}{end}"
+    tools = {"echo": Echo(), "sleeper": Sleeper(), "crasher": Crasher()}
+    # max_assistant_turns: the third call is never executed.
+    loop = make_loop(tok, tools, max_assistant_turns=3)
+    (t,) = loop.run(ScriptedModel(tok, {"A": [again] * 5}), [tok.encode("A")], {})
+    assert (t.assistant_turns, t.tool_turns, t.tool_calls) == (3, 2, 2) and t.loss_mask[-1] == 1
+    # max_user_turns counts tool turns.
+    (t,) = make_loop(tok, tools, max_user_turns=1).run(ScriptedModel(tok, {"A": [again] * 5}), [tok.encode("A")], {})
+    assert (t.assistant_turns, t.tool_turns) == (2, 1)
+    # The response budget: turns stop when it is spent, and a tool turn that does not fit is left out.
+    (t,) = make_loop(tok, tools, response_length=40).run(ScriptedModel(tok, {"A": [again] * 9}), [tok.encode("A")], {})
+    assert len(t.tokens) <= 40 and t.loss_mask[-1] == 1
+    # Malformed JSON, an unknown tool, a crashing tool, a hanging tool: each is answered with an
+    # error the model reads next turn, counted, and the trajectory goes on.
+    model = ScriptedModel(tok, {"A": [f'<tool_call>{{"name": "echo", "arguments": {{"text": }}</tool_call>{end}',
+                                      f"{call('search', q='x')}{end}", f"{call('crasher')}{end}",
+                                      f"{call('sleeper')}{end}", f"done{end}"]})
+    start = time.monotonic()
+    (t,) = make_loop(tok, tools, 400, tool_timeout_s=1).run(model, [tok.encode("A")], {})
+    assert time.monotonic() - start < 10
+    assert (t.assistant_turns, t.tool_calls, t.tool_errors) == (5, 3, 4)
+    text = tok.decode(t.tokens)
+    for fragment in ["not valid JSON", "no tool named 'search'", "crasher failed: RuntimeError: the tool has a bug",
+                     "did not answer within 1 s"]:
+        assert fragment in text
+    # max_parallel_calls: only the first calls of a turn run; long outputs are cut.
+    loop = make_loop(tok, tools, max_parallel_calls=2, max_tool_response_length=6, tool_response_truncate_side="left")
+    model = ScriptedModel(tok, {"A": [call("echo", text="abcdefghij") + call("echo", text="b") + call("echo", text="c")
+                                      + end, f"ok{end}"]})
+    (t,) = loop.run(model, [tok.encode("A")], {})
+    text = tok.decode(t.tokens)
+    assert t.tool_calls == 2 and "abcdef...(truncated)" in text and "tool\nb<|im_end|>" in text and "tool\nc" not in text
+
+
+# ----------------------------------------------------------------------------------------- the loss
+def test_tool_tokens_do_not_enter_the_loss(tiny_model_dir):
+    """The policy loss of a trajectory ending in a tool turn is the same whatever the tool wrote,
+    and whatever advantages or old log-probs its positions carry; with a mask of all ones it is not."""
+    from transformers import AutoModelForCausalLM
+
+    from hybrid_rl.algorithms import get_policy_loss, token_log_probs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    cfg = OmegaConf.create({"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0,
+                            "policy_loss": {"loss_mode": "vanilla"}})
+    loss_fn = get_policy_loss("vanilla")
+    torch.manual_seed(0)
+    prompt = torch.randint(5, 300, (1, 6))
+    sampled = torch.randint(5, 300, (1, 8))
+    mask = torch.tensor([[1] * 8 + [0] * 6])
+
+    @torch.no_grad()
+    def loss(tool_tokens, advantages, old, response_mask):
+        responses = torch.cat([sampled, tool_tokens], dim=1)
+        logits = model(torch.cat([prompt, responses], dim=1)).logits[:, prompt.shape[1] - 1:-1]
+        log_prob = token_log_probs(logits.float(), responses)
+        return float(loss_fn(old, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=cfg)[0])
+
+    adv, old = torch.randn(1, 14), -torch.rand(1, 14)
+    tool_a, tool_b = torch.randint(5, 300, (1, 6)), torch.randint(5, 300, (1, 6))
+    base = loss(tool_a, adv, old, mask)
+    assert loss(tool_b, adv, old, mask) == base
+    other_adv, other_old = adv.clone(), old.clone()
+    other_adv[:, 8:], other_old[:, 8:] = 100.0, -50.0
+    assert loss(tool_a, other_adv, other_old, mask) == base
+    everything = torch.ones_like(mask)
+    assert loss(tool_b, adv, old, everything) != loss(tool_a, adv, old, everything)
+
+
+# ------------------------------------------------------------------------------------ whole runs
+def test_config_refuses_what_the_tool_loop_cannot_do(tmp_path):
+    from hybrid_rl.config import ConfigError, validate_config
+    from hybrid_rl.config_keys import compose_config
+
+    on = ["actor_rollout_ref.rollout.multi_turn.enable=true"]
+    for extra, message in [(["actor_rollout_ref.rollout.name=hf"], "rollout.name=vllm"),
+                           (["actor_rollout_ref.rollout.beam_search=true"], "cannot be combined"),
+                           (["actor_rollout_ref.rollout.multi_turn.max_assistant_turns=0"], "must be >= 1"),
+                           (["actor_rollout_ref.rollout.multi_turn.tool_timeout_s=0"], "must be > 0"),
+                           (["actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=top"], "not valid")]:
+        with pytest.raises(ConfigError, match=message):
+            validate_config(compose_config(on + extra))
+
+
+def test_bad_tool_configs_stop_the_driver_before_workers_start(tmp_path):
+    from hybrid_rl.config_keys import compose_config
+    from hybrid_rl.main import SetupError, checked_trainer
+
+    base = ["actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.describe_tools=system"]
+    bad = write_tool_config(tmp_path / "tools.yaml", {"class_name": "search"})
+    for extra, message in [([], "needs actor_rollout_ref.rollout.multi_turn.tool_config_path"),
+                           ([f"actor_rollout_ref.rollout.multi_turn.tool_config_path={bad}"], "unknown tool 'search'"),
+                           ([f"actor_rollout_ref.rollout.multi_turn.tool_config_path={bad}",
+                             "actor_rollout_ref.rollout.multi_turn.describe_tools=listing"], "must be one of")]:
+        with pytest.raises(SetupError, match=message):
+            checked_trainer(compose_config(base + extra))
+
+
+CALCULATOR_HINT = (' Use the calculator: write <tool_call>{{"name": "calculator", "arguments": {{"expression": '
+                   '"{a} {op} {b}"}}}}</tool_call>, read its answer, then reply with only the final number.')
+
+
+def test_default_model_calls_the_calculator_through_the_driver(ray_session, tmp_path):
+    """The default model, told how, calls the calculator in most greedy validation answers; the
+    engine's log-probs of the trained tokens match the trainer's, so the tool turns sit where the
+    engine saw them."""
+    from hybrid_rl.config_keys import compose_config
+    from hybrid_rl.data.arithmetic import make_arithmetic_rows, write_rows
+    from hybrid_rl.main import build_trainer
+
+    rows = make_arithmetic_rows(16, seed=3, lo=100, hi=999)
+    for row in rows:
+        row["prompt"][0]["content"] = (f"Calculate {row['extra_info']['a']} {row['extra_info']['op']} "
+                                       f"{row['extra_info']['b']}." + CALCULATOR_HINT.format(**row["extra_info"]))
+    data = write_rows(str(tmp_path / "calc.parquet"), rows)
+    tools = write_tool_config(tmp_path / "tools.yaml", {"class_name": "calculator"})
+    cfg = compose_config([
+        f"data.train_files={data}", f"data.val_files={data}", "data.max_prompt_length=384",
+        "data.max_response_length=64", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.total_training_steps=1", "trainer.test_freq=-1",
+        f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.logger=[jsonl]", "trainer.progress_bar=false",
+        f"trainer.validation_data_dir={tmp_path / 'val'}", "trainer.final_model_dir=null",
+        "actor_rollout_ref.actor.fsdp_config.dtype=fp32", "actor_rollout_ref.rollout.dtype=float32",
+        "actor_rollout_ref.rollout.multi_turn.enable=true", f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
+        "actor_rollout_ref.rollout.multi_turn.describe_tools=system",
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
+    ])
+    trainer = build_trainer(cfg)
+    try:
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    lines = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    val, step = lines[0], lines[-1]
+    assert val["val/multi_turn/tool_call_share"] >= 0.5 and val["val/multi_turn/tool_errors/mean"] == 0
+    assert val["val-core/arithmetic/tool_call/mean@1"] == val["val/multi_turn/tool_call_share"]
+    assert step["step"] == 1 and "multi_turn/tool_call_share" in step
+    assert step["rollout_corr/abs_logp_diff_max"] < 1e-3
+    answers = [json.loads(line)["output"] for line in open(tmp_path / "val" / "0.jsonl")]
+    calculator = agent.Calculator()
+    checked = 0
+    for output in answers:
+        calls, _ = agent.parse_tool_calls(output)
+        if calls:  # the calculator's answer follows the call in the text the reward read
+            assert f"tool\n{calculator.execute(calls[0].arguments).text}\n" in output, output
+            checked += 1
+    assert checked >= len(answers) // 2
