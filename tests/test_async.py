@@ -110,6 +110,11 @@ def test_at_staleness_1_the_ratio_uses_the_engines_log_probs_and_resume_is_exact
     assert [steps[k]["async/staleness"] for k in (1, 2, 3, 4)] == [0.0, 1.0, 1.0, 1.0]
     assert abs(steps[1]["actor/ppo_kl"]) < 1e-6  # sampled by the weights it updates
     assert all(abs(steps[k]["actor/ppo_kl"]) > 1e-4 for k in (2, 3, 4))
+    # The update's forward measures the same drift against the engine's log-probs (float32 here:
+    # at staleness 0 they agree to rounding).
+    assert steps[1]["rollout_corr/abs_logp_diff_max"] < 1e-4
+    assert all(steps[k]["rollout_corr/abs_logp_diff_mean"] > 100 * steps[1]["rollout_corr/abs_logp_diff_mean"]
+               for k in (2, 3, 4))
     on_policy = run(compose_config(async_overrides(tiny_model_dir, arithmetic_files, tmp_path / "on", *overrides,
                                                    "algorithm.rollout_correction.bypass_mode=false")))
     assert all(line["actor/ppo_kl"] == 0.0 for line in on_policy)  # the actor's own old log-probs

@@ -179,9 +179,13 @@ class ActorRolloutRefWorker(ModelWorker):
         batch = batch.select(keys, non_tensor_keys=[])
         full_kl = cfg.use_kl_loss and cfg.kl_loss_type == "full"
 
+        # The update's forward is where the trainer's log-probs of the sampled tokens first exist:
+        # on policy, and in bypass mode (the engine's are the old ones), it measures the mismatch.
+        measure = on_policy or bool(self.cfg.algorithm.rollout_correction.bypass_mode)
+
         def loss_fn(out: dict, t: dict, agg_kwargs: dict):
             return self._actor_loss(out, t, {**agg_kwargs, "loss_scale_factor": cfg.loss_scale_factor},
-                                    cfg, policy_loss, temperature, on_policy)
+                                    cfg, policy_loss, temperature, on_policy, measure)
 
         # The full KL is the only loss that needs whole next-token distributions, the reference's
         # among them (its weights on the GPU throughout).
@@ -193,7 +197,7 @@ class ActorRolloutRefWorker(ModelWorker):
         return metrics
 
     def _actor_loss(self, out: dict, t: dict, agg_kwargs: dict, cfg, policy_loss, temperature: float,
-                    on_policy: bool):
+                    on_policy: bool, measure_mismatch: bool):
         mask = t["response_mask"]
         mode = cfg.loss_agg_mode
         full_kl = "logits" in out
@@ -221,8 +225,7 @@ class ActorRolloutRefWorker(ModelWorker):
             kl_loss = aggregate_loss(kld, mask, mode, **agg_kwargs)
             loss = loss + cfg.kl_loss_coef * kl_loss
             terms["actor/kl_loss"] = float(kl_loss.detach())
-        if on_policy and "rollout_log_probs" in t:
-            # This forward is the first time the trainer's log-probs of the sampled tokens exist.
+        if measure_mismatch and "rollout_log_probs" in t:
             for key, value in mismatch_metrics(log_prob.detach(), t["rollout_log_probs"], mask).items():
                 terms[key] = value if key.endswith("_max") else value * share
         return loss, terms
