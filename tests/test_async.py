@@ -67,14 +67,22 @@ COMPARED = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor
             "val-core/arithmetic/reward/mean@1")
 
 
+@pytest.mark.parametrize("multi_turn", [False, True], ids=["single-turn", "multi-turn"])
 def test_a_rollout_pool_at_staleness_0_trains_exactly_as_the_colocated_trainer(
-        ray_session, tiny_model_dir, arithmetic_files, tmp_path):
+        multi_turn, ray_session, tiny_model_dir, arithmetic_files, tmp_path):
     from hybrid_rl.config_keys import compose_config
 
-    colocated = run(compose_config(async_overrides(tiny_model_dir, arithmetic_files, tmp_path / "sync")))
+    tools = tmp_path / "tools.yaml"
+    tools.write_text("tools: [{class_name: calculator}]")
+    # The tool loop (here: stop texts, loss masks; the random model calls no tool) runs in the pool too.
+    extra = ["actor_rollout_ref.rollout.multi_turn.enable=true",
+             f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
+             "actor_rollout_ref.rollout.multi_turn.describe_tools=none"] if multi_turn else []
+    colocated = run(compose_config(async_overrides(tiny_model_dir, arithmetic_files, tmp_path / "sync", *extra)))
     pooled = run(compose_config(async_overrides(
         tiny_model_dir, arithmetic_files, tmp_path / "async", "actor_rollout_ref.hybrid_engine=false",
-        "rollout.max_staleness=0", "algorithm.rollout_correction.bypass_mode=false")))
+        "rollout.max_staleness=0", "algorithm.rollout_correction.bypass_mode=false", *extra)))
+    assert ("multi_turn/tool_call_share" in pooled[1]) == multi_turn
     assert len(colocated) == len(pooled) == 4  # validation at step 0, steps 1-3
     for a, b in zip(colocated, pooled):
         for key in COMPARED:
