@@ -115,6 +115,9 @@ def _check_multi_turn(rollout: DictConfig) -> None:
             raise ConfigError(f"{key}.{name}={mt[name]} must be >= 1.")
     if not mt.tool_timeout_s > 0:
         raise ConfigError(f"{key}.tool_timeout_s={mt.tool_timeout_s} must be > 0 (seconds).")
+    if mt.format != "hermes":
+        raise ConfigError(f"{key}.format={mt.format}: only hermes tool calls (<tool_call>{{json}}</tool_call>) are "
+                          "parsed here.")
     _choice(mt.tool_response_truncate_side, ("left", "right", "middle"), f"{key}.tool_response_truncate_side")
 
 

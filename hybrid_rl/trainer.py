@@ -227,15 +227,14 @@ class Trainer:
         self.engine_settings = self.workers.init_model()[0]["rollout"]
         self.generator = self.workers
         if self.async_rollout:
-            self.engine_settings = self.init_rollout_pool(config)
+            self.engine_settings = self.init_rollout_pool(config, cpus)
         if self.engine_settings:
             logger.info("vLLM engine: %s", ", ".join(f"{k} {v}" for k, v in self.engine_settings.items()))
 
-    def init_rollout_pool(self, config: dict) -> dict:
-        """Asynchronous training: the rollout pool's workers, the weight channel from the trainer's
-        rank 0 to each of them, and the first push of the actor's weights."""
+    def init_rollout_pool(self, config: dict, cpus: float) -> dict:
+        """Asynchronous training: the rollout pool's workers (`cpus` each), the weight channel from
+        the trainer's rank 0 to each of them, and the first push of the actor's weights."""
         cfg = self.cfg
-        cpus = cpus_per_worker(cfg)
         self.rollout_pool = ResourcePool([cfg.rollout.n_gpus_per_node] * cfg.rollout.nnodes,
                                          use_gpu=cfg.trainer.device == "cuda", cpus_per_process=cpus,
                                          strategy=cfg.trainer.placement_strategy)
@@ -269,10 +268,7 @@ class Trainer:
         current weights."""
         metrics.update(self.push_rollout_weights())
         step = self.launched_step + 1
-        prompts = self.prompt_batch(next(self.batches))
-        prompts["uid"] = [str(uuid.uuid4()) for _ in range(len(prompts))]
-        prompts.meta = BatchMeta(step=step, temperature=training_temperature(self.cfg.actor_rollout_ref.rollout))
-        batch = prompts.repeat(self.cfg.actor_rollout_ref.rollout.n, interleave=True)
+        batch = self.rollout_batch(self.prompt_batch(next(self.batches)), step)
         self.in_flight.append(InFlight(step, self.weights_version, self.rollout_group.generate_sequences.submit(batch)))
         self.launched_step = step
 
@@ -573,12 +569,8 @@ class Trainer:
                 batch = self.next_generated(metrics)
         else:
             prompts = self.prompt_batch(indices)
-            prompts["uid"] = [str(uuid.uuid4()) for _ in range(len(prompts))]
-            prompts.meta = BatchMeta(step=self.global_step,
-                                     temperature=training_temperature(cfg.actor_rollout_ref.rollout))
-            batch = prompts.repeat(n, interleave=True)
             with timer.phase("gen"):
-                batch = self.workers.generate_sequences(batch)
+                batch = self.workers.generate_sequences(self.rollout_batch(prompts, self.global_step))
 
         if cfg.algorithm.adv_estimator == "remax":
             with timer.phase("gen_max"):
@@ -712,6 +704,13 @@ class Trainer:
                     batch["rollout_is_weights"] = weights
                 metrics.update(rc_metrics)
         return metrics
+
+    def rollout_batch(self, prompts: Batch, step: int) -> Batch:
+        """`prompts` as the rollout takes them for `step`: each tagged with a group uid (in place:
+        ReMax's baseline reuses them), then repeated n times, a group's rows adjacent."""
+        prompts["uid"] = [str(uuid.uuid4()) for _ in range(len(prompts))]
+        prompts.meta = BatchMeta(step=step, temperature=training_temperature(self.cfg.actor_rollout_ref.rollout))
+        return prompts.repeat(self.cfg.actor_rollout_ref.rollout.n, interleave=True)
 
     def prompt_batch(self, indices) -> Batch:
         rows = [self.train_dataset[i] for i in indices]

@@ -29,7 +29,8 @@ from hybrid_rl.agent.tools import Tool, ToolOutput
 
 CALL_END = "</tool_call>"
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
-_MARK = "\x00assistant-turn\x00"  # stands for an assistant turn's text when rendering the template
+_MARK = "\x00assistant-turn\x00"
+TOOL_THREADS = 32  # tool calls run at once  # stands for an assistant turn's text when rendering the template
 
 
 class MultiTurnError(ValueError):
@@ -143,9 +144,6 @@ class MultiTurnRollout:
 
     def __init__(self, cfg: Any, tokenizer, tools: dict[str, Tool], eos_token_ids: list[int],
                  response_length: int, chat_template_kwargs: dict | None = None):
-        if cfg.format != "hermes":
-            raise MultiTurnError(f"actor_rollout_ref.rollout.multi_turn.format={cfg.format}: only hermes tool "
-                                 "calls (<tool_call>{json}</tool_call>) are parsed here")
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.tools = tools
@@ -157,12 +155,12 @@ class MultiTurnRollout:
         cfg = self.cfg
         trajectories = [Trajectory() for _ in prompts]
         active = list(range(len(prompts)))
+        # A turn ends at the model's end-of-turn token or, when it may make one call only, right
+        # after that call: small models often write on past it, and the answer should come next.
+        stop = [CALL_END] if cfg.max_parallel_calls == 1 else None
         while active:
             contexts = [prompts[i] + trajectories[i].tokens for i in active]
             budgets = [self.response_length - len(trajectories[i].tokens) for i in active]
-            # A turn ends at the model's end-of-turn token or, when it may make one call only, right
-            # after that call: small models often write on past it, and the answer should come next.
-            stop = [CALL_END] if cfg.max_parallel_calls == 1 else None
             tokens, log_probs = engine.generate_ids(contexts, settings, budgets, stop=stop)
             pending = []  # (row, calls, errors, stop text)
             for i, new, lps in zip(active, tokens, log_probs):
@@ -181,11 +179,11 @@ class MultiTurnRollout:
                     continue
                 pending.append((i, calls[:cfg.max_parallel_calls], errors,
                                 self.tokenizer.decode(new[-1:], skip_special_tokens=False) if ended else ""))
-            outputs = self.call_tools([call for _, calls, _, _ in pending for call in calls])
+            outputs = iter(self.call_tools([call for _, calls, _, _ in pending for call in calls]))
             active = []
             for i, calls, errors, stop_text in pending:
                 trajectory = trajectories[i]
-                answers = [outputs.pop(0) for _ in calls]
+                answers = [next(outputs) for _ in calls]
                 trajectory.tool_calls += len(calls)
                 trajectory.tool_errors += len(errors) + sum(a.error for a in answers)
                 texts = [truncate_text(a.text, cfg.max_tool_response_length, cfg.tool_response_truncate_side)
@@ -205,10 +203,10 @@ class MultiTurnRollout:
         if not calls:
             return []
         timeout = float(self.cfg.tool_timeout_s)
-        pool = ThreadPoolExecutor(max_workers=min(len(calls), 32), thread_name_prefix="tool")
+        pool = ThreadPoolExecutor(max_workers=min(len(calls), TOOL_THREADS), thread_name_prefix="tool")
         futures = [pool.submit(self._call, call) for call in calls]
         # Calls beyond the pool's width wait for a thread: give them their own share of the time.
-        wait(futures, timeout=timeout * -(-len(calls) // 32))
+        wait(futures, timeout=timeout * -(-len(calls) // TOOL_THREADS))
         pool.shutdown(wait=False, cancel_futures=True)  # a hung tool keeps its thread, not the step
         return [f.result() if f.done() else
                 ToolOutput(f"Error: the tool did not answer within {timeout:g} s", error=True) for f in futures]

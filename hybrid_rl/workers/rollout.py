@@ -246,13 +246,14 @@ class VLLMRollout:
         or after the first of the ``stop`` texts), with the sampled tokens' log-probs."""
         from vllm import SamplingParams
 
-        params = [SamplingParams(
+        by_limit = {limit: SamplingParams(
             n=1, max_tokens=limit, temperature=settings["temperature"],
             top_p=settings["top_p"], top_k=settings["top_k"], logprobs=0,
             # Stop texts are matched on the detokenised output; token ids alone need no text.
             detokenize=bool(stop), stop=stop, include_stop_str_in_output=bool(stop),
             stop_token_ids=self.stop_token_ids,
-        ) for limit in max_tokens]
+        ) for limit in set(max_tokens)}
+        params = [by_limit[limit] for limit in max_tokens]
         if self.asleep:
             self.llm.wake_up()  # allocations already resident (weights after a sync) are skipped
             self.asleep = False
