@@ -163,6 +163,10 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     check_dynamic_sampling(cfg)
     check_iterative_config(cfg)
     check_lora(cfg)
+    if cfg.actor_rollout_ref.model.compile_layers and cfg.actor_rollout_ref.actor.strategy == "megatron":
+        raise ConfigError("actor_rollout_ref.model.compile_layers=true compiles the FSDP engine's decoder layers, "
+                          "which the Megatron engine does not have; set it to false, or "
+                          "actor_rollout_ref.actor.strategy=fsdp2.")
     if algo.kl_ctrl.type == "adaptive" and not algo.kl_ctrl.horizon > 0:
         raise ConfigError(f"algorithm.kl_ctrl.horizon={algo.kl_ctrl.horizon} must be positive for the adaptive "
                           "KL controller.")

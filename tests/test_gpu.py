@@ -143,6 +143,14 @@ def test_lora_on_cuda_matches_the_cpu(model_dir):
     torch.testing.assert_close(runs["cuda"]["ref"]["log_probs"], runs["cpu"]["ref"]["log_probs"], rtol=0, atol=1e-4)
 
 
+def test_compiled_layers_on_cuda(model_dir):
+    """Decoder layers compiled by Inductor's CUDA (Triton) backend train as the eager ones."""
+    from tests.test_compiled_layers import assert_same_training, run
+
+    torch._dynamo.reset()
+    assert_same_training(run(model_dir, False, device=CUDA), run(model_dir, True, device=CUDA))
+
+
 def test_megatron_recomputation_on_cuda(model_dir):
     """`enable_gradient_checkpointing` on the Megatron engine: megatron's full per-layer
     recomputation, the same update with far fewer activations kept."""

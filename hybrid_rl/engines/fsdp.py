@@ -46,19 +46,34 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh | None, param_dtype: to
         return model
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     offload_policy = CPUOffloadPolicy(pin_memory=True) if cpu_offload else OffloadPolicy()
-    layer_classes = tuple(getattr(model, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
-    if not layers:
-        raise ValueError(
-            f"Cannot find decoder layers in {type(model).__name__} (no _no_split_modules); "
-            "this architecture is not supported by the FSDP2 engine."
-        )
-    for layer in layers:
+    for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
                     offload_policy=offload_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
                 offload_policy=offload_policy)
     return model
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers: the modules of the classes transformers must not split (also
+    once `fully_shard` has swapped each one's class for an FSDP subclass of it)."""
+    layer_classes = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if any(cls.__name__ in layer_classes for cls in type(m).__mro__)]
+    if not layers:
+        raise ValueError(
+            f"Cannot find decoder layers in {type(model).__name__} (no _no_split_modules); "
+            "this architecture is not supported by the FSDP2 engine."
+        )
+    return layers
+
+
+def compile_layers(model: torch.nn.Module) -> None:
+    """`model.compile_layers`: torch.compile each decoder layer in place, with dynamic shapes (packed
+    rows change length every micro-batch). Inductor fuses a layer's element-wise work (norms,
+    rotary embedding, SiLU, dtype casts) into few kernels; the layers share one compiled graph, and
+    FSDP2's hooks around each layer stay eager."""
+    for layer in decoder_layers(model):
+        layer.compile(dynamic=True)
 
 
 def build_optimizer(model: torch.nn.Module, optim_cfg: Any, total_steps: int):
@@ -93,6 +108,8 @@ class FSDPEngine(TrainEngine):
         self.peft = lora.attach(model, spec.model_cfg, autocast=self.options.autocast_dtype is not None) if (
             spec.head is Head.LM and trainable and lora.enabled(spec.model_cfg)) else None
         self.lora_scalings = lora.scalings(self.peft) if self.peft is not None else {}
+        if spec.model_cfg.get("compile_layers", False):
+            compile_layers(model)
         self.share_prompts = self.options.share_prompts
         mesh = data_parallel_mesh(device.type) if dist.is_initialized() else None
         # On GPU FSDP2 casts the weights to the compute dtype; on CPU the forward is autocast.
