@@ -231,10 +231,10 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NOT_YET, "agent loops other than the tool loop of multi_turn.enable are not built yet",
             "actor_rollout_ref.rollout.agent.default_agent_loop", "actor_rollout_ref.rollout.agent.agent_loop_config_path",
             "actor_rollout_ref.rollout.agent.custom_async_server.*"),
-    *_rules(NOT_YET, "tools are classes named in multi_turn.tool_config_path; Python functions as tools and "
-            "interaction agents are not built yet", "actor_rollout_ref.rollout.multi_turn.function_tool_path",
-            "actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts",
-            "actor_rollout_ref.rollout.multi_turn.interaction_config_path", "data.function_tool_path"),
+    *_rules(NOT_YET, "tools are classes named in multi_turn.tool_config_path; Python functions as tools are "
+            "not built yet", "actor_rollout_ref.rollout.multi_turn.function_tool_path", "data.function_tool_path"),
+    *_rules(NOT_YET, "repeated rollouts of one prompt inside a trajectory are not built yet",
+            "actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts"),
     *_rules(NO_EFFECT, "a trajectory is trained on the exact token ids the engine sampled and the tool turns "
             "inserted; nothing is rendered or tokenised again", "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template",
             "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode"),

@@ -48,15 +48,22 @@ def compute_data_metrics(batch: Batch) -> dict[str, float]:
 
 def multi_turn_metrics(batch: Batch, prefix: str = "") -> dict[str, float]:
     """Turns, tool calls and tool errors per trajectory of a multi-turn rollout, and the share of
-    trajectories that called a tool; nothing for a single-turn batch."""
+    trajectories that called a tool (with interactions, their turns and errors too); nothing for a
+    single-turn batch."""
     if "multi_turn_tool_calls" not in batch:
         return {}
     calls = batch["multi_turn_tool_calls"].float()
-    return {f"{prefix}multi_turn/assistant_turns/mean": float(batch["multi_turn_assistant_turns"].float().mean()),
-            f"{prefix}multi_turn/assistant_turns/max": float(batch["multi_turn_assistant_turns"].max()),
-            f"{prefix}multi_turn/tool_calls/mean": float(calls.mean()),
-            f"{prefix}multi_turn/tool_call_share": float((calls > 0).float().mean()),
-            f"{prefix}multi_turn/tool_errors/mean": float(batch["multi_turn_tool_errors"].float().mean())}
+    metrics = {f"{prefix}multi_turn/assistant_turns/mean": float(batch["multi_turn_assistant_turns"].float().mean()),
+               f"{prefix}multi_turn/assistant_turns/max": float(batch["multi_turn_assistant_turns"].max()),
+               f"{prefix}multi_turn/tool_calls/mean": float(calls.mean()),
+               f"{prefix}multi_turn/tool_call_share": float((calls > 0).float().mean()),
+               f"{prefix}multi_turn/tool_errors/mean": float(batch["multi_turn_tool_errors"].float().mean())}
+    if "multi_turn_interaction_turns" in batch:
+        metrics[f"{prefix}multi_turn/interaction_turns/mean"] = float(
+            batch["multi_turn_interaction_turns"].float().mean())
+        metrics[f"{prefix}multi_turn/interaction_errors/mean"] = float(
+            batch["multi_turn_interaction_errors"].float().mean())
+    return metrics
 
 
 def reduce_worker_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:

@@ -34,7 +34,8 @@ def write_tool_config(path, *entries) -> str:
 
 
 def multi_turn_cfg(tool_config_path, **overrides):
-    base = {"enable": True, "tool_config_path": tool_config_path, "max_assistant_turns": None, "max_user_turns": None,
+    base = {"enable": True, "tool_config_path": tool_config_path, "interaction_config_path": None,
+            "max_assistant_turns": None, "max_user_turns": None,
             "max_parallel_calls": 1, "max_tool_response_length": 256, "tool_response_truncate_side": "middle",
             "format": "hermes", "describe_tools": "system", "tool_timeout_s": 10}
     return OmegaConf.create({"multi_turn": {**base, **overrides}})
@@ -181,13 +182,19 @@ def test_tool_config_loads_ours_and_dotted_classes_and_names_bad_entries(tmp_pat
 
 
 # ---------------------------------------------------------------------------------- chat templates
-def test_tool_turn_tokens_come_from_the_chat_template(smol_tokenizer):
+def tool_messages(*texts):
+    return [{"role": "tool", "content": text} for text in texts]
+
+
+def test_inserted_turn_tokens_come_from_the_chat_template(smol_tokenizer):
     chat = ChatTurns(smol_tokenizer)
-    after_stop = smol_tokenizer.decode(chat.tool_turn(["42"], "<|im_end|>"))
+    after_stop = smol_tokenizer.decode(chat.inserted_turn(tool_messages("42"), "<|im_end|>"))
     assert after_stop == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
     # A turn cut after its tool call is closed first.
-    assert smol_tokenizer.decode(chat.tool_turn(["42", "Error: x"], "")) == (
+    assert smol_tokenizer.decode(chat.inserted_turn(tool_messages("42", "Error: x"), "")) == (
         "<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>tool\nError: x<|im_end|>\n<|im_start|>assistant\n")
+    user = smol_tokenizer.decode(chat.inserted_turn([{"role": "user", "content": "Try again."}], "<|im_end|>"))
+    assert user == "\n<|im_start|>user\nTry again.<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_templates_that_cannot_show_tools_are_refused_with_the_fix(smol_tokenizer, make_tokenizer, tmp_path):
@@ -234,9 +241,10 @@ class ScriptedModel:
         return tokens, log_probs
 
 
-def make_loop(tokenizer, tools, response_length=200, **overrides):
+def make_loop(tokenizer, tools, response_length=200, interactions=None, **overrides):
     cfg = multi_turn_cfg("unused", **overrides).multi_turn
-    return agent.MultiTurnRollout(cfg, tokenizer, tools, [tokenizer.eos_token_id], response_length)
+    return agent.MultiTurnRollout(cfg, tokenizer, tools, [tokenizer.eos_token_id], response_length,
+                                  interactions=interactions)
 
 
 def test_trajectories_interleave_sampled_turns_and_masked_tool_turns(smol_tokenizer):

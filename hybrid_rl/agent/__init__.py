@@ -1,6 +1,7 @@
-"""Multi-turn, tool-using rollouts (``actor_rollout_ref.rollout.multi_turn``): the tools
-(`tools.py`) and the turn loop (`loop.py`). `setup` is what the driver and every worker run at
-start: the tools, and how the prompts tell the model about them."""
+"""Multi-turn rollouts (``actor_rollout_ref.rollout.multi_turn``): the tools (`tools.py`), the
+interaction agents that reply as the user (`interactions.py`) and the turn loop (`loop.py`).
+`setup` is what the driver and every worker run at start: the tools and interactions, and how the
+prompts tell the model about the tools."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from hybrid_rl.agent.interactions import Interaction, check_interaction_rows, load_interactions
 from hybrid_rl.agent.loop import MultiTurnError, MultiTurnRollout, parse_tool_calls, trajectory_tensors
 from hybrid_rl.agent.tools import TOOLS, Calculator, PythonTool, Tool, ToolConfigError, ToolOutput, load_tools
 
-__all__ = ["TOOLS", "Calculator", "MultiTurnError", "MultiTurnRollout", "PythonTool", "Tool", "ToolConfigError",
-           "ToolOutput", "ToolSetup", "load_tools", "parse_tool_calls", "setup", "trajectory_tensors"]
+__all__ = ["TOOLS", "Calculator", "Interaction", "check_interaction_rows", "MultiTurnError", "MultiTurnRollout", "PythonTool", "Tool",
+           "ToolConfigError", "ToolOutput", "ToolSetup", "load_interactions", "load_tools", "parse_tool_calls", "setup",
+           "trajectory_tensors"]
 
 DESCRIBE_TOOLS = ("template", "system", "none")
 
@@ -33,6 +36,7 @@ class ToolSetup:
     tools: dict[str, Tool]
     chat_template_kwargs: dict  # what every prompt and tool turn is rendered with
     system_prompt: str | None  # added to every prompt (describe_tools=system)
+    interactions: dict[str, Interaction]
 
     def close(self) -> None:
         for tool in self.tools.values():
@@ -40,20 +44,22 @@ class ToolSetup:
 
 
 def setup(rollout_cfg: Any, tokenizer, chat_template_kwargs: dict | None) -> ToolSetup:
-    """The tools of ``multi_turn.tool_config_path`` and the prompt options that describe them;
-    raises ToolConfigError / MultiTurnError naming the problem and the fix."""
+    """The tools of ``multi_turn.tool_config_path``, the prompt options that describe them, and
+    the interactions of ``multi_turn.interaction_config_path``; raises ToolConfigError /
+    MultiTurnError naming the problem and the fix."""
     cfg = rollout_cfg.multi_turn
     key = "actor_rollout_ref.rollout.multi_turn"
-    if not cfg.tool_config_path:
-        raise ToolConfigError(f"{key}.enable=true needs {key}.tool_config_path: a YAML file listing the tools "
-                              "(docs/multi_turn.md)")
+    if not cfg.tool_config_path and not cfg.interaction_config_path:
+        raise ToolConfigError(f"{key}.enable=true needs {key}.tool_config_path (a YAML file listing the tools) or "
+                              f"{key}.interaction_config_path (one listing interaction agents); docs/multi_turn.md")
     if cfg.describe_tools not in DESCRIBE_TOOLS:
         raise ToolConfigError(f"{key}.describe_tools={cfg.describe_tools}: must be one of {', '.join(DESCRIBE_TOOLS)}")
-    tools = load_tools(cfg.tool_config_path)
+    interactions = load_interactions(cfg.interaction_config_path) if cfg.interaction_config_path else {}
+    tools = load_tools(cfg.tool_config_path) if cfg.tool_config_path else {}
     schemas = [tool.schema for tool in tools.values()]
     kwargs = dict(chat_template_kwargs or {})
     system_prompt = None
-    if cfg.describe_tools == "template":
+    if tools and cfg.describe_tools == "template":
         kwargs["tools"] = schemas
         shown = tokenizer.apply_chat_template([{"role": "user", "content": "?"}], tools=schemas, tokenize=False,
                                               add_generation_prompt=True, **chat_template_kwargs or {})
@@ -63,6 +69,6 @@ def setup(rollout_cfg: Any, tokenizer, chat_template_kwargs: dict | None) -> Too
                 f"the model's chat template does not show the tools to the model (it ignores the 'tools' "
                 f"argument; {', '.join(missing)} never appear in a rendered prompt). Set {key}.describe_tools=system "
                 "to list them in a system message of ours, or describe_tools=none if your prompts describe them.")
-    elif cfg.describe_tools == "system":
+    elif tools and cfg.describe_tools == "system":
         system_prompt = tools_system_prompt(schemas)
-    return ToolSetup(tools, kwargs, system_prompt)
+    return ToolSetup(tools, kwargs, system_prompt, interactions)

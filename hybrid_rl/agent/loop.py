@@ -9,28 +9,35 @@ every loss term, and the reward reads the whole text.
 Tool calls are Hermes-style (Qwen2.5, Hermes, many others): JSON objects
 ``{"name": ..., "arguments": {...}}`` between ``<tool_call>`` and ``</tool_call>``. With one call
 per turn (``max_parallel_calls: 1``, verl's default) the engine stops right after the call, and
-the turn's end-of-turn text is inserted with the tool turn. A turn with no call ends the trajectory; so does the response budget (``rollout.response_length`` tokens for
-all turns together), ``max_assistant_turns`` or ``max_user_turns`` (tool turns). A malformed
-call, an unknown tool, a tool's error or one that does not answer within ``tool_timeout_s`` is
-answered with an error text the model reads next turn, and counted.
+the turn's end-of-turn text is inserted with the tool turn. A turn with no call ends the
+trajectory, unless the row has an interaction agent (`interactions.py`): it then answers as the
+user, or ends the trajectory. So do the response budget (``rollout.response_length`` tokens for
+all turns together), ``max_assistant_turns`` and ``max_user_turns`` (tool and interaction turns).
+A malformed call, an unknown tool, a tool's error or one that does not answer within
+``tool_timeout_s`` is answered with an error text the model reads next turn, and counted; an
+interaction that fails or does not answer in that time ends its trajectory, and is counted.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+import uuid
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
+from hybrid_rl.agent import interactions as interaction_agents
+from hybrid_rl.agent.interactions import Interaction
 from hybrid_rl.agent.tools import Tool, ToolOutput
 
 CALL_END = "</tool_call>"
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
-_MARK = "\x00assistant-turn\x00"
-TOOL_THREADS = 32  # tool calls run at once  # stands for an assistant turn's text when rendering the template
+_MARK = "\x00assistant-turn\x00"  # stands for an assistant turn's text when rendering the template
+TOOL_THREADS = 32  # tool calls (and interaction turns) run at once
 
 
 class MultiTurnError(ValueError):
@@ -106,11 +113,11 @@ class ChatTurns:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                   **self.kwargs)
 
-    def tool_turn(self, outputs: list[str], stop_text: str) -> list[int]:
-        """Token ids of a tool turn answering an assistant turn that ended with ``stop_text`` (its
-        end-of-turn token; empty when the turn stopped after a tool call, which the turn's end
-        then closes)."""
-        rendered = self._render(self.history + [{"role": "tool", "content": text} for text in outputs], True)
+    def inserted_turn(self, messages: list[dict], stop_text: str) -> list[int]:
+        """Token ids of the ``messages`` (tool outputs, or the user's reply) answering an
+        assistant turn that ended with ``stop_text`` (its end-of-turn token; empty when the turn
+        stopped after a tool call, which the turn's end then closes)."""
+        rendered = self._render(self.history + messages, True)
         closing = self.after_assistant
         # The engine stopped on the end-of-turn token, which the trajectory already holds.
         closing = closing[len(stop_text):] if stop_text and closing.startswith(stop_text) else closing
@@ -131,6 +138,14 @@ class Trajectory:
     tool_turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    interaction_turns: int = 0
+    interaction_errors: int = 0
+    turn_scores: list[float] = field(default_factory=list)  # the interaction's score of each answer
+    messages: list[dict] = field(default_factory=list)  # the conversation, for the interaction
+
+    @property
+    def user_turns(self) -> int:
+        return self.tool_turns + self.interaction_turns
 
     def add(self, tokens: list[int], log_probs: list[float] | None, trained: bool) -> None:
         self.tokens += tokens
@@ -143,17 +158,35 @@ class MultiTurnRollout:
     generate together, then all their tool calls run together."""
 
     def __init__(self, cfg: Any, tokenizer, tools: dict[str, Tool], eos_token_ids: list[int],
-                 response_length: int, chat_template_kwargs: dict | None = None):
+                 response_length: int, chat_template_kwargs: dict | None = None,
+                 interactions: dict[str, Interaction] | None = None):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.tools = tools
+        self.interactions = interactions or {}
         self.eos = set(eos_token_ids)
         self.response_length = int(response_length)
         self.chat = ChatTurns(tokenizer, chat_template_kwargs)
 
-    def run(self, engine: TokenEngine, prompts: list[list[int]], settings: dict) -> list[Trajectory]:
-        cfg = self.cfg
+    def run(self, engine: TokenEngine, prompts: list[list[int]], settings: dict,
+            rows: list[dict] | None = None) -> list[Trajectory]:
+        """``rows``: per prompt its ``raw_prompt`` (chat messages), ``extra_info``, ``data_source``
+        and ``ground_truth``, which interactions need."""
         trajectories = [Trajectory() for _ in prompts]
+        talks = self.start_interactions(rows, trajectories) if self.interactions else {}
+        try:
+            self._turns(engine, prompts, settings, trajectories, talks)
+        finally:
+            for i, (interaction, instance_id, _) in talks.items():
+                try:
+                    interaction_agents.call(interaction.finalize_interaction, instance_id)
+                except Exception:  # noqa: BLE001  a failed clean-up must not lose the batch
+                    trajectories[i].interaction_errors += 1
+        return trajectories
+
+    def _turns(self, engine: TokenEngine, prompts: list[list[int]], settings: dict,
+               trajectories: list[Trajectory], talks: dict) -> None:
+        cfg = self.cfg
         active = list(range(len(prompts)))
         # A turn ends at the model's end-of-turn token or, when it may make one call only, right
         # after that call: small models often write on past it, and the answer should come next.
@@ -163,22 +196,28 @@ class MultiTurnRollout:
             budgets = [self.response_length - len(trajectories[i].tokens) for i in active]
             tokens, log_probs = engine.generate_ids(contexts, settings, budgets, stop=stop)
             pending = []  # (row, calls, errors, stop text)
+            replies = []  # (row, stop text): answers the row's interaction reads
             for i, new, lps in zip(active, tokens, log_probs):
                 trajectory = trajectories[i]
                 trajectory.add(new, lps, trained=True)
                 trajectory.assistant_turns += 1
                 text = self.tokenizer.decode(new, skip_special_tokens=False)
+                if talks:
+                    trajectory.messages.append({"role": "assistant",
+                                                "content": self.tokenizer.decode(new, skip_special_tokens=True)})
                 ended = bool(new) and new[-1] in self.eos
                 if not (ended or text.rstrip().endswith(CALL_END)):
                     continue  # the budget ran out inside the turn
                 calls, errors = parse_tool_calls(text)
-                if not calls and not errors:
-                    continue  # an answer: the trajectory is complete
                 if (cfg.max_assistant_turns and trajectory.assistant_turns >= cfg.max_assistant_turns) or \
-                        (cfg.max_user_turns and trajectory.tool_turns >= cfg.max_user_turns):
+                        (cfg.max_user_turns and trajectory.user_turns >= cfg.max_user_turns):
                     continue
-                pending.append((i, calls[:cfg.max_parallel_calls], errors,
-                                self.tokenizer.decode(new[-1:], skip_special_tokens=False) if ended else ""))
+                stop_text = self.tokenizer.decode(new[-1:], skip_special_tokens=False) if ended else ""
+                if calls or errors:
+                    pending.append((i, calls[:cfg.max_parallel_calls], errors, stop_text))
+                elif i in talks:
+                    replies.append((i, stop_text))
+                # else an answer: the trajectory is complete
             outputs = iter(self.call_tools([call for _, calls, _, _ in pending for call in calls]))
             active = []
             for i, calls, errors, stop_text in pending:
@@ -188,28 +227,83 @@ class MultiTurnRollout:
                 trajectory.tool_errors += len(errors) + sum(a.error for a in answers)
                 texts = [truncate_text(a.text, cfg.max_tool_response_length, cfg.tool_response_truncate_side)
                          for a in answers] + errors
-                turn = self.chat.tool_turn(texts, stop_text)
-                if len(trajectory.tokens) + len(turn) >= self.response_length:
-                    continue  # no room for the answer and a reply: the trajectory ends at the call
-                trajectory.add(turn, None, trained=False)
-                trajectory.tool_turns += 1
-                active.append(i)
-        return trajectories
+                if self._insert(trajectory, [{"role": "tool", "content": text} for text in texts], stop_text):
+                    trajectory.tool_turns += 1
+                    active.append(i)
+            for (i, stop_text), reply in zip(replies, self.interact([(talks[i], trajectories[i]) for i, _ in replies])):
+                trajectory = trajectories[i]
+                if reply is None:
+                    trajectory.interaction_errors += 1
+                    continue
+                end, text, score = reply
+                if score is not None:
+                    trajectory.turn_scores.append(float(score))
+                if not end and self._insert(trajectory, [{"role": "user", "content": str(text)}], stop_text):
+                    trajectory.interaction_turns += 1
+                    active.append(i)
+            active.sort()
+
+    def _insert(self, trajectory: Trajectory, messages: list[dict], stop_text: str) -> bool:
+        """Append an inserted turn (loss mask 0) if it leaves room for a reply; False ends the
+        trajectory where it is."""
+        turn = self.chat.inserted_turn(messages, stop_text)
+        if len(trajectory.tokens) + len(turn) >= self.response_length:
+            return False
+        trajectory.add(turn, None, trained=False)
+        trajectory.messages += messages
+        return True
+
+    def start_interactions(self, rows: list[dict] | None, trajectories: list[Trajectory]) -> dict:
+        """Open each row's conversation with its interaction: {row: (interaction, instance id,
+        kwargs)}. A row whose interaction fails to open runs without one, counted."""
+        if rows is None:
+            raise ValueError("an interaction needs each prompt's raw_prompt and extra_info")
+        talks = {}
+        for i, row in enumerate(rows):
+            interaction, kwargs = interaction_agents.row_kwargs(row.get("extra_info"), self.interactions)
+            opened = {"ground_truth": row.get("ground_truth"), "data_source": row.get("data_source"), **kwargs}
+            opened.pop("name", None)
+            try:
+                instance_id = interaction_agents.call(interaction.start_interaction, uuid.uuid4().hex, **opened)
+            except Exception:  # noqa: BLE001  the environment's bug costs this row its agent, not the step
+                trajectories[i].interaction_errors += 1
+                continue
+            trajectories[i].messages = [dict(m) for m in row.get("raw_prompt") or []]
+            talks[i] = (interaction, instance_id, kwargs)
+        return talks
+
+    def interact(self, turns: list[tuple[tuple, Trajectory]]) -> list[tuple[bool, str, float | None] | None]:
+        """Each row's interaction answers its conversation (at once, as tool calls run); None for
+        one that raised, returned something else than (end, text, score, metadata), or did not
+        answer within ``tool_timeout_s``."""
+        def reply(talk, trajectory):
+            interaction, instance_id, kwargs = talk
+            end, text, score, _ = interaction_agents.call(interaction.generate_response, instance_id,
+                                                          list(trajectory.messages), **kwargs)
+            return bool(end), text, score
+
+        return self._concurrently([functools.partial(reply, talk, trajectory) for talk, trajectory in turns])
 
     def call_tools(self, calls: list[ToolCall]) -> list[ToolOutput]:
         """Every call at once (threads; a sandboxed tool's work is another process); a call that
         raises or has not answered ``tool_timeout_s`` after the calls started is answered with an
         error."""
-        if not calls:
+        timeout = float(self.cfg.tool_timeout_s)
+        return [output or ToolOutput(f"Error: the tool did not answer within {timeout:g} s", error=True)
+                for output in self._concurrently([functools.partial(self._call, call) for call in calls])]
+
+    def _concurrently(self, functions: list) -> list:
+        """Run ``functions`` in threads; the result of each, or None where it raised or had not
+        returned ``tool_timeout_s`` after they started."""
+        if not functions:
             return []
         timeout = float(self.cfg.tool_timeout_s)
-        pool = ThreadPoolExecutor(max_workers=min(len(calls), TOOL_THREADS), thread_name_prefix="tool")
-        futures = [pool.submit(self._call, call) for call in calls]
+        pool = ThreadPoolExecutor(max_workers=min(len(functions), TOOL_THREADS), thread_name_prefix="tool")
+        futures = [pool.submit(fn) for fn in functions]
         # Calls beyond the pool's width wait for a thread: give them their own share of the time.
-        wait(futures, timeout=timeout * -(-len(calls) // TOOL_THREADS))
-        pool.shutdown(wait=False, cancel_futures=True)  # a hung tool keeps its thread, not the step
-        return [f.result() if f.done() else
-                ToolOutput(f"Error: the tool did not answer within {timeout:g} s", error=True) for f in futures]
+        wait(futures, timeout=timeout * -(-len(functions) // TOOL_THREADS))
+        pool.shutdown(wait=False, cancel_futures=True)  # a hung call keeps its thread, not the step
+        return [f.result() if f.done() and f.exception() is None else None for f in futures]
 
     def _call(self, call: ToolCall) -> ToolOutput:
         tool = self.tools.get(call.name)
@@ -222,10 +316,15 @@ class MultiTurnRollout:
             return ToolOutput(f"Error: {call.name} failed: {type(exc).__name__}: {exc}", error=True)
 
 
-def trajectory_tensors(trajectories: list[Trajectory]) -> dict[str, torch.Tensor]:
-    """Per-row counts for the step's metrics (``metrics.multi_turn_metrics``)."""
-    return {
-        "multi_turn_assistant_turns": torch.tensor([t.assistant_turns for t in trajectories]),
-        "multi_turn_tool_calls": torch.tensor([t.tool_calls for t in trajectories]),
-        "multi_turn_tool_errors": torch.tensor([t.tool_errors for t in trajectories]),
+def trajectory_tensors(trajectories: list[Trajectory], interactions: bool = False) -> dict[str, torch.Tensor]:
+    """Per-row counts for the step's metrics (``metrics.multi_turn_metrics``); the interaction
+    turns and errors where rows have interactions."""
+    counts = {
+        "multi_turn_assistant_turns": [t.assistant_turns for t in trajectories],
+        "multi_turn_tool_calls": [t.tool_calls for t in trajectories],
+        "multi_turn_tool_errors": [t.tool_errors for t in trajectories],
     }
+    if interactions:
+        counts["multi_turn_interaction_turns"] = [t.interaction_turns for t in trajectories]
+        counts["multi_turn_interaction_errors"] = [t.interaction_errors for t in trajectories]
+    return {key: torch.tensor(values) for key, values in counts.items()}

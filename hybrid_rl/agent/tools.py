@@ -172,49 +172,57 @@ VERL_TOOLS: dict[str, type[Tool]] = {"verl.tools.sandbox_fusion_tools.SandboxFus
 
 
 # --------------------------------------------------------------------------- config
-def _tool_class(class_name: str, where: str) -> type[Tool]:
-    if class_name in TOOLS or class_name in VERL_TOOLS:
-        return TOOLS.get(class_name) or VERL_TOOLS[class_name]
-    module_name, _, attr = class_name.rpartition(".")
-    hint = (f"Use one of the built-in tools ({', '.join(TOOLS)}) or the dotted path of a subclass of "
-            "hybrid_rl.agent.tools.Tool.")
-    if not module_name:
-        raise ToolConfigError(f"{where}: unknown tool {class_name!r}. {hint}")
-    if module_name.split(".")[0] == "verl":
-        raise ToolConfigError(f"{where}: {class_name!r} is one of verl's tool classes, which need verl's own "
-                              f"async tool runtime (of verl's, {', '.join(VERL_TOOLS)} runs here). {hint}")
-    try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ToolConfigError(f"{where}: cannot import {class_name!r} ({exc}). {hint}") from exc
-    if not (isinstance(cls, type) and issubclass(cls, Tool)):
-        raise ToolConfigError(f"{where}: {class_name!r} is not a subclass of hybrid_rl.agent.tools.Tool. {hint}")
-    return cls
-
-
-def load_tools(path: str) -> dict[str, Tool]:
-    """The tools of a tool config file, by the function name the model calls them with."""
+def config_entries(path: str, key: str, section: str) -> list[tuple[str, dict]]:
+    """The entries of the ``section:`` list of the YAML file ``path`` (given by config ``key``),
+    each with a ``class_name``, as (where, entry) pairs for error messages."""
     path = os.path.expanduser(str(path))
-    key = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
     if not os.path.isfile(path):
-        raise ToolConfigError(f"{key}={path}: no such file. Point it at a YAML file with a 'tools:' list "
+        raise ToolConfigError(f"{key}={path}: no such file. Point it at a YAML file with a '{section}:' list "
                               "(docs/multi_turn.md).")
     with open(path) as f:
         try:
             doc = yaml.safe_load(f)
         except yaml.YAMLError as exc:
             raise ToolConfigError(f"{key}={path} is not valid YAML: {exc}") from exc
-    entries = doc.get("tools") if isinstance(doc, dict) else None
+    entries = doc.get(section) if isinstance(doc, dict) else None
     if not isinstance(entries, list) or not entries:
-        raise ToolConfigError(f"{key}={path}: expected a non-empty 'tools:' list of entries with a class_name")
-    tools: dict[str, Tool] = {}
+        raise ToolConfigError(f"{key}={path}: expected a non-empty '{section}:' list of entries with a class_name")
     for i, entry in enumerate(entries):
-        where = f"{path}: tools[{i}]"
         if not isinstance(entry, dict) or not isinstance(entry.get("class_name"), str):
-            raise ToolConfigError(f"{where}: each entry needs a class_name")
+            raise ToolConfigError(f"{path}: {section}[{i}]: each entry needs a class_name")
+    return [(f"{path}: {section}[{i}]", entry) for i, entry in enumerate(entries)]
+
+
+def import_class(class_name: str, where: str, base: type, built_in: dict[str, type], from_verl: dict[str, type],
+                 kind: str) -> type:
+    """A config entry's class: a built-in name, one of verl's classes with a local equivalent, or
+    the dotted path of a subclass of ``base`` (``kind`` names it in errors: tool, interaction)."""
+    if class_name in built_in or class_name in from_verl:
+        return built_in.get(class_name) or from_verl[class_name]
+    module_name, _, attr = class_name.rpartition(".")
+    hint = (f"Use a built-in {kind} ({', '.join(built_in)}) or the dotted path of a subclass of "
+            f"{base.__module__}.{base.__name__}.")
+    if not module_name:
+        raise ToolConfigError(f"{where}: unknown {kind} {class_name!r}. {hint}")
+    if module_name.split(".")[0] == "verl":
+        raise ToolConfigError(f"{where}: {class_name!r} is one of verl's {kind} classes, which need verl's own "
+                              f"runtime (of verl's, {', '.join(from_verl)} runs here). {hint}")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ToolConfigError(f"{where}: cannot import {class_name!r} ({exc}). {hint}") from exc
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise ToolConfigError(f"{where}: {class_name!r} is not a subclass of {base.__module__}.{base.__name__}. {hint}")
+    return cls
+
+
+def load_tools(path: str) -> dict[str, Tool]:
+    """The tools of a tool config file, by the function name the model calls them with."""
+    tools: dict[str, Tool] = {}
+    for where, entry in config_entries(path, "actor_rollout_ref.rollout.multi_turn.tool_config_path", "tools"):
         options = dict(entry.get("config") or {})
         options.pop("type", None)  # verl's "native" marker: every tool here runs in this process
-        cls = _tool_class(entry["class_name"], where)
+        cls = import_class(entry["class_name"], where, Tool, TOOLS, VERL_TOOLS, "tool")
         try:
             tool = cls(entry.get("tool_schema"), **options)
         except TypeError as exc:

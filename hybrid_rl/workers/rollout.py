@@ -114,7 +114,7 @@ def tool_loop(cfg: Any, tokenizer, eos_token_ids: list[int]):
 
     tools = agent.setup(rollout_cfg, tokenizer, cfg.data.apply_chat_template_kwargs)
     return agent.MultiTurnRollout(rollout_cfg.multi_turn, tokenizer, tools.tools, eos_token_ids,
-                                  rollout_cfg.response_length, tools.chat_template_kwargs)
+                                  rollout_cfg.response_length, tools.chat_template_kwargs, tools.interactions)
 
 
 def generate_batch(engine, multi_turn, cfg: Any, prompts: Batch, pad_token_id: int, eos_token_ids: list[int]) -> Batch:
@@ -132,15 +132,31 @@ def generate_batch(engine, multi_turn, cfg: Any, prompts: Batch, pad_token_id: i
     if multi_turn is not None:
         from hybrid_rl.agent import trajectory_tensors
 
-        trajectories = multi_turn.run(engine, prompt_token_lists(prompts), settings)
+        rows = conversation_rows(prompts) if multi_turn.interactions else None
+        trajectories = multi_turn.run(engine, prompt_token_lists(prompts), settings, rows)
         out = assemble_rollout(prompts, [t.tokens for t in trajectories], [t.log_probs for t in trajectories],
                                rollout_cfg.response_length, pad_token_id, eos_token_ids,
                                loss_masks=[t.loss_mask for t in trajectories])
-        for key, counts in trajectory_tensors(trajectories).items():
+        for key, counts in trajectory_tensors(trajectories, interactions=rows is not None).items():
             out[key] = counts
+        if rows is not None:  # the interaction's scores, for the reward function
+            out["extra_info"] = [{**row["extra_info"], "turn_scores": t.turn_scores}
+                                 for row, t in zip(rows, trajectories)]
         return out
     tokens, log_probs = engine.generate(prompts, settings, rollout_cfg.response_length)
     return assemble_rollout(prompts, tokens, log_probs, rollout_cfg.response_length, pad_token_id, eos_token_ids)
+
+
+def conversation_rows(prompts: Batch) -> list[dict]:
+    """What an interaction agent reads of each prompt: its chat messages, ``extra_info`` (with
+    ``interaction_kwargs``), data source and ground truth."""
+    def column(key):
+        return prompts[key] if key in prompts.non_tensors else [None] * len(prompts)
+
+    return [{"raw_prompt": list(raw or []), "extra_info": dict(info or {}), "data_source": source,
+             "ground_truth": (reward or {}).get("ground_truth")}
+            for raw, info, source, reward in zip(column("raw_prompt"), column("extra_info"), column("data_source"),
+                                                 column("reward_model"))]
 
 
 def resolve_enforce_eager(enforce_eager: bool | None, device_type: str) -> bool:
