@@ -51,7 +51,7 @@ class Interaction:
 def call(method, *args, **kwargs):
     """Call an interaction's method, plain or ``async`` (run to completion in this thread)."""
     result = method(*args, **kwargs)
-    return asyncio.run(result) if inspect.isawaitable(result) else result
+    return asyncio.run(result) if inspect.iscoroutine(result) else result
 
 
 def last_assistant_text(messages: list[dict]) -> str:
