@@ -74,8 +74,7 @@ def prepare(cfg: DictConfig):
     if cfg.actor_rollout_ref.rollout.multi_turn.enable and tools.interactions:
         for files, dataset in ((train_files, train_dataset), (val_files, val_dataset)):
             if dataset is not None:  # every row must name one of the interactions, or there must be one
-                agent.check_interaction_rows([dataset[i]["extra_info"] for i in range(len(dataset))],
-                                             tools.interactions, files)
+                agent.check_interaction_rows(dataset.extra_infos(), tools.interactions, files)
 
     key, custom = custom_reward_function(cfg)
     compute_score = load_custom_reward_fn(custom.path, custom.name, custom.reward_kwargs, key=key)

@@ -13,9 +13,9 @@ from hybrid_rl.agent.interactions import Interaction, check_interaction_rows, lo
 from hybrid_rl.agent.loop import MultiTurnError, MultiTurnRollout, parse_tool_calls, trajectory_tensors
 from hybrid_rl.agent.tools import TOOLS, Calculator, PythonTool, Tool, ToolConfigError, ToolOutput, load_tools
 
-__all__ = ["TOOLS", "Calculator", "Interaction", "check_interaction_rows", "MultiTurnError", "MultiTurnRollout", "PythonTool", "Tool",
-           "ToolConfigError", "ToolOutput", "ToolSetup", "load_interactions", "load_tools", "parse_tool_calls", "setup",
-           "trajectory_tensors"]
+__all__ = ["TOOLS", "Calculator", "Interaction", "MultiTurnError", "MultiTurnRollout", "PythonTool", "Tool",
+           "ToolConfigError", "ToolOutput", "ToolSetup", "check_interaction_rows", "load_interactions", "load_tools",
+           "parse_tool_calls", "setup", "trajectory_tensors"]
 
 DESCRIBE_TOOLS = ("template", "system", "none")
 

@@ -294,6 +294,10 @@ class RLDataset(Dataset):
         """The data_source of every row, in order (selects the reward function)."""
         return [item["data_source"] for item in self._items]
 
+    def extra_infos(self) -> list[dict]:
+        """The extra_info of every row, in order (read-only: the dataset's own dicts)."""
+        return [item["extra_info"] for item in self._items]
+
     def __len__(self) -> int:
         return len(self._items)
 

@@ -70,8 +70,8 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def compile_layers(model: torch.nn.Module) -> None:
     """`model.compile_layers`: torch.compile each decoder layer in place, with dynamic shapes (packed
     rows change length every micro-batch). Inductor fuses a layer's element-wise work (norms,
-    rotary embedding, SiLU, dtype casts) into few kernels; the layers share one compiled graph, and
-    FSDP2's hooks around each layer stay eager."""
+    rotary embedding, SiLU, dtype casts) into few kernels; FSDP2's hooks around each layer stay
+    eager."""
     for layer in decoder_layers(model):
         layer.compile(dynamic=True)
 
