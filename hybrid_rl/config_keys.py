@@ -91,9 +91,12 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(WORKS, "on GPU, the optimizer state waits in host memory between updates; no effect on CPU",
             "actor_rollout_ref.actor.fsdp_config.optimizer_offload"),
     *_rules(NO_EFFECT, "the reference policy has no optimizer", "actor_rollout_ref.ref.fsdp_config.optimizer_offload"),
-    *_rules(NO_EFFECT_ON_CPU, "offloading to host memory; on CPU the model is already there",
-            *(f"critic.{section}.{k}" for section in ("fsdp", "model.fsdp_config")
-              for k in ("param_offload", "optimizer_offload", "offload_policy"))),
+    *_rules(WORKS, "on GPU, the critic's weights / optimizer state wait in host memory between uses, or "
+            "(offload_policy) FSDP2's CPU offload keeps them there; no effect on CPU",
+            *(f"critic.fsdp.{k}" for k in ("param_offload", "optimizer_offload", "offload_policy"))),
+    *_rules(NO_EFFECT_ON_CPU, "offloading to host memory; on CPU the model is already there (on GPU, set "
+            "verl 0.9's critic.fsdp.* instead)",
+            *(f"critic.model.fsdp_config.{k}" for k in ("param_offload", "optimizer_offload", "offload_policy"))),
     *_rules(NOT_YET, "the critic's FSDP settings are read from critic.fsdp_config here", "critic.fsdp.dtype",
             "critic.fsdp.reshard_after_forward", "critic.fsdp.model_dtype", "critic.fsdp.fsdp_size"),
     *_rules(NOT_YET, "weights are kept in float32; fsdp_config.dtype sets the compute dtype", "*.model_dtype"),
@@ -143,9 +146,14 @@ RULES: tuple[Rule, ...] = tuple([
             *(f"*.megatron.{k}" for k in ("context_parallel_size", "expert_model_parallel_size",
                                           "expert_tensor_parallel_size", "dynamic_context_parallel",
                                           "use_megatron_fsdp"))),
-    *_rules(NO_EFFECT_ON_CPU, "offloading the Megatron model, gradients or optimizer to host memory; on CPU "
-            "they are already there", "*.megatron.param_offload", "*.megatron.grad_offload",
-            "*.megatron.optimizer_offload"),
+    *_rules(NO_EFFECT, "the reference policy has no optimizer or gradients",
+            "actor_rollout_ref.ref.megatron.optimizer_offload", "actor_rollout_ref.ref.megatron.grad_offload"),
+    *_rules(WORKS, "on GPU, the Megatron weights wait in host memory between forwards and updates (the "
+            "rollout engine gets their GPU memory); no effect on CPU", "*.megatron.param_offload"),
+    *_rules(WORKS, "on GPU, the Megatron optimizer state (float32 main weights and Adam's moments) waits in "
+            "host memory between updates; no effect on CPU", "*.megatron.optimizer_offload"),
+    *_rules(WORKS, "on GPU, the Megatron gradient buffers are freed between updates; no effect on CPU",
+            "*.megatron.grad_offload"),
     *_rules(NOT_YET, "the Megatron engine converts the Hugging Face folder itself (exactly); loading a "
             "pre-converted dist-checkpoint is not built yet", "*.megatron.use_dist_checkpointing"),
     *_rules(NO_EFFECT, "weights are converted by hybrid_rl's own exact converter, not mbridge",
@@ -269,7 +277,7 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NOT_YET, "the reward model shares the actor's worker processes", "reward_model.enable_resource_pool"),
     *_rules(NO_EFFECT, "read only with reward_model.enable_resource_pool, which is not supported yet",
             "reward_model.n_gpus_per_node", "reward_model.nnodes"),
-    *_rules(NO_EFFECT_ON_CPU, "offloading to host memory; on CPU the model is already there",
+    *_rules(WORKS, "on GPU, the reward model's weights wait in host memory between scorings; no effect on CPU",
             "reward_model.model.fsdp_config.param_offload"),
     *_rules(NOT_YET, "use reward_model.micro_batch_size_per_gpu (the global form is deprecated in verl too)",
             "reward_model.micro_batch_size"),

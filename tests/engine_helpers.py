@@ -60,3 +60,16 @@ def step(engine, cfg, seed: int) -> dict:
 
 def weights(engine) -> dict:
     return {name: tensor.clone() for name, tensor in engine.per_tensor_weights(torch.float32)}
+
+
+def offloaded(engine) -> dict[str, bool]:
+    """Whether the weights, the optimizer state (Adam's moments; its step counters live on the
+    host) and the gradient buffers hold no memory at all."""
+    def freed(tensors):
+        return all(t.untyped_storage().nbytes() == 0 for t in tensors)
+
+    moments = [v for part in engine.optimizer_parts for state in part.optimizer.state.values()
+               for key, v in state.items() if key != "step"]
+    return {"params": freed(p for m in engine.models for p in m.parameters()),
+            "moments": bool(moments) and freed(moments),
+            "grads": freed(b.grad_data for chunk in engine.chunks for b in chunk.buffers)}

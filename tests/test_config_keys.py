@@ -150,24 +150,35 @@ def test_keys_with_no_effect_accept_any_value_and_are_reported(caplog):
     assert "no effect here (docs/config.md): " in caplog.text and " more" in caplog.text
 
 
-@pytest.mark.parametrize("key, config_name, note", [
-    ("critic.fsdp.param_offload", "ppo_trainer", "offloading to host memory; on CPU the model is already there"),
-    ("actor_rollout_ref.actor.megatron.grad_offload", "ppo_megatron_trainer",
-     "offloading the Megatron model, gradients or optimizer to host memory; on CPU they are already there"),
-])
-def test_offload_without_an_implementation_has_no_effect_on_cpu_and_is_refused_on_gpu(key, config_name, note):
+def test_legacy_critic_offload_has_no_effect_on_cpu_and_is_refused_on_gpu_naming_the_key_that_works():
+    key = "critic.model.fsdp_config.param_offload"
     assert status_of(key)[0] == NO_EFFECT_ON_CPU
-    cfg = compose_config([f"{key}=true"], config_name=config_name)
+    cfg = compose_config([f"{key}=true"])
     assert check_verl_keys(cfg, "cpu") == []
-    assert check_verl_keys(cfg, "cuda") == [f"{key}=True is not supported yet ({note})"]
+    assert check_verl_keys(cfg, "cuda") == [
+        f"{key}=True is not supported yet (offloading to host memory; on CPU the model is already there (on GPU, "
+        "set verl 0.9's critic.fsdp.* instead))"]
 
 
-def test_actor_and_reference_offload_are_accepted_on_both_devices():
-    keys = ["actor_rollout_ref.actor.fsdp_config.param_offload", "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
-            "actor_rollout_ref.ref.fsdp_config.param_offload"]
+@pytest.mark.parametrize("config_name, keys", [
+    ("ppo_trainer", ["actor_rollout_ref.actor.fsdp_config.param_offload",
+                     "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
+                     "actor_rollout_ref.ref.fsdp_config.param_offload", "critic.fsdp.param_offload",
+                     "critic.fsdp.optimizer_offload", "critic.fsdp.offload_policy",
+                     "reward_model.model.fsdp_config.param_offload"]),
+    ("ppo_megatron_trainer", [f"{role}.megatron.{k}" for role in ("actor_rollout_ref.actor", "critic")
+                              for k in ("param_offload", "optimizer_offload", "grad_offload")]),
+])
+def test_offload_is_accepted_on_both_devices(config_name, keys):
     assert {status_of(key)[0] for key in keys} == {WORKS}
-    cfg = compose_config([f"{key}=true" for key in keys])
+    cfg = compose_config([f"{key}=true" for key in keys], config_name=config_name)
     assert check_verl_keys(cfg, "cpu") == check_verl_keys(cfg, "cuda") == []
+
+
+def test_verl_critic_offload_keys_reach_the_critic_engine():
+    cfg = compose_config(["critic.fsdp.param_offload=true", "critic.fsdp.offload_policy=true"])
+    assert (cfg.critic.fsdp_config.param_offload, cfg.critic.fsdp_config.optimizer_offload,
+            cfg.critic.fsdp_config.offload_policy) == (True, False, True)
 
 
 def test_our_own_keys_work():

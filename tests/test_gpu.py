@@ -1,7 +1,7 @@
 """The training engines on a CUDA GPU (skipped without one): the Megatron engine against the FSDP
 engine on the same model, batch and seed; megatron's bf16 path; FSDP2's CPU offload
-(`fsdp_config.offload_policy`) and verl's `param_offload` / `optimizer_offload` change where the
-weights live, not what a step computes; LoRA on CUDA (bf16 compute) computes what it does on the CPU."""
+(`fsdp_config.offload_policy`) and verl's `param_offload` / `optimizer_offload` (and on Megatron
+`grad_offload`) change where the weights live, not what a step computes; LoRA on CUDA (bf16 compute) computes what it does on the CPU."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from hybrid_rl.engines import Output
 from tests.conftest import build_tiny_model
-from tests.engine_helpers import actor_config, make_engine, rollout_batch, step, weights
+from tests.engine_helpers import actor_config, make_engine, offloaded, rollout_batch, step, weights
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda", 0)
@@ -122,6 +122,42 @@ def test_fsdp_param_and_optimizer_offload_on_cuda(model_dir, tmp_path):
     torch.testing.assert_close(runs[True]["infer"]["log_probs"], runs[False]["infer"]["log_probs"])
     for name, tensor in runs[False]["after"].items():
         torch.testing.assert_close(runs[True]["after"][name], tensor, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_megatron_offload_on_cuda(model_dir, tmp_path, dtype):
+    """Megatron with verl's param_offload, optimizer_offload and grad_offload holds (almost) no
+    GPU memory between uses, and computes what a resident engine computes."""
+    keys = [f"actor_rollout_ref.actor.megatron.{k}" for k in ("param_offload", "optimizer_offload", "grad_offload")]
+    runs = {}
+    for offload in (False, True):
+        cfg = actor_config("megatron", dtype=dtype, extra=[f"{key}={offload}" for key in keys])
+        torch.cuda.synchronize()
+        baseline = torch.cuda.memory_allocated()
+        # "cuda" without an index, as the workers name it: cuda:0 tensors are on it too.
+        engine = make_engine(cfg, model_dir, torch.device("cuda"))
+        before = {k: v.cpu() for k, v in weights(engine).items()}
+        first = step(engine, cfg, 1)
+        engine.save_checkpoint(str(tmp_path / f"ckpt_{dtype}_{offload}"))
+        engine.load_checkpoint(str(tmp_path / f"ckpt_{dtype}_{offload}"))
+        infer = engine.infer(rollout_batch(3), Output.LOG_PROBS, 0.7, 3, None)
+        second = step(engine, cfg, 2)
+        torch.cuda.synchronize()
+        held, away = torch.cuda.memory_allocated() - baseline, offloaded(engine)
+        after = {k: v.cpu() for k, v in weights(engine).items()}
+        runs[offload] = {"first": first, "second": second, "infer": infer, "held": held, "away": away,
+                         "update": torch.cat([(after[k] - before[k]).flatten() for k in sorted(after)])}
+        del engine
+    assert runs[True]["away"] == {"params": True, "moments": True, "grads": True}
+    assert runs[True]["held"] < 0.05 * runs[False]["held"]
+    # CUDA's attention backward accumulates in no fixed order: equal up to that, not bitwise.
+    rel = 1e-2 if dtype == "bf16" else 1e-4
+    for key in ("actor/loss", "actor/grad_norm"):
+        assert runs[True]["first"][key] == pytest.approx(runs[False]["first"][key], rel=rel)
+        assert runs[True]["second"][key] == pytest.approx(runs[False]["second"][key], rel=rel)
+    torch.testing.assert_close(runs[True]["infer"]["log_probs"], runs[False]["infer"]["log_probs"], rtol=rel, atol=rel)
+    expected = runs[False]["update"]
+    assert (runs[True]["update"] - expected).norm() <= rel * expected.norm()
 
 
 def test_lora_on_cuda_matches_the_cpu(model_dir):

@@ -17,7 +17,7 @@ from hybrid_rl.engines import Head, ModelSpec, Output, build_engine
 from hybrid_rl.main import compose_config
 from hybrid_rl.protocol import Batch
 from tests.conftest import build_tiny_model
-from tests.engine_helpers import actor_config, make_engine, rollout_batch, step, weights
+from tests.engine_helpers import actor_config, make_engine, offloaded, rollout_batch, step, weights
 
 # A micro-batch's 15 response positions in 4 chunks of the LM head (the last one short).
 SMALL_HEAD_CHUNKS = ("actor_rollout_ref.model.head_chunk_size=4",)
@@ -108,6 +108,49 @@ def test_megatron_engine_trains_in_bf16(tiny_model_dir4, tp, pp):
         diff = (result["infer"]["log_probs"] - expected_infer["log_probs"])[mask].abs().max()
         assert 0 < diff <= 0.1  # bf16 weights and activations, not fp32 ones
         assert result["first"]["actor/grad_norm"] == pytest.approx(expected["actor/grad_norm"], rel=0.05)
+
+
+def _offload_rank_main(rank, world, init_file, model_dir, out_dir, dtype, distributed):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    cfg = actor_config("megatron", dtype=dtype,
+                       extra=[f"actor_rollout_ref.actor.megatron.use_distributed_optimizer={distributed}"])
+    runs = {}
+    for offload in (False, True):
+        engine = make_engine(cfg, model_dir)
+        if offload:  # what the engine does on a GPU with param_offload, optimizer_offload, grad_offload
+            engine.offload_params = engine.offload_optimizer = engine.offload_grads = True
+            engine._place(False, True, True, True)
+        first = step(engine, cfg, 1)
+        away_after_update = offloaded(engine)
+        engine.save_checkpoint(os.path.join(out_dir, f"ckpt{offload}"))
+        engine.load_checkpoint(os.path.join(out_dir, f"ckpt{offload}"))
+        infer = engine.infer(rollout_batch(3), Output.LOG_PROBS, 0.7, 3, None)
+        runs[offload] = {"first": first, "second": step(engine, cfg, 2), "infer": infer, "after": weights(engine),
+                         "away": (away_after_update, offloaded(engine))}
+    torch.save(runs, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dtype, distributed", [("fp32", True), ("bf16", False)])
+def test_megatron_offload_frees_the_memory_between_uses_and_changes_no_number(tiny_model_dir4, dtype, distributed):
+    """verl's param_offload / optimizer_offload / grad_offload (a GPU feature; the mechanism is
+    the same on the CPU): between uses the weights, Adam's state and the gradient buffers hold no
+    memory, and every update, checkpoint, forward and weight export computes what a resident
+    engine does. Two data-parallel ranks: the distributed optimizer's shards are views of float32
+    weights; the bf16 engine's float32 masters are copies."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_offload_rank_main,
+                           args=(2, os.path.join(out_dir, "init"), tiny_model_dir4, out_dir, dtype, distributed),
+                           nprocs=2, start_method="spawn")
+        results = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)]
+    everything = {"params": True, "moments": True, "grads": True}
+    for runs in results:
+        assert runs[True]["away"] == (everything, everything)
+        assert not any(runs[False]["away"][0].values())
+        for key in ("first", "second"):
+            assert runs[True][key] == runs[False][key]
+        assert torch.equal(runs[True]["infer"]["log_probs"], runs[False]["infer"]["log_probs"])
+        assert all(torch.equal(runs[True]["after"][k], runs[False]["after"][k]) for k in runs[False]["after"])
 
 
 def critic_config(strategy: str, tp: int = 1, pp: int = 1):

@@ -15,9 +15,10 @@ workers and the trainer see only this class, never FSDP or Megatron:
 - `load_weights_from(other)`: copy another engine's weights of the same model (a reference reset);
 - `dp_rank` / `dp_size`: this rank's place among the data-parallel replicas.
 
-On GPU an engine may keep its weights and/or optimizer state in host memory between uses
-(verl's `param_offload` / `optimizer_offload`): `resident()` brings them to the GPU around each
-forward, update and checkpoint, so the rollout engine has the memory the rest of the time.
+On GPU an engine may keep its weights, optimizer state and (Megatron) gradient buffers in host
+memory between uses (verl's `param_offload` / `optimizer_offload` / `grad_offload`): `resident()`
+brings them to the GPU around each forward, update and checkpoint, so the rollout engine has the
+memory the rest of the time.
 
 A backend implements `forward_backward`, `optimizer_step`, `per_tensor_weights` and the sharded
 half of the checkpoint; the mini-batch loop, micro-batching and metrics live here, once.
@@ -89,6 +90,7 @@ class TrainEngine(ABC):
     share_prompts: bool = False  # micro-batches keep a prompt's responses together (one prompt copy)
     offload_params: bool = False  # the weights wait in host memory between uses (GPU)
     offload_optimizer: bool = False  # so does the optimizer state between updates (GPU)
+    offload_grads: bool = False  # the gradient buffers are freed between updates (GPU, Megatron)
 
     # ------------------------------------------------------------------ what a backend implements
     @property
@@ -145,8 +147,9 @@ class TrainEngine(ABC):
         raise NotImplementedError(f"The {type(self).__name__} cannot copy weights between engines yet (the "
                                   "reference reset of trainer.iterative); use strategy=fsdp.")
 
-    def _place(self, device: torch.device, params: bool, optimizer: bool) -> None:
-        """Move the weights and/or the optimizer state to `device` (for `resident`)."""
+    def _place(self, resident: bool, params: bool, optimizer: bool, grads: bool) -> None:
+        """Bring the weights / optimizer state / gradient buffers named to the compute device
+        (`resident`) or send them to host memory (for `resident()`)."""
         raise NotImplementedError(f"The {type(self).__name__} cannot offload to host memory yet.")
 
     def adapter_disabled(self) -> contextlib.AbstractContextManager:
@@ -171,17 +174,17 @@ class TrainEngine(ABC):
 
     @contextlib.contextmanager
     def resident(self, optimizer: bool = False):
-        """The offloaded weights (with `optimizer`, also the offloaded optimizer state) on the
-        compute device inside the block, back in host memory after it."""
-        params, optimizer = self.offload_params, optimizer and self.offload_optimizer
-        if not (params or optimizer):
+        """The offloaded weights (with `optimizer`, also the offloaded optimizer state and
+        gradient buffers) on the compute device inside the block, back in host memory after it."""
+        parts = (self.offload_params, optimizer and self.offload_optimizer, optimizer and self.offload_grads)
+        if not any(parts):
             yield
             return
-        self._place(self.device, params, optimizer)
+        self._place(True, *parts)
         try:
             yield
         finally:
-            self._place(torch.device("cpu"), params, optimizer)
+            self._place(False, *parts)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # the memory goes back to the rollout engine
 

@@ -126,7 +126,7 @@ class FSDPEngine(TrainEngine):
         self.offload_params = on_gpu and not cpu_offload and bool(fsdp_cfg.get("param_offload", False))
         self.offload_optimizer = on_gpu and trainable and bool(fsdp_cfg.get("optimizer_offload", False))
         if self.offload_params:
-            self._place(torch.device("cpu"), params=True, optimizer=False)
+            self._place(False, params=True, optimizer=False, grads=False)
 
     @property
     def dp_rank(self) -> int:
@@ -182,7 +182,9 @@ class FSDPEngine(TrainEngine):
         return norm
 
     @torch.no_grad()
-    def _place(self, device: torch.device, params: bool, optimizer: bool) -> None:
+    def _place(self, resident: bool, params: bool, optimizer: bool, grads: bool) -> None:
+        # FSDP's gradients are freed after every optimizer step already (`grads` is never set).
+        device = self.device if resident else torch.device("cpu")
         if params:
             self.module.to(device)  # FSDP2 re-registers the moved shards as its parameters
         if optimizer:

@@ -211,6 +211,8 @@ def main(argv=None) -> int:
         "matmul_peak_tflops": peaks,
         "gather_weights": {"gb": sync_bytes / 1e9, "gb_per_s": sync_bytes / 1e9 / measured["gather_weights"]},
         "peak_memory_gb_per_rank": peak_memory_gb(device),
+        # What the engine holds while the rollout runs (with offloading, little): GPU only.
+        "memory_between_steps_gb": torch.cuda.memory_allocated(device) / 1e9 if device.type == "cuda" else None,
     })
     if rank0:
         print(f"{args.strategy} on {common.machine()}: {world} rank(s), {compute_dtype}, built in {build_seconds:.1f} s")
@@ -220,6 +222,8 @@ def main(argv=None) -> int:
               f"{result['update']['fraction_of_matmul_peak']:.1%} of the {compute_dtype} matmul peak "
               f"({peaks[compute_dtype]:.1f} TFLOP/s)")
         print(f"weights gathered for a sync: {sync_bytes / 1e9:.3f} GB bf16 at {result['gather_weights']['gb_per_s']:.1f} GB/s")
+        if result["memory_between_steps_gb"] is not None:
+            print(f"GPU memory held between steps: {result['memory_between_steps_gb']:.2f} GB")
         print(f"peak memory per rank: {result['peak_memory_gb_per_rank']:.2f} GB; first step: pg_loss "
               f"{first_step['pg_loss']:.6f}, grad_norm {first_step['grad_norm']:.6f}")
         common.write_json(args.json, result)

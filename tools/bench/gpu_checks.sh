@@ -15,7 +15,8 @@
 # 2. where an FSDP update's time goes on the GPU: operator profiles (torch.profiler) of one
 #    update of the 135M and 0.5B shapes;
 # 3. Qwen2.5-1.5B on both engines, and on FSDP with offload_policy (its memory saving); the 0.5B
-#    shape on both engines in one call (Megatron's memory against FSDP's on the same card);
+#    shape on both engines in one call (Megatron's memory against FSDP's on the same card), and on
+#    Megatron with param/optimizer/grad offload (the memory it holds between steps, the time it costs);
 # 4. the other shapes on both engines (tools/bench/engines.sh).
 set -u
 cd "$(dirname "$0")/../.."
@@ -54,5 +55,9 @@ bench fsdp-offload-1.5b 180 --strategy fsdp --shape qwen2.5-1.5b "${BATCH[@]}" -
 bench fsdp-1.5b 180 --strategy fsdp --shape qwen2.5-1.5b "${BATCH[@]}" --steps 3
 bench megatron-0.5b 150 --strategy megatron --shape qwen2.5-0.5b "${BATCH[@]}" --steps 3
 bench fsdp-0.5b 150 --strategy fsdp --shape qwen2.5-0.5b "${BATCH[@]}" --steps 3
+bench megatron-offload-1.5b 180 --strategy megatron --shape qwen2.5-1.5b "${BATCH[@]}" --steps 3 \
+  actor_rollout_ref.actor.megatron.{param,optimizer,grad}_offload=true
+bench megatron-offload-0.5b 150 --strategy megatron --shape qwen2.5-0.5b "${BATCH[@]}" --steps 3 \
+  actor_rollout_ref.actor.megatron.{param,optimizer,grad}_offload=true
 step engines 400 env OUT="$OUT/engines" PYTHON="$PYTHON" SHAPES="smollm2-135m qwen2.5-0.5b" bash tools/bench/engines.sh
 echo "== done"

@@ -139,6 +139,14 @@ class MegatronEngine(TrainEngine):
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         self.pp_size = pp
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        # verl's switches; on CPU everything is in host memory already.
+        on_gpu = device.type == "cuda"
+        self.offload_params = on_gpu and bool(megatron_cfg.get("param_offload", False))
+        self.offload_optimizer = on_gpu and trainable and bool(megatron_cfg.get("optimizer_offload", False))
+        self.offload_grads = on_gpu and trainable and bool(megatron_cfg.get("grad_offload", False))
+        self.host_copies = {"params": HostCopies(), "optimizer": HostCopies()}
+        if self.offload_params or self.offload_optimizer or self.offload_grads:
+            self._place(False, self.offload_params, self.offload_optimizer, self.offload_grads)
 
     # ------------------------------------------------------------------ set-up
     def _megatron(self):
@@ -312,10 +320,34 @@ class MegatronEngine(TrainEngine):
                 chunk.zero_grad_buffer()
         return norm
 
+    @torch.no_grad()
+    def _place(self, resident: bool, params: bool, optimizer: bool, grads: bool) -> None:
+        if resident:
+            for part, wanted in (("params", params), ("optimizer", optimizer)):
+                if wanted:
+                    self.host_copies[part].reload()
+            if grads:
+                for chunk in self.chunks:  # megatron reallocates them zeroed
+                    chunk.restore_grad_buffers(synchronize=False)
+            return
+        weights = [p for m in self.models for p in m.parameters()]
+        if optimizer:
+            # The main (float32) weights and Adam's moments. With float32 weights the main weights
+            # are the model's own or views of them: those move with the weights, if at all.
+            own = {p.untyped_storage().data_ptr() for p in weights}
+            state = [t for part in self.optimizer_parts for t in _optimizer_tensors(part.optimizer)
+                     if t.device.type == self.device.type and t.untyped_storage().data_ptr() not in own]
+            self.host_copies["optimizer"].offload(state)
+        if params:
+            self.host_copies["params"].offload(weights)
+        if grads:
+            for chunk in self.chunks:  # zero between updates: nothing to keep
+                chunk.offload_grad_buffers(synchronize=False, empty_cache=False)
+
     # ------------------------------------------------------------------ weights and checkpoints
     def per_tensor_weights(self, dtype: torch.dtype | None,
                            only_trained: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        with self._megatron():
+        with self._megatron(), self.resident():
             yield from mmodel.iter_hf_weights(self.models, self.config, self.layout, dtype)
 
     def _sharded_state(self, loading: bool = False) -> dict:
@@ -353,6 +385,48 @@ class MegatronEngine(TrainEngine):
                         param_state = part.optimizer.state.get(param)
                         if param_state and "step" in group:
                             param_state["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+
+
+class HostCopies:
+    """Tensors' device memory sent to host memory and brought back in place: each storage is
+    copied to (pinned) host memory and resized to nothing, later resized back and refilled, so
+    every tensor and every view of one stays valid. Megatron's weights are views of its DDP
+    buffers (distributed optimizer), and its distributed optimizer's float32 main weights are
+    views of float32 weights: moving `.data` (megatron's own optimizer offload) would part them."""
+
+    def __init__(self):
+        self.saved: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
+
+    def offload(self, tensors: list[torch.Tensor]) -> None:
+        seen = set()
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            if storage.nbytes() == 0 or storage.data_ptr() in seen:  # already away, or shared
+                continue
+            seen.add(storage.data_ptr())
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=storage.device.type == "cuda")
+            host.copy_(_as_bytes(storage))
+            storage.resize_(0)
+            self.saved.append((storage, host))
+
+    def reload(self) -> None:
+        for storage, host in self.saved:
+            storage.resize_(host.numel())
+            # Asynchronous from pinned memory; the host allocator keeps `host` until the copy is done.
+            _as_bytes(storage).copy_(host, non_blocking=True)
+        self.saved = []
+
+
+def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """A torch optimizer's parameters and per-parameter state tensors."""
+    for group in optimizer.param_groups:
+        yield from group["params"]
+    for state in optimizer.state.values():
+        yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
 
 @torch.no_grad()
