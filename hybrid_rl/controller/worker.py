@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import random
 import socket
 from typing import Any, Dict, Optional, Tuple
 
@@ -15,12 +16,37 @@ __all__ = ["Worker", "get_node_ip", "get_free_port"]
 logger = logging.getLogger(__name__)
 
 
+# Ray's default worker ports are 10002-19999; listening ports are picked above them.
+_LISTEN_PORTS_FROM = 20000
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands to outgoing connections (Linux; the IANA range elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
 def get_free_port(host: str = "") -> int:
-    """A TCP port that was free a moment ago on this machine."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port that was free a moment ago on this machine, outside the range the kernel gives
+    to outgoing connections: a port picked from that range (binding port 0 picks one) can become
+    some connection's local port before the rendezvous listens on it (EADDRINUSE; seen when Ray's
+    processes start between the pick and the listen)."""
+    low, _ = _ephemeral_range()
+    # A generator of its own: the global one's state belongs to the seeded run.
+    candidates = random.Random().sample(range(_LISTEN_PORTS_FROM, low), min(64, max(low - _LISTEN_PORTS_FROM, 0)))
+    for port in [*candidates, 0]:  # 0: the kernel's pick, when nothing below the range is free
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise OSError("no free TCP port on this machine")
 
 
 def get_node_ip() -> str:

@@ -340,3 +340,21 @@ def test_a_failed_join_is_told_by_its_telling_line():
                                      "Authentication token is missing or incorrect")
     assert join_failure(ConnectionError("nothing answers at h:1: [Errno 111] Connection refused")) == (
         "nothing answers at h:1: [Errno 111] Connection refused")
+
+
+def test_rendezvous_ports_come_from_below_the_ephemeral_range_and_leave_the_seeded_rng_alone():
+    """Outgoing connections take their local ports from the kernel's ephemeral range, so a
+    rendezvous port picked there can be taken before rank 0 listens on it."""
+    import random
+
+    from hybrid_rl.controller.worker import _ephemeral_range, get_free_port
+
+    low, _ = _ephemeral_range()
+    state = random.getstate()
+    ports = {get_free_port("127.0.0.1") for _ in range(5)}
+    assert random.getstate() == state
+    assert all(20000 <= port < low for port in ports)
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+            s.listen()
