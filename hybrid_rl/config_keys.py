@@ -154,8 +154,10 @@ RULES: tuple[Rule, ...] = tuple([
             "host memory between updates; no effect on CPU", "*.megatron.optimizer_offload"),
     *_rules(WORKS, "on GPU, the Megatron gradient buffers are freed between updates; no effect on CPU",
             "*.megatron.grad_offload"),
-    *_rules(NOT_YET, "the Megatron engine converts the Hugging Face folder itself (exactly); loading a "
-            "pre-converted dist-checkpoint is not built yet", "*.megatron.use_dist_checkpointing"),
+    *_rules(WORKS, "start from a Megatron dist-checkpoint of the model's weights (tools/convert_hf_to_mcore.py), "
+            "resharded to the role's layout, instead of converting the Hugging Face folder; a "
+            "critic keeps its fresh value head", "*.megatron.use_dist_checkpointing",
+            "*.megatron.dist_checkpointing_path", "*.megatron.dist_checkpointing_prefix"),
     *_rules(NO_EFFECT, "weights are converted by hybrid_rl's own exact converter, not mbridge",
             "*.megatron.use_mbridge", "*.megatron.vanilla_mbridge", "*.checkpoint.mbridge_config"),
     *_rules(NO_EFFECT, "the Megatron engine runs each micro-batch padded to its longest row (same numbers)",

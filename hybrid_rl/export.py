@@ -121,14 +121,6 @@ def _root_cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text if len(text) <= 300 else text[:300] + '...'}"
 
 
-def is_megatron_checkpoint(role_dir: str | os.PathLike) -> bool:
-    """A Megatron dist-checkpoint (torch DCP underneath, with megatron's own metadata.json)."""
-    try:
-        return "sharded_backend" in json.loads((Path(role_dir) / "metadata.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-
-
 def read_model_state(role_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The model tensors of a DCP folder written by `save_sharded`, gathered into full CPU tensors
     in this process (no process group, optimizer state left unread). A Megatron checkpoint's
@@ -147,7 +139,7 @@ def read_model_state(role_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
             f"Cannot read the checkpoint metadata in {role_dir} ({_root_cause(exc)}); the checkpoint is "
             "corrupt or partially written. Export an earlier global_step_<N> folder.") from exc
     planner_data = metadata.planner_data or {}
-    megatron = is_megatron_checkpoint(role_dir)
+    megatron = convert.is_dist_checkpoint(role_dir)
     model: dict[str, torch.Tensor] = {}
     for flat_key, meta in metadata.state_dict_metadata.items():
         path = planner_data.get(flat_key)
@@ -357,7 +349,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, role: str = "actor", dtype:
     adapter = (role_dir / lora.ADAPTER_CONFIG).is_file()
     if adapter_only and not adapter:
         raise ExportError(f"{role_dir} holds a whole model, not a LoRA adapter; export it without --adapter-only.")
-    if is_megatron_checkpoint(role_dir):
+    if convert.is_dist_checkpoint(role_dir):
         layout = convert.Layout.from_hf_config(config, value_head=role == "critic")
         state = convert.hf_state_from_dist_checkpoint(state, layout)
     if adapter:

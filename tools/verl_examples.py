@@ -45,11 +45,14 @@ SUBSTITUTED = (
     "trainer.n_gpus_per_node", "trainer.nnodes", "trainer.total_epochs", "trainer.total_training_steps",
     "trainer.val_before_train", "trainer.test_freq", "trainer.save_freq", "trainer.default_local_dir",
     "trainer.resume_mode", "trainer.resume_from_path", "trainer.final_model_dir", "trainer.progress_bar",
-    "trainer.logger",
+    "trainer.logger", "*.megatron.dist_checkpointing_path",
 )
 # A script's reward model (a hub classifier) becomes a classifier built from the default model,
 # its one-label score head untrained: one step needs a scorer that runs, not a good one.
 REWARD_MODEL = "an untrained sequence classifier built from the default model for `reward_model.model.path`"
+# A script's Megatron dist-checkpoint (a model converted on its cluster) becomes the default model's.
+DIST_CHECKPOINT = ("the default model converted by tools/convert_hf_to_mcore.py for each "
+                   "`*.megatron.dist_checkpointing_path`")
 ONE_STEP = ("trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.test_freq=-1",
             "trainer.save_freq=-1", "trainer.final_model_dir=null", "trainer.progress_bar=false",
             "trainer.resume_mode=disable")
@@ -141,12 +144,29 @@ def reward_model_folder() -> str:
     return str(folder)
 
 
+def dist_checkpoint_folder() -> str:
+    """DIST_CHECKPOINT, written once into the cache folder."""
+    from hybrid_rl.export import write_folder
+    from hybrid_rl.models import cache_dir
+
+    folder = cache_dir() / "verl_examples" / "default-model-mcore"
+    if not (folder / "metadata.json").is_file():
+        def write(tmp: Path) -> None:
+            subprocess.run([sys.executable, str(REPO / "tools" / "convert_hf_to_mcore.py"), "--output-path", str(tmp)],
+                           check=True, capture_output=True)
+
+        write_folder(folder, write, overwrite=True)
+    return str(folder)
+
+
 def substituted(overrides: list[str], run_dir: Path, loggers: list[str]) -> list[str]:
     """The script's overrides for a one-step run here; its `loggers` keep running, with jsonl
     added (the step is judged from its metrics file)."""
     kept = [o for o in overrides if not any(fnmatch.fnmatchcase(override_key(o), p) for p in SUBSTITUTED)]
     if any(override_key(o) == "reward_model.model.path" for o in overrides):
         kept.append(f"reward_model.model.path={reward_model_folder()}")
+    kept += [f"{override_key(o)}={dist_checkpoint_folder()}" for o in overrides
+             if fnmatch.fnmatchcase(override_key(o), "*.megatron.dist_checkpointing_path")]
     loggers = [name for name in loggers if name != "jsonl"] + ["jsonl"]
     return kept + list(ONE_STEP) + [f"trainer.default_local_dir={run_dir}", f"trainer.logger=[{','.join(loggers)}]"]
 
@@ -247,7 +267,7 @@ def report(results: list[dict], source: str, ran: bool) -> str:
             compose += " (the script's own text: Hydra's grammar, the same in verl, rejects it)"
         lines.append(f"| {r['script']} | {compose} | {start} | {step} |".replace("\n", " "))
     lines += ["", "Substituted for the one-step runs (the script's own value dropped): "
-              + ", ".join(f"`{p}`" for p in SUBSTITUTED) + f"; {REWARD_MODEL}; then " + ", ".join(f"`{o}`" for o in ONE_STEP)
+              + ", ".join(f"`{p}`" for p in SUBSTITUTED) + f"; {REWARD_MODEL}; {DIST_CHECKPOINT}; then " + ", ".join(f"`{o}`" for o in ONE_STEP)
               + ". wandb logs offline (`WANDB_MODE=offline`).", ""]
     return "\n".join(lines)
 

@@ -49,12 +49,27 @@ def check_layout(key: str, megatron_cfg: Any, layout: convert.Layout, world: int
     if layout.num_layers % (pp * (vpp or 1)):
         raise ValueError(f"{section}.pipeline_model_parallel_size={pp} x virtual_pipeline_model_parallel_size="
                          f"{vpp or 1} does not divide the model's {layout.num_layers} layers.")
+    check_dist_weights(key, megatron_cfg)
     if vpp is not None and device_type == "cpu":
         # Measured with megatron-core 0.16.1: over gloo the interleaved schedule's training pass
         # pairs activations with the wrong micro-batches (batched p2p) or hangs (unbatched).
         raise ValueError(f"{section}.virtual_pipeline_model_parallel_size={vpp}: virtual pipeline stages "
                          "need NCCL (trainer.device=cuda); on CPU set it to null and keep "
                          "pipeline_model_parallel_size.")
+
+
+def check_dist_weights(key: str, megatron_cfg: Any) -> None:
+    """`use_dist_checkpointing` needs `dist_checkpointing_path` to hold a Megatron dist-checkpoint."""
+    if not megatron_cfg.get("use_dist_checkpointing", False):
+        return
+    section, path = f"{key}.megatron", megatron_cfg.get("dist_checkpointing_path")
+    fix = ("write one with `python tools/convert_hf_to_mcore.py --hf-model-path <model folder> --output-path "
+           "<folder>`, or set use_dist_checkpointing=false to convert the Hugging Face folder at start")
+    if not path:
+        raise ValueError(f"{section}.use_dist_checkpointing=true needs {section}.dist_checkpointing_path: {fix}.")
+    if not convert.is_dist_checkpoint(path):
+        raise ValueError(f"{section}.dist_checkpointing_path={path} is not a Megatron dist-checkpoint (no megatron "
+                         f"metadata.json there): {fix}.")
 
 
 def check_recompute(model_key: str, model_cfg: Any, megatron_cfg: Any, device_type: str) -> None:

@@ -17,8 +17,10 @@ the only one megatron-core can build.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -74,6 +76,14 @@ class Layout:
 
     def padded_vocab(self, tp: int) -> int:
         return -(-self.vocab // tp) * tp
+
+
+def is_dist_checkpoint(folder) -> bool:
+    """A Megatron dist-checkpoint (torch DCP underneath, with megatron's own metadata.json)."""
+    try:
+        return "sharded_backend" in json.loads((Path(folder) / "metadata.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
 
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")

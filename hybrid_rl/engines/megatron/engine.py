@@ -125,7 +125,11 @@ class MegatronEngine(TrainEngine):
             # Built on the CPU (the same initial weights on every device), then moved, as megatron-LM does.
             self.models = [chunk.to(device) for chunk in mmodel.build_model(hf_config, self.layout, self.config,
                                                                            te, seed)]
-            mmodel.load_hf_weights(self.models, self.config, spec.path, self.layout)
+            if megatron_cfg.get("use_dist_checkpointing", False):  # a model converted once, resharded here
+                mmodel.load_dist_weights(self.models, megatron_cfg.dist_checkpointing_path,
+                                         megatron_cfg.get("dist_checkpointing_prefix") or "", self.layout.value_head)
+            else:
+                mmodel.load_hf_weights(self.models, self.config, spec.path, self.layout)
             chunk_size = hf_model.forward_options(spec.model_cfg, dtype, device).head_chunk_size
             self.head = mmodel.ResponsePositionsHead(self.models, not self.config.sequence_parallel, chunk_size,
                                                      self.layout.vocab)

@@ -150,6 +150,46 @@ def _vp_stage(config, index: int) -> int | None:
     return index if config.virtual_pipeline_model_parallel_size else None
 
 
+def save_dist_weights(chunks: list[torch.nn.Module], folder: str) -> None:
+    """The chunks' weights alone as a megatron dist-checkpoint in `folder` (what
+    `use_dist_checkpointing` reads): megatron's checkpoint names, every layer's tensor stacked
+    over the layers, resharded to any TP x PP layout on load."""
+    from megatron.core import dist_checkpointing
+
+    os.makedirs(folder, exist_ok=True)
+    state = {}
+    for chunk in chunks:
+        state.update(chunk.sharded_state_dict())
+    dist_checkpointing.save(state, folder)
+
+
+@torch.no_grad()
+def load_dist_weights(chunks: list[torch.nn.Module], folder: str, prefix: str = "", fresh_head: bool = False) -> None:
+    """Fill the chunks from a megatron dist-checkpoint of model weights (`save_dist_weights`;
+    `prefix` before every name, verl's `dist_checkpointing_prefix`), this rank's shards only.
+    With `fresh_head` (a critic from a policy's weights) the output layer keeps its initial
+    weights, as verl does."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import StrictHandling
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    for chunk in chunks:
+        sharded = {key: value for key, value in chunk.sharded_state_dict(prefix=prefix).items()
+                   if not (fresh_head and key.startswith(f"{prefix}output_layer."))}
+        try:
+            loaded = dist_checkpointing.load(sharded, folder, strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+        except (Exception, CheckpointException) as exc:  # torch DCP's is a BaseException, holding megatron's
+            cause = next(iter(exc.failures.values()))[0] if isinstance(exc, CheckpointException) else exc
+            raise ValueError(f"The Megatron dist-checkpoint {folder} does not fit this model ({cause}): convert the "
+                             "model's own Hugging Face folder with tools/convert_hf_to_mcore.py.") from exc
+        state = {key[len(prefix):]: value for key, value in loaded.items()}
+        missing, _ = chunk.load_state_dict(state, strict=False)
+        missing = [key for key in missing if not (fresh_head and key.startswith("output_layer."))
+                   and not key.endswith("_extra_state")]
+        if missing:
+            raise ValueError(f"The Megatron dist-checkpoint {folder} lacks {missing[:5]}.")
+
+
 @torch.no_grad()
 def load_hf_weights(chunks: list[torch.nn.Module], config, path: str, layout: convert.Layout) -> None:
     """Fill the chunks with the HF safetensors weights in `path`, each rank its own TP shard."""
