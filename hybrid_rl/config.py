@@ -300,8 +300,13 @@ def check_reward_model_config(rm: DictConfig) -> None:
                                              "reward_model.overlong_buffer); use naive"))
     if not rm.enable:
         return
-    _choice(rm.strategy, ("fsdp", "fsdp2"), "reward_model.strategy",
-            {"megatron": "reward models run on the FSDP engine; set reward_model.strategy=fsdp"})
+    _choice(rm.strategy, ("fsdp", "fsdp2", "megatron"), "reward_model.strategy")
+    if rm.strategy == "megatron" and rm.process.enable:
+        raise ConfigError("reward_model.strategy=megatron scores whole responses; a process reward model "
+                          "(reward_model.process.enable=true) runs on the FSDP engine: set reward_model.strategy=fsdp.")
+    if rm.strategy == "megatron" and "megatron" not in rm:
+        raise ConfigError("reward_model.strategy=megatron reads the reward_model.megatron section of "
+                          "--config-name=ppo_megatron_trainer; run with that config, or set reward_model.strategy=fsdp.")
     _positive(rm.micro_batch_size_per_gpu, "reward_model.micro_batch_size_per_gpu")
     _positive(rm.forward_max_token_len_per_gpu, "reward_model.forward_max_token_len_per_gpu")
     separator = rm.process.step_separator
@@ -378,6 +383,9 @@ def check_iterative_config(cfg: DictConfig) -> None:
     if cfg.reward_model.enable and cfg.reward_model.process.enable:
         raise ConfigError("trainer.iterative.enable=true with a process reward model: training a PRM on step labels is "
                           "not supported yet; use an outcome reward model (reward_model.process.enable=false).")
+    if cfg.reward_model.enable and cfg.reward_model.strategy == "megatron":
+        raise ConfigError("trainer.iterative.enable=true trains the reward model on the FSDP engine only (its training "
+                          "on Megatron is not built yet): set reward_model.strategy=fsdp.")
     if iterative.reset_reference and needs_reference(cfg):
         for key in ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy"):
             _choice(OmegaConf.select(cfg, key), ("fsdp", "fsdp2"), key,
@@ -511,8 +519,9 @@ def _positive(value, key: str) -> None:
         raise ConfigError(f"{key}={value} must be a positive integer.")
 
 
-def check_model_limits(cfg: DictConfig, model_path: str) -> None:
-    """Prompt + response must fit the model's context window, and a Megatron layout the model."""
+def check_model_limits(cfg: DictConfig, model_path: str, reward_model_config=None) -> None:
+    """Prompt + response must fit the model's context window, and a Megatron layout the model
+    (and the reward model's, `reward_model_config`, when it runs on Megatron)."""
     from transformers import AutoConfig
 
     from hybrid_rl.models import ModelPathError
@@ -538,9 +547,9 @@ def check_model_limits(cfg: DictConfig, model_path: str) -> None:
             "data.max_response_length (the rollout's lengths follow them).")
     check_rollout_parallel(cfg, model_config)
     roles = {"actor_rollout_ref.actor": True, "actor_rollout_ref.ref": needs_reference(cfg),
-             "critic": needs_critic(cfg)}
+             "critic": needs_critic(cfg), "reward_model": reward_model_config is not None}
     try:
-        check_megatron_roles(cfg, model_config, roles)
+        check_megatron_roles(cfg, model_config, roles, {"reward_model": reward_model_config})
     except (ValueError, RuntimeError) as exc:
         raise ConfigError(str(exc)) from None
 

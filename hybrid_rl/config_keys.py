@@ -135,7 +135,6 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NO_EFFECT, "verl copies the actor's qat settings here", "actor_rollout_ref.rollout.qat"),
     *_rules(NO_EFFECT, "read only with qat.enable=true, which is not supported yet", "*.qat.*"),
     # --- training engine (Megatron)
-    *_rules(NO_EFFECT, "reward models run on the FSDP engine (reward_model.strategy=fsdp)", "reward_model.megatron.*"),
     *_rules(WORKS, "the Megatron engine's layout, precision and optimizer sharding (CPU: no virtual "
             "pipeline stages; sequence parallelism needs Transformer Engine on CUDA, elsewhere it is off "
             "with a warning)", *(f"*.megatron.{k}" for k in (

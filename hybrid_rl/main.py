@@ -43,16 +43,21 @@ def prepare(cfg: DictConfig):
     from hybrid_rl.data import RLDataset
     from hybrid_rl.rewards import RewardManager, default_compute_score, load_custom_reward_fn
     from hybrid_rl.rewards.mixture import sources_from_config
+    from transformers import AutoConfig
 
     validate_config(cfg)
     check_resume(cfg)
     model_path = resolve_model_path(cfg.actor_rollout_ref.model.path)
     if needs_critic(cfg) and cfg.critic.model.path:
         resolve_model_path(cfg.critic.model.path, key="critic.model.path")
-    check_model_limits(cfg, model_path)
-    tokenizer = load_checked_tokenizer(cfg, model_path)
+    reward_model_config = None
     if cfg.reward_model.enable:
-        check_reward_model(cfg.reward_model, "reward_model.model.path")
+        reward_model_path = check_reward_model(cfg.reward_model, "reward_model.model.path")
+        if cfg.reward_model.strategy == "megatron":  # its layout is checked with the other Megatron roles'
+            reward_model_config = AutoConfig.from_pretrained(
+                reward_model_path, trust_remote_code=cfg.reward_model.model.trust_remote_code)
+    check_model_limits(cfg, model_path, reward_model_config)
+    tokenizer = load_checked_tokenizer(cfg, model_path)
 
     train_files, val_files = cfg.data.train_files, cfg.data.val_files
     if train_files is None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from omegaconf import OmegaConf
 
 from hybrid_rl.controller.decorator import RankLayout, output_ranks, split_by_layout
 from hybrid_rl.engines import Head, ModelSpec, Output, build_engine
@@ -151,6 +152,38 @@ def test_megatron_offload_frees_the_memory_between_uses_and_changes_no_number(ti
             assert runs[True][key] == runs[False][key]
         assert torch.equal(runs[True]["infer"]["log_probs"], runs[False]["infer"]["log_probs"])
         assert all(torch.equal(runs[True]["after"][k], runs[False]["after"][k]) for k in runs[False]["after"])
+
+
+def _reward_model_rank_main(rank, world, init_file, rm_dir, out_dir, tp, pp):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    cfg = compose_config(["reward_model.enable=true", "reward_model.strategy=megatron", "reward_model.megatron.dtype=fp32",
+                          f"reward_model.megatron.tensor_model_parallel_size={tp}",
+                          f"reward_model.megatron.pipeline_model_parallel_size={pp}"],
+                         config_name="ppo_megatron_trainer").reward_model
+    role_cfg = OmegaConf.create({"strategy": "megatron", "megatron": cfg.megatron})
+    rm = build_engine(ModelSpec("reward_model", rm_dir, cfg.model, head=Head.SCORE), role_cfg, torch.device("cpu"))
+    batch = torch.load(os.path.join(out_dir, "batch.pt"), weights_only=False)
+    torch.save({"scores": rm.infer(batch, Output.SCORES, 1.0, 2, None)["scores"], "output": rm.is_output_rank},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_megatron_reward_model_scores_as_the_fsdp_one(tmp_path, tiny_tokenizer, tp, pp):
+    """`reward_model.strategy=megatron`: a sequence classifier's score at each row's last real
+    token, over TP or PP ranks, equal to the FSDP engine's (fp32)."""
+    from tests.rewards.test_reward_model import build_reward_model, engine as fsdp_reward_model, rollouts
+
+    rm_dir = build_reward_model(tmp_path / "rm", tiny_tokenizer)
+    batch = rollouts(tiny_tokenizer)
+    expected = fsdp_reward_model(rm_dir, packing="padded").infer(batch, Output.SCORES, 1.0, 8, None)["scores"]
+    torch.save(batch, tmp_path / "batch.pt")
+    mp.start_processes(_reward_model_rank_main, args=(2, str(tmp_path / "init"), rm_dir, str(tmp_path), tp, pp),
+                       nprocs=2, start_method="spawn")
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        assert result["scores"].shape == (len(batch),)
+        torch.testing.assert_close(result["scores"], expected, rtol=1e-5, atol=1e-5)
 
 
 def critic_config(strategy: str, tp: int = 1, pp: int = 1):

@@ -177,8 +177,21 @@ def test_bad_reward_models_are_refused_at_start(tmp_path, tiny_tokenizer, tiny_m
         check_reward_model(cfg(f"reward_model.model.path={two}").reward_model, "reward_model.model.path")
     with pytest.raises(ModelPathError, match="neither a model folder"):
         prepare(cfg(f"reward_model.model.path={tmp_path}/missing"))
-    with pytest.raises(ConfigError, match="reward_model.strategy=megatron is not supported yet"):
+    with pytest.raises(ConfigError, match="reads the reward_model.megatron section of --config-name=ppo_megatron_trainer"):
         prepare(cfg(f"reward_model.model.path={reward_model_dir}", "reward_model.strategy=megatron"))
+
+    def megatron_cfg(*extra):
+        return compose_config(run_overrides(tiny_model_dir, arithmetic_files, tmp_path / "run")
+                              + ["reward_model.enable=true", f"reward_model.model.path={reward_model_dir}",
+                                 "reward_model.strategy=megatron", *extra], config_name="ppo_megatron_trainer")
+
+    with pytest.raises(ConfigError, match="a process reward model .* runs on the FSDP engine"):
+        prepare(megatron_cfg("reward_model.process.enable=true"))
+    with pytest.raises(ConfigError, match="trains the reward model on the FSDP engine only"):
+        prepare(megatron_cfg("trainer.iterative.enable=true"))
+    # Its layout is checked against the reward model's own heads and the ranks, before any worker starts.
+    with pytest.raises(ConfigError, match=r"reward_model.megatron.tensor_model_parallel_size \(2\) x "):
+        prepare(megatron_cfg("reward_model.megatron.tensor_model_parallel_size=2"))
     *_, reward_fn, _ = prepare(cfg(f"reward_model.model.path={reward_model_dir}"))
     assert [s.name for s in reward_fn.sources] == ["reward_model"]
 

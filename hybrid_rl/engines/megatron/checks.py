@@ -15,6 +15,10 @@ from hybrid_rl.engines.megatron.cpu import check_version
 from hybrid_rl.models import tensor_parallel_sizes
 
 
+# The trained roles' model sections (where enable_gradient_checkpointing is).
+TRAINED_MODEL_KEYS = {"actor_rollout_ref.actor": "actor_rollout_ref.model", "critic": "critic.model"}
+
+
 def parallel_sizes(megatron_cfg: Any) -> tuple[int, int, int | None]:
     """(tensor, pipeline, virtual pipeline) sizes of a role's `megatron` section."""
     vpp = megatron_cfg.get("virtual_pipeline_model_parallel_size")
@@ -84,8 +88,9 @@ def check_recompute(model_key: str, model_cfg: Any, megatron_cfg: Any, device_ty
                          "to null), or use strategy=fsdp2, whose checkpointing works on CPU.")
 
 
-def check_roles(cfg: Any, hf_config: Any, roles: dict[str, bool]) -> None:
-    """Check every role (`{"actor_rollout_ref.actor": in use, ...}`) whose strategy is megatron."""
+def check_roles(cfg: Any, hf_config: Any, roles: dict[str, bool], role_configs: dict[str, Any] | None = None) -> None:
+    """Check every role (`{"actor_rollout_ref.actor": in use, ...}`) whose strategy is megatron;
+    `role_configs` holds the HF config of a role whose model is not the policy's (a reward model)."""
     megatron = {key: _section(cfg, key) for key, used in roles.items()
                 if used and _section(cfg, key).strategy == "megatron"}
     if not megatron:
@@ -97,12 +102,12 @@ def check_roles(cfg: Any, hf_config: Any, roles: dict[str, bool]) -> None:
                          "low_var_kl), or strategy=fsdp2.")
     if cfg.trainer.device == "cpu":
         check_version()
-    layout = convert.Layout.from_hf_config(hf_config)
     world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     for key in megatron:
+        layout = convert.Layout.from_hf_config((role_configs or {}).get(key, hf_config))
         check_layout(key, _section(cfg, key).megatron, layout, world, cfg.trainer.device)
-        if key != "actor_rollout_ref.ref":  # a frozen model keeps no activations
-            model_key = "critic.model" if key == "critic" else "actor_rollout_ref.model"
+        model_key = TRAINED_MODEL_KEYS.get(key)  # a frozen model keeps no activations
+        if model_key is not None:
             check_recompute(model_key, _section(cfg, model_key), _section(cfg, key).megatron, cfg.trainer.device)
     # One process holds the actor, the reference and the critic, and megatron's groups are per process.
     sizes = {key: parallel_sizes(_section(cfg, key).megatron)[:2] for key in megatron}

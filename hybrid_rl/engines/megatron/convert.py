@@ -27,6 +27,9 @@ import torch
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 # A critic's own folder (a value model saved by a run): the same backbones with a `score` head.
 VALUE_ARCHITECTURES = ("LlamaForTokenClassification", "Qwen2ForTokenClassification", "MistralForTokenClassification")
+# A reward model: the same backbones with a bias-free `score` head read at the last token.
+SCORE_ARCHITECTURES = ("LlamaForSequenceClassification", "Qwen2ForSequenceClassification",
+                       "MistralForSequenceClassification")
 
 
 @dataclass(frozen=True)
@@ -41,14 +44,16 @@ class Layout:
     tied: bool
     qkv_bias: bool
     rope_theta: float
-    value_head: bool = False  # a scalar head (HF `score`, token classification) instead of the LM head
+    value_head: bool = False  # a scalar head (HF `score`) instead of the LM head
+    head_bias: bool = True  # the scalar head's bias: token classification (a critic) has one, sequence classification not
 
     @classmethod
-    def from_hf_config(cls, config, value_head: bool = False) -> "Layout":
+    def from_hf_config(cls, config, value_head: bool = False, head_bias: bool = True) -> "Layout":
         """The layout of a model the conversion reproduces exactly; anything else is refused. A
-        value model (the critic) has no LM head, so nothing is tied to its embedding."""
+        value model (the critic) or a reward model has no LM head, so nothing is tied to its
+        embedding."""
         archs = list(getattr(config, "architectures", None) or [])
-        if not set(archs) & set(ARCHITECTURES + VALUE_ARCHITECTURES):
+        if not set(archs) & set(ARCHITECTURES + VALUE_ARCHITECTURES + SCORE_ARCHITECTURES):
             raise ValueError(f"The Megatron engine converts {', '.join(ARCHITECTURES)} models; this model is "
                              f"{archs or config.model_type}. Use strategy=fsdp2 for it.")
         # transformers 5 keeps the rotary settings in `rope_parameters`, 4.x in rope_theta/rope_scaling.
@@ -72,7 +77,7 @@ class Layout:
                    head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
                    vocab=config.vocab_size, tied=bool(config.tie_word_embeddings) and not value_head,
                    qkv_bias=bool(getattr(config, "attention_bias", False) or config.model_type == "qwen2"),
-                   rope_theta=float(theta), value_head=value_head)
+                   rope_theta=float(theta), value_head=value_head, head_bias=head_bias)
 
     def padded_vocab(self, tp: int) -> int:
         return -(-self.vocab // tp) * tp

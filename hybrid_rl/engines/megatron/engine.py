@@ -1,7 +1,7 @@
 """The Megatron-core engine: tensor, pipeline (with virtual stages) and data parallelism.
 
 The model is megatron's `GPTModel`, built from the HF folder and filled with the converted HF
-weights (`model.py`, `convert.py`); the critic's ends in a scalar value head. A trained model
+weights (`model.py`, `convert.py`); the critic's and a reward model's end in a scalar head. A trained model
 is wrapped in megatron's `DistributedDataParallel` (fp32 gradient buffers, reduced over the
 data-parallel group) and stepped by megatron's optimizer (the distributed one with
 `use_distributed_optimizer`); forward and backward run through megatron's pipeline
@@ -45,9 +45,11 @@ for _message in (r"(Transformer Engine and )?Apex (is|are) not installed", r"ful
 
 # What forward_backward returns per micro-batch for each output it computes.
 OUTPUT_KEYS = {Output.LOG_PROBS: ("log_probs",), Output.LOG_PROBS_ENTROPY: ("log_probs", "entropy"),
-               Output.VALUES: ("values",)}
-ROLE_KEYS = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "critic": "critic"}
-MODEL_KEYS = {"actor": "actor_rollout_ref.model", "ref": "actor_rollout_ref.model", "critic": "critic.model"}
+               Output.VALUES: ("values",), Output.SCORES: ("scores",)}
+ROLE_KEYS = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "critic": "critic",
+             "reward_model": "reward_model"}
+MODEL_KEYS = {"actor": "actor_rollout_ref.model", "ref": "actor_rollout_ref.model", "critic": "critic.model",
+              "reward_model": "reward_model.model"}
 FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 
@@ -79,13 +81,14 @@ class MegatronEngine(TrainEngine):
     def __init__(self, spec: ModelSpec, role_cfg: Any, device: torch.device):
         from megatron.core import parallel_state
 
-        if spec.head in (Head.SCORE, Head.STEP_SCORE, Head.STEP_TAG):
-            raise ValueError(f"{spec.role}: reward models (classifiers and step-tag scorers) run on the FSDP engine; "
-                             "set its strategy to fsdp.")
+        if spec.head in (Head.STEP_SCORE, Head.STEP_TAG):
+            raise ValueError(f"{spec.role}: process reward models (token classifiers and step-tag scorers) run on the "
+                             "FSDP engine; set its strategy to fsdp.")
         self.spec, self.device = spec, device
         megatron_cfg = role_cfg.megatron
         hf_config = model_config(spec.path, spec.model_cfg)
-        self.layout = convert.Layout.from_hf_config(hf_config, value_head=spec.head is Head.VALUE)
+        self.layout = convert.Layout.from_hf_config(hf_config, value_head=spec.head in (Head.VALUE, Head.SCORE),
+                                                    head_bias=spec.head is Head.VALUE)
         check_layout(ROLE_KEYS[spec.role], megatron_cfg, self.layout, dist.get_world_size(), device.type)
         tp, pp, vpp = parallel_sizes(megatron_cfg)
         seed = int(megatron_cfg.get("seed", 42))
@@ -234,7 +237,7 @@ class MegatronEngine(TrainEngine):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         if output not in OUTPUT_KEYS:
-            raise NotImplementedError(f"The Megatron engine computes log-probs, entropies and values, not "
+            raise NotImplementedError(f"The Megatron engine computes log-probs, entropies, values and scores, not "
                                       f"{output.value}: use strategy=fsdp2 for the full-vocabulary KL "
                                       "(kl_loss_type=full).")
         # The interleaved schedule runs micro-batches in groups of PP; fillers (no response
@@ -248,9 +251,12 @@ class MegatronEngine(TrainEngine):
         def forward_step(data_iterator, model):
             micro = next(data_iterator)
             ids, positions, predict = mmodel.left_aligned(micro)
+            if output is Output.SCORES:  # a reward model reads each row's last real token
+                predict = micro["attention_mask"].sum(1, keepdim=True) - 1
             ids, positions = _pad_columns(ids, pad_to), _pad_columns(positions, pad_to)
             with_entropy = output is Output.LOG_PROBS_ENTROPY
-            head_log_probs = None if output is Output.VALUES else (micro["responses"], temperature, with_entropy)
+            scalar = output in (Output.VALUES, Output.SCORES)
+            head_log_probs = None if scalar else (micro["responses"], temperature, with_entropy)
             with self.head.at(predict, head_log_probs):
                 outputs = model(ids, positions, None)
 
@@ -258,6 +264,8 @@ class MegatronEngine(TrainEngine):
                 outputs = self.head.outputs(outputs, predict)
                 if output is Output.VALUES:  # V(s_t): the value head's output before each response token
                     out = {"values": outputs[..., 0].float()}
+                elif output is Output.SCORES:
+                    out = {"scores": outputs[:, 0, 0].float()}
                 else:
                     if self.head.enabled:  # the head gave (log-prob, entropy) pairs
                         log_probs, entropy = outputs.float().unbind(-1)
@@ -295,9 +303,9 @@ class MegatronEngine(TrainEngine):
         out = []
         for index, micro in enumerate(micros):
             mine = results[index] if results else {}
-            shape = micro["responses"].shape
             received = {}
             for key in keys:
+                shape = micro["responses"].shape[:1] if key == "scores" else micro["responses"].shape
                 tensor = mine[key].float().contiguous() if key in mine else torch.empty(shape, device=self.device)
                 dist.broadcast(tensor, src=src, group=self.pp_group)
                 received[key] = tensor

@@ -109,22 +109,25 @@ def build_model(hf_config, layout: convert.Layout, config, transformer_engine: b
             share_embeddings_and_output_weights=layout.tied, position_embedding_type="rope",
             rotary_base=layout.rope_theta, parallel_output=False, vp_stage=vp_stage)
         if layout.value_head and chunk.post_process:
-            chunk.output_layer = ValueHead(config, getattr(hf_config, "initializer_range", 0.02), seed)
+            chunk.output_layer = ValueHead(config, getattr(hf_config, "initializer_range", 0.02), seed,
+                                           layout.head_bias)
         chunks.append(chunk)
     return chunks
 
 
 class ValueHead(torch.nn.Linear):
-    """The critic's scalar head in place of GPTModel's output layer: hidden -> 1 with a bias, as
-    transformers' token-classification `score`, replicated on the TP ranks. Under sequence
-    parallelism it gathers the sequence first, so every TP rank computes the same values and the
-    same head gradients."""
+    """The critic's or a reward model's scalar head in place of GPTModel's output layer: hidden
+    -> 1, with a bias as transformers' token-classification `score` (the critic), without one as
+    its sequence-classification `score` (a reward model); replicated on the TP ranks. Under
+    sequence parallelism it gathers the sequence first, so every TP rank computes the same values
+    and the same head gradients."""
 
-    def __init__(self, config, init_std: float, seed: int):
-        super().__init__(config.hidden_size, 1, bias=True, dtype=config.params_dtype)
+    def __init__(self, config, init_std: float, seed: int, bias: bool = True):
+        super().__init__(config.hidden_size, 1, bias=bias, dtype=config.params_dtype)
         with torch.no_grad():  # the same fresh head on every rank
             self.weight.copy_(torch.randn(self.weight.shape, generator=torch.Generator().manual_seed(seed)) * init_std)
-            self.bias.zero_()
+            if bias:
+                self.bias.zero_()
         self.sequence_parallel = config.sequence_parallel
 
     def forward(self, hidden: torch.Tensor, weight=None, runtime_gather_output=None):
