@@ -194,3 +194,44 @@ def test_megatron_recomputation_on_cuda(model_dir):
 
     runs = [checkpointed_update(model_dir, flag, CUDA, strategy="megatron") for flag in (False, True)]
     assert_same_update_fewer_activations(*runs)
+
+
+def test_megatron_reward_model_on_cuda(tmp_path, tiny_tokenizer):
+    """`reward_model.strategy=megatron` on CUDA: float32 scores equal the FSDP engine's."""
+    from omegaconf import OmegaConf
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from hybrid_rl.config_keys import compose_config
+    from hybrid_rl.engines import Head, ModelSpec, build_engine
+
+    torch.manual_seed(0)
+    LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, pad_token_id=tiny_tokenizer.pad_token_id,
+        num_labels=1)).save_pretrained(tmp_path / "rm")
+    tiny_tokenizer.save_pretrained(tmp_path / "rm")
+    rm = compose_config(["reward_model.megatron.dtype=fp32", "reward_model.model.fsdp_config.dtype=fp32"],
+                        config_name="ppo_megatron_trainer").reward_model
+    scores = {}
+    for strategy in ("fsdp", "megatron"):
+        role_cfg = OmegaConf.create({"strategy": strategy, "fsdp_config": rm.model.fsdp_config, "megatron": rm.megatron})
+        engine = build_engine(ModelSpec("reward_model", str(tmp_path / "rm"), rm.model, head=Head.SCORE), role_cfg,
+                              CUDA)
+        scores[strategy] = engine.infer(rollout_batch(1), Output.SCORES, 1.0, 3, None)["scores"]
+    torch.testing.assert_close(scores["megatron"], scores["fsdp"], rtol=1e-4, atol=1e-4)
+
+
+def test_megatron_from_a_dist_checkpoint_on_cuda(model_dir, tmp_path):
+    """`megatron.use_dist_checkpointing`: the converted checkpoint loads onto the GPU with the
+    Hugging Face folder's exact weights."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "mcore"
+    subprocess.run([sys.executable, "tools/convert_hf_to_mcore.py", "--hf-model-path", model_dir, "--output-path",
+                    str(out)], check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    dist_keys = [f"actor_rollout_ref.actor.megatron.{k}" for k in ("use_dist_checkpointing=true",
+                                                                     f"dist_checkpointing_path={out}")]
+    hf = weights(make_engine(actor_config("megatron"), model_dir, CUDA))
+    converted = weights(make_engine(actor_config("megatron", extra=dist_keys), model_dir, CUDA))
+    assert set(hf) == set(converted) and all(torch.equal(hf[k], converted[k]) for k in hf)
