@@ -52,9 +52,10 @@ def main(argv: list[str] | None = None) -> int:
                                   torch.device("cpu"))
             with mmodel.device_layer(engine.device):
                 mmodel.save_dist_weights(engine.models, output)
+            params = engine.num_params()
         finally:
             dist.destroy_process_group()
-    print(f"wrote {output} ({args.dtype}, {engine.num_params():,} parameters)")
+    print(f"wrote {output} ({args.dtype}, {params:,} parameters)")
     return 0
 
 
