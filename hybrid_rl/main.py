@@ -43,7 +43,6 @@ def prepare(cfg: DictConfig):
     from hybrid_rl.data import RLDataset
     from hybrid_rl.rewards import RewardManager, default_compute_score, load_custom_reward_fn
     from hybrid_rl.rewards.mixture import sources_from_config
-    from transformers import AutoConfig
 
     validate_config(cfg)
     check_resume(cfg)
@@ -52,10 +51,9 @@ def prepare(cfg: DictConfig):
         resolve_model_path(cfg.critic.model.path, key="critic.model.path")
     reward_model_config = None
     if cfg.reward_model.enable:
-        reward_model_path = check_reward_model(cfg.reward_model, "reward_model.model.path")
+        _, config = check_reward_model(cfg.reward_model, "reward_model.model.path")
         if cfg.reward_model.strategy == "megatron":  # its layout is checked with the other Megatron roles'
-            reward_model_config = AutoConfig.from_pretrained(
-                reward_model_path, trust_remote_code=cfg.reward_model.model.trust_remote_code)
+            reward_model_config = config
     check_model_limits(cfg, model_path, reward_model_config)
     tokenizer = load_checked_tokenizer(cfg, model_path)
 
@@ -110,8 +108,8 @@ def prepare(cfg: DictConfig):
     return model_path, tokenizer, train_dataset, val_dataset, reward_fn, val_reward_fn
 
 
-def check_reward_model(rm_cfg: DictConfig, key: str) -> str:
-    """The reward model's folder: a sequence classifier with one label, or with
+def check_reward_model(rm_cfg: DictConfig, key: str):
+    """(folder, transformers config) of the reward model: a sequence classifier with one label, or with
     `reward_model.process.enable` a token classifier with one or two labels (a causal LM with
     `process.step_tag`)."""
     from transformers import AutoConfig
@@ -135,7 +133,7 @@ def check_reward_model(rm_cfg: DictConfig, key: str) -> str:
         require("ForCausalLM", "not a causal LM. With reward_model.process.step_tag set the reward model is a step-tag "
                 "scorer that reads next-token logits at each tag (AutoModelForCausalLM); for a token classifier set "
                 "reward_model.process.step_tag=null.")
-        return path
+        return path, config
     if process:
         require("ForTokenClassification", "not a token classifier. With reward_model.process.enable=true the reward "
                 "model scores every step, so it must be an AutoModelForTokenClassification (one label: its score; "
@@ -143,7 +141,7 @@ def check_reward_model(rm_cfg: DictConfig, key: str) -> str:
         if config.num_labels not in (1, 2):
             raise ModelPathError(f"{key}={rm_cfg.model.path} has {config.num_labels} labels; a process reward model "
                                  "has one (a score) or two (bad, good: the score is P(good)).")
-        return path
+        return path, config
     require("ForSequenceClassification", "not a sequence classifier. A reward model is an "
             "AutoModelForSequenceClassification with one label; train one from a policy with python "
             "tools/train_reward_model.py" + (" (a token classifier scores steps: reward_model.process.enable=true)."
@@ -152,7 +150,7 @@ def check_reward_model(rm_cfg: DictConfig, key: str) -> str:
     if config.num_labels != 1:
         raise ModelPathError(f"{key}={rm_cfg.model.path} has {config.num_labels} labels; a reward model gives one "
                              "score per response (num_labels=1).")
-    return path
+    return path, config
 
 
 def check_resume(cfg: DictConfig) -> None:

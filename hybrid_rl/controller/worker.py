@@ -20,14 +20,13 @@ logger = logging.getLogger(__name__)
 _LISTEN_PORTS_FROM = 20000
 
 
-def _ephemeral_range() -> tuple[int, int]:
-    """The ports the kernel hands to outgoing connections (Linux; the IANA range elsewhere)."""
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands to outgoing connections (Linux; the IANA range's elsewhere)."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = map(int, f.read().split())
-        return low, high
-    except (OSError, ValueError):
-        return 49152, 65535
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
 
 
 def get_free_port(host: str = "") -> int:
@@ -35,7 +34,7 @@ def get_free_port(host: str = "") -> int:
     to outgoing connections: a port picked from that range (binding port 0 picks one) can become
     some connection's local port before the rendezvous listens on it (EADDRINUSE; seen when Ray's
     processes start between the pick and the listen)."""
-    low, _ = _ephemeral_range()
+    low = _ephemeral_low()
     # A generator of its own: the global one's state belongs to the seeded run.
     candidates = random.Random().sample(range(_LISTEN_PORTS_FROM, low), min(64, max(low - _LISTEN_PORTS_FROM, 0)))
     for port in [*candidates, 0]:  # 0: the kernel's pick, when nothing below the range is free

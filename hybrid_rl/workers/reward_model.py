@@ -44,7 +44,6 @@ class RewardModelWorker(ModelWorker):
         spec = ModelSpec("reward_model", self.model_path, rm_cfg.model, head=head, optim_cfg=optim,
                          tag_token_ids=tag_token_ids)
         role_cfg = OmegaConf.create({"strategy": rm_cfg.strategy, "fsdp_config": rm_cfg.model.fsdp_config,
-                                     "grad_clip": iterative.reward_model.grad_clip,
                                      **({"megatron": rm_cfg.megatron} if "megatron" in rm_cfg else {})})
         self.reward_model = build_engine(spec, role_cfg, self.device)
         self.inputs = RewardInputs(load_tokenizer(self.cfg, self.policy_path), reward_tokenizer, rm_cfg.max_length,

@@ -347,9 +347,9 @@ def test_rendezvous_ports_come_from_below_the_ephemeral_range_and_leave_the_seed
     rendezvous port picked there can be taken before rank 0 listens on it."""
     import random
 
-    from hybrid_rl.controller.worker import _ephemeral_range, get_free_port
+    from hybrid_rl.controller.worker import _ephemeral_low, get_free_port
 
-    low, _ = _ephemeral_range()
+    low = _ephemeral_low()
     state = random.getstate()
     ports = {get_free_port("127.0.0.1") for _ in range(5)}
     assert random.getstate() == state
