@@ -307,6 +307,12 @@ def check_reward_model_config(rm: DictConfig) -> None:
     if rm.strategy == "megatron" and "megatron" not in rm:
         raise ConfigError("reward_model.strategy=megatron reads the reward_model.megatron section of "
                           "--config-name=ppo_megatron_trainer; run with that config, or set reward_model.strategy=fsdp.")
+    if rm.enable_resource_pool:
+        for name in ("nnodes", "n_gpus_per_node"):
+            if not isinstance(rm[name], int) or isinstance(rm[name], bool) or rm[name] <= 0:
+                raise ConfigError(f"reward_model.enable_resource_pool=true runs the reward model in processes of its "
+                                  f"own, reward_model.nnodes x reward_model.n_gpus_per_node of them (on CPU: processes "
+                                  f"per node), but reward_model.{name}={rm[name]}: set it to a positive integer.")
     _positive(rm.micro_batch_size_per_gpu, "reward_model.micro_batch_size_per_gpu")
     _positive(rm.forward_max_token_len_per_gpu, "reward_model.forward_max_token_len_per_gpu")
     separator = rm.process.step_separator
@@ -383,9 +389,6 @@ def check_iterative_config(cfg: DictConfig) -> None:
     if cfg.reward_model.enable and cfg.reward_model.process.enable:
         raise ConfigError("trainer.iterative.enable=true with a process reward model: training a PRM on step labels is "
                           "not supported yet; use an outcome reward model (reward_model.process.enable=false).")
-    if cfg.reward_model.enable and cfg.reward_model.strategy == "megatron":
-        raise ConfigError("trainer.iterative.enable=true trains the reward model on the FSDP engine only (its training "
-                          "on Megatron is not built yet): set reward_model.strategy=fsdp.")
     if iterative.reset_reference and needs_reference(cfg):
         for key in ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy"):
             _choice(OmegaConf.select(cfg, key), ("fsdp", "fsdp2"), key,

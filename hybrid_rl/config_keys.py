@@ -275,9 +275,8 @@ RULES: tuple[Rule, ...] = tuple([
             "reward.reward_model.*", "reward_model.rollout.*", "reward_model.num_workers", "reward_model.reward_loop_*"),
     *_rules(NO_EFFECT, "the reward model's tokenizer is compared with the policy's own, and responses are "
             "re-templated exactly when vocabulary or chat template differ", "reward_model.model.input_tokenizer"),
-    *_rules(NOT_YET, "the reward model shares the actor's worker processes", "reward_model.enable_resource_pool"),
-    *_rules(NO_EFFECT, "read only with reward_model.enable_resource_pool, which is not supported yet",
-            "reward_model.n_gpus_per_node", "reward_model.nnodes"),
+    *_rules(WORKS, "the reward model in a worker group of its own; on CPU n_gpus_per_node counts its processes per node",
+            "reward_model.enable_resource_pool", "reward_model.n_gpus_per_node", "reward_model.nnodes"),
     *_rules(WORKS, "on GPU, the reward model's weights wait in host memory between scorings; no effect on CPU",
             "reward_model.model.fsdp_config.param_offload"),
     *_rules(NOT_YET, "use reward_model.micro_batch_size_per_gpu (the global form is deprecated in verl too)",

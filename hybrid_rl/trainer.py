@@ -82,9 +82,17 @@ def default_cpus_per_worker(trainer_cfg: DictConfig, processes_per_node: int | N
 
 
 def cpus_per_worker(cfg: DictConfig) -> float:
-    """`trainer.cpus_per_worker`, else the trainer's and the rollout pool's processes share each node."""
-    pool = 0 if cfg.actor_rollout_ref.hybrid_engine else cfg.rollout.n_gpus_per_node
-    return cfg.trainer.cpus_per_worker or default_cpus_per_worker(cfg.trainer, cfg.trainer.n_gpus_per_node + pool)
+    """`trainer.cpus_per_worker`, else the trainer's, the rollout pool's and the reward model
+    pool's processes share each node."""
+    pools = 0 if cfg.actor_rollout_ref.hybrid_engine else cfg.rollout.n_gpus_per_node
+    if reward_model_pool(cfg):
+        pools += cfg.reward_model.n_gpus_per_node
+    return cfg.trainer.cpus_per_worker or default_cpus_per_worker(cfg.trainer, cfg.trainer.n_gpus_per_node + pools)
+
+
+def reward_model_pool(cfg: DictConfig) -> bool:
+    """Whether the reward model runs in processes of its own (reward_model.enable_resource_pool)."""
+    return bool(cfg.reward_model.enable and cfg.reward_model.enable_resource_pool)
 
 
 def _plain(value):
@@ -202,16 +210,20 @@ class Trainer:
         if self.use_critic:
             critic_path = resolve_model_path(cfg.critic.model.path) if cfg.critic.model.path else self.model_path
             roles["critic"] = ClassWithInitArgs(CriticWorker, config, critic_path, self.total_steps)
+        self.reward_model = None
         if cfg.reward_model.enable:
             rm_path = resolve_model_path(cfg.reward_model.model.path, key="reward_model.model.path")
-            roles["reward_model"] = ClassWithInitArgs(RewardModelWorker, config, rm_path, self.total_steps,
-                                                      self.model_path)
-        # All roles share one process per rank (and its CPUs/GPU).
+            reward_model = ClassWithInitArgs(RewardModelWorker, config, rm_path, self.total_steps, self.model_path)
+            if reward_model_pool(cfg):
+                self.reward_model = self.init_reward_model_pool(reward_model, cpus)
+            else:
+                roles["reward_model"] = reward_model
+        # The other roles share one process per rank (and its CPUs/GPU).
         self.group = RayWorkerGroup(pool, create_colocated_worker_cls(roles), name_prefix="worker_",
                                     env_vars=worker_env(cfg, cpus))
         views = self.group.spawn(roles)
         self.workers, self.critic = views["actor_rollout_ref"], views.get("critic")
-        self.reward_model = views.get("reward_model")
+        self.reward_model = views.get("reward_model", self.reward_model)
         self.node_info = self.group.get_node_info()
         if len({info["node_id"] for info in self.node_info}) > 1:
             placed = (f"{info['rank']} on {info['node_id'][:12]} ({info['hostname']}, {info['ip']})"
@@ -220,7 +232,9 @@ class Trainer:
         if self.critic is not None:
             self.critic.init_model()
         if self.reward_model is not None:
-            if self.reward_model.init_model()[0]["retemplate"]:
+            reward_model = self.reward_model.init_model()[0]
+            self.reward_model_dp = reward_model["dp_size"]
+            if reward_model["retemplate"]:
                 logger.info("The reward model's tokenizer or chat template differs from the policy's: each response "
                             "is decoded and re-templated for it.")
         # Last: the rollout engine sizes its cache after the trainers.
@@ -230,6 +244,16 @@ class Trainer:
             self.engine_settings = self.init_rollout_pool(config, cpus)
         if self.engine_settings:
             logger.info("vLLM engine: %s", ", ".join(f"{k} {v}" for k, v in self.engine_settings.items()))
+
+    def init_reward_model_pool(self, reward_model: ClassWithInitArgs, cpus: float) -> RayWorkerGroup:
+        """reward_model.enable_resource_pool: the reward model's workers, in processes of their own."""
+        cfg = self.cfg
+        self.reward_model_pool = ResourcePool([cfg.reward_model.n_gpus_per_node] * cfg.reward_model.nnodes,
+                                              use_gpu=cfg.trainer.device == "cuda", cpus_per_process=cpus,
+                                              strategy=cfg.trainer.placement_strategy)
+        self.reward_model_group = RayWorkerGroup(self.reward_model_pool, reward_model, name_prefix="reward_model_",
+                                                 env_vars=worker_env(cfg, cpus))
+        return self.reward_model_group
 
     def init_rollout_pool(self, config: dict, cpus: float) -> dict:
         """Asynchronous training: the rollout pool's workers (`cpus` each), the weight channel from
@@ -300,10 +324,10 @@ class Trainer:
 
     def shutdown(self) -> None:
         """Stop the workers and free their CPUs/GPUs (the Ray session itself stays up)."""
-        for group in ("group", "rollout_group"):
+        for group in ("group", "rollout_group", "reward_model_group"):
             if getattr(self, group, None) is not None:
                 getattr(self, group).kill()
-        for pool in ("resource_pool", "rollout_pool"):
+        for pool in ("resource_pool", "rollout_pool", "reward_model_pool"):
             if getattr(self, pool, None) is not None:
                 getattr(self, pool).remove()
 
@@ -470,7 +494,7 @@ class Trainer:
         start = time.perf_counter()
         metrics: dict[str, float] = {}
         if self.reward_model is not None:
-            batch = self.iteration.training_batch(self.global_step, self.n_ranks)
+            batch = self.iteration.training_batch(self.global_step, self.reward_model_dp)
             if len(batch):
                 batch.meta = BatchMeta(step=self.global_step)
                 per_rank = self.reward_model.train_reward_model(batch)

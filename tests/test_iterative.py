@@ -124,9 +124,11 @@ def test_an_iterative_run(ray_session, tiny_model_dir, tiny_tokenizer, arithmeti
     finally:
         trainer.shutdown()
 
-    # resumed from the step-2 checkpoint (actor, moved reference, trained reward model, samples)
+    # resumed from the step-2 checkpoint (actor, moved reference, trained reward model, samples),
+    # with the reward model now in a process of its own: where it runs changes no result
     resumed = iterative_overrides(tiny_model_dir, arithmetic_files, tmp_path / "resumed", rm, steps=3) + [
-        "trainer.resume_mode=resume_path", f"trainer.resume_from_path={tmp_path}/straight/global_step_2"]
+        "trainer.resume_mode=resume_path", f"trainer.resume_from_path={tmp_path}/straight/global_step_2",
+        "reward_model.enable_resource_pool=true", "reward_model.nnodes=1", "reward_model.n_gpus_per_node=1"]
     trainer, again = fit(resumed)
     trainer.shutdown()
     assert [m["step"] for m in again] == [3]

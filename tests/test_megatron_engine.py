@@ -154,16 +154,40 @@ def test_megatron_offload_frees_the_memory_between_uses_and_changes_no_number(ti
         assert all(torch.equal(runs[True]["after"][k], runs[False]["after"][k]) for k in runs[False]["after"])
 
 
+def reward_model_config(tp: int = 1, pp: int = 1):
+    return compose_config(["reward_model.enable=true", "reward_model.strategy=megatron", "reward_model.megatron.dtype=fp32",
+                           "reward_model.model.fsdp_config.dtype=fp32",
+                           f"reward_model.megatron.tensor_model_parallel_size={tp}",
+                           f"reward_model.megatron.pipeline_model_parallel_size={pp}", "trainer.iterative.enable=true",
+                           "trainer.iterative.reward_model.lr=1e-3", "trainer.iterative.reward_model.epochs=2",
+                           "trainer.iterative.reward_model.mini_batch_size=4",
+                           "trainer.iterative.reward_model.micro_batch_size_per_gpu=3"],
+                          config_name="ppo_megatron_trainer")
+
+
+def reward_model_training(rm, batch, cfg) -> dict:
+    """Iterative RL's training of `rm` (as `RewardModelWorker.train_reward_model` runs it) on
+    `batch` with labels, and the scores before and after."""
+    from hybrid_rl.workers.reward_model import train_pointwise
+
+    rows = Batch(tensors={**batch.tensors, "labels": torch.arange(len(batch)).remainder(2).float(),
+                          "response_mask": batch["attention_mask"][:, -batch["responses"].shape[1]:]})
+    before = rm.infer(rows, Output.SCORES, 1.0, 2, None)["scores"]
+    metrics = train_pointwise(rm, rows, cfg.trainer.iterative.reward_model, seed=3)
+    return {"before": before, "metrics": metrics, "after": rm.infer(rows, Output.SCORES, 1.0, 2, None)["scores"]}
+
+
 def _reward_model_rank_main(rank, world, init_file, rm_dir, out_dir, tp, pp):
+    from hybrid_rl.workers.reward_model import training_optim
+
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    cfg = compose_config(["reward_model.enable=true", "reward_model.strategy=megatron", "reward_model.megatron.dtype=fp32",
-                          f"reward_model.megatron.tensor_model_parallel_size={tp}",
-                          f"reward_model.megatron.pipeline_model_parallel_size={pp}"],
-                         config_name="ppo_megatron_trainer").reward_model
-    role_cfg = OmegaConf.create({"strategy": "megatron", "megatron": cfg.megatron})
-    rm = build_engine(ModelSpec("reward_model", rm_dir, cfg.model, head=Head.SCORE), role_cfg, torch.device("cpu"))
+    cfg = reward_model_config(tp, pp)
+    role_cfg = OmegaConf.create({"strategy": "megatron", "megatron": cfg.reward_model.megatron, "grad_clip": 1.0})
+    optim = training_optim(cfg.trainer.iterative.reward_model)
+    rm = build_engine(ModelSpec("reward_model", rm_dir, cfg.reward_model.model, head=Head.SCORE, optim_cfg=optim),
+                      role_cfg, torch.device("cpu"))
     batch = torch.load(os.path.join(out_dir, "batch.pt"), weights_only=False)
-    torch.save({"scores": rm.infer(batch, Output.SCORES, 1.0, 2, None)["scores"], "output": rm.is_output_rank},
+    torch.save({**reward_model_training(rm, batch, cfg), "output": rm.is_output_rank},
                os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -171,19 +195,32 @@ def _reward_model_rank_main(rank, world, init_file, rm_dir, out_dir, tp, pp):
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
 def test_megatron_reward_model_scores_as_the_fsdp_one(tmp_path, tiny_tokenizer, tp, pp):
     """`reward_model.strategy=megatron`: a sequence classifier's score at each row's last real
-    token, over TP or PP ranks, equal to the FSDP engine's (fp32)."""
-    from tests.rewards.test_reward_model import build_reward_model, engine as fsdp_reward_model, rollouts
+    token, over TP or PP ranks, equal to the FSDP engine's (fp32), before and after iterative
+    RL's pointwise training, whose loss, accuracy and grad norm equal the FSDP engine's too."""
+    from hybrid_rl.workers.reward_model import training_optim
+    from tests.rewards.test_reward_model import ANSWERS, CHATS, build_reward_model, rollouts
 
     rm_dir = build_reward_model(tmp_path / "rm", tiny_tokenizer)
-    batch = rollouts(tiny_tokenizer)
-    expected = fsdp_reward_model(rm_dir, packing="padded").infer(batch, Output.SCORES, 1.0, 8, None)["scores"]
+    batch = rollouts(tiny_tokenizer, CHATS * 2, ANSWERS[::-1] * 2)  # six rows: mini-batches of 4 and 2
+    cfg = reward_model_config()
+    fsdp_role = OmegaConf.create({"strategy": "fsdp", "fsdp_config": cfg.reward_model.model.fsdp_config, "grad_clip": 1.0})
+    model_cfg = OmegaConf.merge(cfg.reward_model.model, {"use_remove_padding": False})
+    fsdp = build_engine(ModelSpec("reward_model", rm_dir, model_cfg, head=Head.SCORE,
+                                  optim_cfg=training_optim(cfg.trainer.iterative.reward_model)),
+                        fsdp_role, torch.device("cpu"))
+    expected = reward_model_training(fsdp, batch, cfg)
+    assert expected["metrics"]["reward_model/loss"] > 0 and not torch.allclose(expected["after"], expected["before"])
     torch.save(batch, tmp_path / "batch.pt")
     mp.start_processes(_reward_model_rank_main, args=(2, str(tmp_path / "init"), rm_dir, str(tmp_path), tp, pp),
                        nprocs=2, start_method="spawn")
-    for rank in range(2):
-        result = torch.load(tmp_path / f"rank{rank}.pt")
-        assert result["scores"].shape == (len(batch),)
-        torch.testing.assert_close(result["scores"], expected, rtol=1e-5, atol=1e-5)
+    results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    assert sum(result["output"] for result in results) == 1  # one data-parallel replica
+    for result in results:
+        assert result["before"].shape == (len(batch),)
+        for key in ("before", "after"):
+            torch.testing.assert_close(result[key], expected[key], rtol=1e-5, atol=1e-5)
+        for key in ("reward_model/loss", "reward_model/accuracy", "reward_model/grad_norm") if result["output"] else ():
+            assert result["metrics"][key] == pytest.approx(expected["metrics"][key], rel=1e-4), key
 
 
 def critic_config(strategy: str, tp: int = 1, pp: int = 1):

@@ -8,7 +8,7 @@ colocated in the actor's worker processes. What it reads is built by
 from __future__ import annotations
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from hybrid_rl.algorithms.reward_model_loss import pointwise_loss
 from hybrid_rl.controller import Dispatch, register
@@ -34,21 +34,20 @@ class RewardModelWorker(ModelWorker):
         step_tag = rm_cfg.process.step_tag if rm_cfg.process.enable else None
         head = Head.STEP_TAG if step_tag is not None else Head.STEP_SCORE if rm_cfg.process.enable else Head.SCORE
         iterative = self.cfg.trainer.iterative
-        optim = OmegaConf.create({  # iterative RL trains it further, at a constant learning rate
-            "lr": iterative.reward_model.lr, "betas": [0.9, 0.999], "weight_decay": iterative.reward_model.weight_decay,
-            "lr_warmup_steps": 0, "lr_warmup_steps_ratio": 0.0, "lr_scheduler_type": "constant",
-            "min_lr_ratio": 0.0, "num_cycles": 0.5}) if iterative.enable else None
+        optim = training_optim(iterative.reward_model) if iterative.enable else None
         reward_tokenizer = AutoTokenizer.from_pretrained(self.model_path,
                                                          trust_remote_code=rm_cfg.model.trust_remote_code)
         tag_token_ids = tag_token_ids_of(reward_tokenizer, rm_cfg.process.step_tag_tokens) if step_tag else None
         spec = ModelSpec("reward_model", self.model_path, rm_cfg.model, head=head, optim_cfg=optim,
                          tag_token_ids=tag_token_ids)
         role_cfg = OmegaConf.create({"strategy": rm_cfg.strategy, "fsdp_config": rm_cfg.model.fsdp_config,
-                                     **({"megatron": rm_cfg.megatron} if "megatron" in rm_cfg else {})})
+                                     **({"megatron": rm_cfg.megatron} if "megatron" in rm_cfg else {}),
+                                     **({"grad_clip": iterative.reward_model.grad_clip} if iterative.enable else {})})
         self.reward_model = build_engine(spec, role_cfg, self.device)
         self.inputs = RewardInputs(load_tokenizer(self.cfg, self.policy_path), reward_tokenizer, rm_cfg.max_length,
                                    step_tag)
-        return {"rank": self.rank, "params": self.reward_model.num_params(), "retemplate": self.inputs.retemplate}
+        return {"rank": self.rank, "params": self.reward_model.num_params(), "retemplate": self.inputs.retemplate,
+                "dp_size": self.reward_model.dp_size}
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, folder: str) -> None:
@@ -77,12 +76,7 @@ class RewardModelWorker(ModelWorker):
             return float(pointwise_loss(scores, rows["labels"][replayed]).sum())
 
         before = replay_loss()
-        role_cfg = OmegaConf.create({"ppo_epochs": cfg.epochs, "shuffle": True, "ppo_mini_batch_size":
-                                     cfg.mini_batch_size, "ppo_micro_batch_size_per_gpu": cfg.micro_batch_size_per_gpu,
-                                     "use_dynamic_bsz": False, "grad_clip": cfg.grad_clip})
-        metrics = self.reward_model.update(rows, role_cfg, rollout_n=1, seed=self.cfg.trainer.seed + batch.meta.step,
-                                           output=Output.SCORES, temperature=1.0,
-                                           loss_fn=reward_model_loss_fn(pairwise=False))
+        metrics = train_pointwise(self.reward_model, rows, cfg, seed=self.cfg.trainer.seed + batch.meta.step)
         return {**metrics, "replay_loss_sum_before": before, "replay_loss_sum_after": replay_loss(),
                 "replayed_rows": float(replayed.sum())}
 
@@ -105,6 +99,24 @@ class RewardModelWorker(ModelWorker):
         step_scores, step_mask = place_step_scores(token_scores, steps, batch["responses"].shape)
         return Batch(tensors={"rm_scores": step_scores.sum(-1), "rm_step_scores": step_scores,
                               "rm_step_mask": step_mask, "rm_truncated": cut})
+
+
+def training_optim(cfg) -> DictConfig:
+    """The optimizer of a reward model that iterative RL trains further
+    (`trainer.iterative.reward_model`): AdamW at a constant learning rate."""
+    return OmegaConf.create({"lr": cfg.lr, "betas": [0.9, 0.999], "weight_decay": cfg.weight_decay,
+                             "lr_warmup_steps": 0, "lr_warmup_steps_ratio": 0.0, "lr_scheduler_type": "constant",
+                             "min_lr_ratio": 0.0, "num_cycles": 0.5})
+
+
+def train_pointwise(engine, rows: Batch, cfg, seed: int) -> dict:
+    """`cfg.epochs` shuffled passes of pointwise training (`trainer.iterative.reward_model`) over
+    `rows`, which carry `labels` in [0, 1] and a `response_mask`, on any training engine."""
+    role_cfg = OmegaConf.create({"ppo_epochs": cfg.epochs, "shuffle": True, "ppo_mini_batch_size": cfg.mini_batch_size,
+                                 "ppo_micro_batch_size_per_gpu": cfg.micro_batch_size_per_gpu,
+                                 "use_dynamic_bsz": False, "grad_clip": cfg.grad_clip})
+    return engine.update(rows, role_cfg, rollout_n=1, seed=seed, output=Output.SCORES, temperature=1.0,
+                         loss_fn=reward_model_loss_fn(pairwise=False))
 
 
 def place_step_scores(token_scores: torch.Tensor, steps: list, shape) -> tuple[torch.Tensor, torch.Tensor]:

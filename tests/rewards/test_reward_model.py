@@ -177,6 +177,9 @@ def test_bad_reward_models_are_refused_at_start(tmp_path, tiny_tokenizer, tiny_m
         check_reward_model(cfg(f"reward_model.model.path={two}").reward_model, "reward_model.model.path")
     with pytest.raises(ModelPathError, match="neither a model folder"):
         prepare(cfg(f"reward_model.model.path={tmp_path}/missing"))
+    with pytest.raises(ConfigError, match="reward_model.nnodes=None: set it to a positive integer"):
+        prepare(cfg(f"reward_model.model.path={reward_model_dir}", "reward_model.enable_resource_pool=true",
+                    "reward_model.n_gpus_per_node=1"))
     with pytest.raises(ConfigError, match="reads the reward_model.megatron section of --config-name=ppo_megatron_trainer"):
         prepare(cfg(f"reward_model.model.path={reward_model_dir}", "reward_model.strategy=megatron"))
 
@@ -187,11 +190,16 @@ def test_bad_reward_models_are_refused_at_start(tmp_path, tiny_tokenizer, tiny_m
 
     with pytest.raises(ConfigError, match="a process reward model .* runs on the FSDP engine"):
         prepare(megatron_cfg("reward_model.process.enable=true"))
-    with pytest.raises(ConfigError, match="trains the reward model on the FSDP engine only"):
-        prepare(megatron_cfg("trainer.iterative.enable=true"))
+    # Iterative RL trains it on Megatron too (tests/test_megatron_engine.py); the reference reset does not.
+    prepare(megatron_cfg("trainer.iterative.enable=true", "trainer.iterative.reset_reference=false"))
     # Its layout is checked against the reward model's own heads and the ranks, before any worker starts.
     with pytest.raises(ConfigError, match=r"reward_model.megatron.tensor_model_parallel_size \(2\) x "):
         prepare(megatron_cfg("reward_model.megatron.tensor_model_parallel_size=2"))
+    # In processes of its own its layout is checked against its own ranks, and need not match the actor's.
+    own_pool = ("reward_model.enable_resource_pool=true", "reward_model.nnodes=1", "reward_model.megatron.tensor_model_parallel_size=2")
+    with pytest.raises(ConfigError, match=r"the number of ranks \(1, reward_model.nnodes x reward_model.n_gpus_per_node\)"):
+        prepare(megatron_cfg(*own_pool, "reward_model.n_gpus_per_node=1"))
+    prepare(megatron_cfg(*own_pool, "reward_model.n_gpus_per_node=2"))
     *_, reward_fn, _ = prepare(cfg(f"reward_model.model.path={reward_model_dir}"))
     assert [s.name for s in reward_fn.sources] == ["reward_model"]
 

@@ -13,8 +13,9 @@ from tests.rewards.test_reward_model import build_reward_model
 pytestmark = pytest.mark.slow
 
 
-def run_one_step(tmp_path, tiny_model_dir, arithmetic_files, reward_model: str, *extra) -> dict:
-    """Metrics of a one-step run (validated after it) with `reward_model` enabled."""
+def run_one_step(tmp_path, tiny_model_dir, arithmetic_files, reward_model: str, *extra, processes=None) -> dict:
+    """Metrics of a one-step run (validated after it) with `reward_model` enabled; `processes`
+    gets the (actor's, reward model's) worker pids."""
     overrides = run_overrides(tiny_model_dir, arithmetic_files, tmp_path / "run", response=12) + [
         "trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.test_freq=1",
         "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.name=hf",
@@ -25,6 +26,9 @@ def run_one_step(tmp_path, tiny_model_dir, arithmetic_files, reward_model: str, 
     trainer = build_trainer(compose_config(overrides))
     try:
         trainer.fit()
+        if processes is not None:
+            processes.extend([{info["pid"] for info in group.get_node_info()}
+                              for group in (trainer.workers, trainer.reward_model)])
     finally:
         trainer.shutdown()
     return next(json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")
@@ -41,6 +45,26 @@ def test_a_run_scored_by_a_reward_model(ray_session, tiny_model_dir, tiny_tokeni
     rows = [json.loads(line) for line in open(tmp_path / "rollouts" / "1.jsonl")]
     assert len(rows) == 8 and all(row["score"] == pytest.approx(row["reward/reward_model"]) for row in rows)
     assert len({row["reward/reward_model"] for row in rows}) > 1  # one score per response, not a constant
+
+
+def test_a_reward_model_in_processes_of_its_own_scores_as_a_colocated_one(ray_session, tiny_model_dir, tiny_tokenizer,
+                                                                        arithmetic_files, tmp_path):
+    rm = build_reward_model(tmp_path / "rm", tiny_tokenizer)
+    mixture = ["reward.funcs=[reward_model,rule]", "reward.weights=[1.0,0.0]"]
+    colocated = run_one_step(tmp_path / "colocated", tiny_model_dir, arithmetic_files, rm, *mixture)
+    processes = []
+    pooled = run_one_step(tmp_path / "pooled", tiny_model_dir, arithmetic_files, rm, *mixture,
+                          "reward_model.enable_resource_pool=true", "reward_model.nnodes=1",
+                          "reward_model.n_gpus_per_node=2", processes=processes)
+    actor, scoring = processes  # two scoring processes beside the trainer's one
+    assert len(actor) == 1 and len(scoring) == 2 and not actor & scoring
+
+    def scores(run):
+        return [json.loads(line)["reward/reward_model"] for line in open(tmp_path / run / "rollouts" / "1.jsonl")]
+
+    assert scores("pooled") == pytest.approx(scores("colocated"), abs=1e-6)
+    for key in ("critic/score/mean", "val/reward/reward_model/mean", "actor/pg_loss"):
+        assert pooled[key] == pytest.approx(colocated[key], abs=1e-6), key
 
 
 @pytest.mark.parametrize("scorer", ["token_classifier", "step_tag"])

@@ -26,9 +26,10 @@ def parallel_sizes(megatron_cfg: Any) -> tuple[int, int, int | None]:
             int(vpp) if vpp is not None and int(vpp) > 1 else None)
 
 
-def check_layout(key: str, megatron_cfg: Any, layout: convert.Layout, world: int, device_type: str) -> None:
+def check_layout(key: str, megatron_cfg: Any, layout: convert.Layout, world: int, device_type: str,
+                 pool: str = "trainer") -> None:
     """Refuse, naming the key and the fix, a layout this engine cannot run for this model on
-    `world` ranks (context and expert parallelism are refused with the other unbuilt verl keys,
+    `world` ranks (`pool`.nnodes x `pool`.n_gpus_per_node; context and expert parallelism are refused with the other unbuilt verl keys,
     `config_keys`)."""
     tp, pp, vpp = parallel_sizes(megatron_cfg)
     section = f"{key}.megatron"
@@ -37,7 +38,7 @@ def check_layout(key: str, megatron_cfg: Any, layout: convert.Layout, world: int
                          f">= 1 (got {tp} and {pp}).")
     if world % (tp * pp):
         raise ValueError(f"{section}.tensor_model_parallel_size ({tp}) x pipeline_model_parallel_size ({pp}) must "
-                         f"divide the number of ranks ({world}, trainer.nnodes x trainer.n_gpus_per_node): change "
+                         f"divide the number of ranks ({world}, {pool}.nnodes x {pool}.n_gpus_per_node): change "
                          "one of them.")
     # Fewer key/value heads than TP ranks is fine when each head's ranks are whole (megatron
     # gathers the fused qkv output then).
@@ -102,15 +103,18 @@ def check_roles(cfg: Any, hf_config: Any, roles: dict[str, bool], role_configs: 
                          "low_var_kl), or strategy=fsdp2.")
     if cfg.trainer.device == "cpu":
         check_version()
-    world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    own_pool = {"reward_model"} if cfg.reward_model.enable_resource_pool else set()
     for key in megatron:
         layout = convert.Layout.from_hf_config((role_configs or {}).get(key, hf_config))
-        check_layout(key, _section(cfg, key).megatron, layout, world, cfg.trainer.device)
+        pool = "reward_model" if key in own_pool else "trainer"
+        ranks = _section(cfg, pool)
+        check_layout(key, _section(cfg, key).megatron, layout, ranks.nnodes * ranks.n_gpus_per_node,
+                     cfg.trainer.device, pool)
         model_key = TRAINED_MODEL_KEYS.get(key)  # a frozen model keeps no activations
         if model_key is not None:
             check_recompute(model_key, _section(cfg, model_key), _section(cfg, key).megatron, cfg.trainer.device)
-    # One process holds the actor, the reference and the critic, and megatron's groups are per process.
-    sizes = {key: parallel_sizes(_section(cfg, key).megatron)[:2] for key in megatron}
+    # The roles in one process share its megatron groups (a reward model in its own pool has its own).
+    sizes = {key: parallel_sizes(_section(cfg, key).megatron)[:2] for key in megatron if key not in own_pool}
     if len(set(sizes.values())) > 1:
         found = ", ".join(f"{key}: TP={tp}, PP={pp}" for key, (tp, pp) in sizes.items())
         raise ValueError(f"The roles on Megatron share one process layout, so their tensor_model_parallel_size and "
