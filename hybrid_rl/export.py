@@ -223,12 +223,15 @@ def _with_adapter(state: dict[str, torch.Tensor], role_dir: Path, base_model: st
     return peft_model
 
 
-def _build_empty_model(config, role: str, trust: bool):
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
+# The transformers class each role's checkpoint holds.
+ROLE_CLASSES = {"critic": "AutoModelForTokenClassification", "reward_model": "AutoModelForSequenceClassification"}
 
-    auto = {"critic": AutoModelForTokenClassification,
-            "reward_model": AutoModelForSequenceClassification}.get(role, AutoModelForCausalLM)
+
+def _build_empty_model(config, auto_class: str, trust: bool):
+    import transformers
+    from accelerate import init_empty_weights
+
+    auto = getattr(transformers, auto_class)
     # Parameters on the meta device (no memory, no random init); buffers such as rotary
     # frequencies are real, as they are not in checkpoints.
     with init_empty_weights(include_buffers=False):
@@ -368,8 +371,8 @@ def export_checkpoint(checkpoint: str, out_dir: str, role: str = "actor", dtype:
         if adapter_only:
             peft_model.save_pretrained(str(tmp))
         else:
-            save_hf_weights(state, config, tmp, role=role, dtype=torch_dtype, trust_remote_code=trust,
-                            source=role_dir)
+            save_hf_weights(state, config, tmp, ROLE_CLASSES.get(role, "AutoModelForCausalLM"), dtype=torch_dtype,
+                            trust_remote_code=trust, source=role_dir)
         _copy_hf_files(step / HF_DIR, tmp)
 
     write_folder(out, write, overwrite)
@@ -377,13 +380,14 @@ def export_checkpoint(checkpoint: str, out_dir: str, role: str = "actor", dtype:
     return str(out)
 
 
-def save_hf_weights(state: dict[str, torch.Tensor], config, folder: str | os.PathLike, role: str = "actor",
-                    dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
-                    source: str | os.PathLike = "the trainer") -> None:
+def save_hf_weights(state: dict[str, torch.Tensor], config, folder: str | os.PathLike,
+                    auto_class: str = "AutoModelForCausalLM", dtype: torch.dtype = torch.float32,
+                    trust_remote_code: bool = False, source: str | os.PathLike = "the trainer") -> None:
     """Write full tensors `state` (as the trained module names them) with `config` as
-    `config.json` + `model.safetensors` in `folder`, through the model class, so tied weights and
-    the architecture name come out as transformers and vLLM expect them."""
-    model = _build_empty_model(config, role, trust_remote_code)
+    `config.json` + `model.safetensors` in `folder`, through the model class (`auto_class` of
+    transformers), so tied weights and the architecture name come out as transformers and vLLM
+    expect them."""
+    model = _build_empty_model(config, auto_class, trust_remote_code)
     _load_into(model, state, Path(source))
     model = model.to(dtype)
     model.config.dtype = dtype

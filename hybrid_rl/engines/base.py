@@ -65,6 +65,12 @@ class Head(enum.Enum):
     STEP_TAG = "step_tag"  # P(good) from the LM head's logits of two tokens, at every token: a step-tag scorer
 
 
+# The transformers class of a model with each head, as `save_hf_model` writes it.
+HEAD_CLASSES = {Head.LM: "AutoModelForCausalLM", Head.VALUE: "AutoModelForTokenClassification",
+                Head.SCORE: "AutoModelForSequenceClassification", Head.STEP_SCORE: "AutoModelForTokenClassification",
+                Head.STEP_TAG: "AutoModelForCausalLM"}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Which model an engine builds and whether it trains it."""
@@ -303,7 +309,7 @@ class TrainEngine(ABC):
             for _ in weights:  # gathering each tensor is a collective
                 pass
             return
-        save_hf_weights({name: tensor.cpu() for name, tensor in weights}, config, folder, role=self.spec.role)
+        save_hf_weights({name: tensor.cpu() for name, tensor in weights}, config, folder, HEAD_CLASSES[self.spec.head])
 
 def _extra_path(folder: str) -> str:
     """This rank's file of non-tensor checkpoint state."""

@@ -9,7 +9,9 @@ turns a folder (a policy, or a reward model to train further) into a sequence cl
 label and trains it on the FSDP engine. Examples (parquet or JSON Lines), one per row:
 
 - labelled: `prompt`, `response`, `label` (in [0, 1]; 1: a good response);
-- preferences: `prompt`, `chosen`, `rejected`.
+- preferences: `prompt`, `chosen`, `rejected`;
+- labelled steps (a process reward model): `prompt`, `steps` (the response's reasoning steps, in
+  order), `labels` (one number in [0, 1] per step).
 
 `prompt` is a chat (a list of {role, content}) or a string (one user turn). Rows written by
 `sample` also hold `prompt_ids` and `response_ids`, the policy's own tokens: what the reward model
@@ -20,6 +22,17 @@ rows go through the model's chat template (`model_inputs.template_ids`), as re-t
 preference pairs, or on pairs formed within each prompt's labelled responses. A held-out share of
 the prompts (`--val-fraction`) measures the model before and after: pointwise accuracy (r > 0
 exactly for labels > 0.5) and pairwise accuracy (the better response of a pair scores higher).
+
+Labelled steps train a process reward model, read exactly as `reward_model.process.*` reads it
+during RL: the response is the steps joined by `--step-separator`, written as the policy would
+write it (its tokens, then EOS), and each step's score sits on the token that ends the step. A
+policy folder becomes a token classifier with a fresh head (two labels, P(good)), a token
+classifier trains further, and with `--step-tag` a causal LM trains as a step-tag scorer (P of
+the first of `--step-tag-tokens` after each tag). The loss is the binary cross-entropy of each
+step's P(good) (or, for a one-label head, sigma(score)) against its label. `sample
+--step-scorer file.py[:function]` labels the steps of sampled responses with a function that
+returns `step_rewards` and `step_ends` (a `grpo_process` reward function, such as
+recipes/deepseekmath_grpo/step_reward.py).
 """
 
 from __future__ import annotations
@@ -37,10 +50,11 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from hybrid_rl.algorithms.reward_model_loss import pairwise_loss, pointwise_loss
+from hybrid_rl.algorithms.reward_model_loss import pairwise_loss, pointwise_loss, probability_loss
 from hybrid_rl.engines import Head, ModelSpec, Output, build_engine
 from hybrid_rl.protocol import Batch
-from hybrid_rl.rewards.model_inputs import collate_rows, pad_id, template_ids
+from hybrid_rl.rewards.model_inputs import RewardInputs, collate_rows, pad_id, template_ids
+from hybrid_rl.rewards.steps import step_ends
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +67,10 @@ class RewardDataError(ValueError):
 
 # ---------------------------------------------------------------------------------------- sample
 def sample_responses(prompts_file: str, model_path: str, n: int, max_response_length: int,
-                     temperature: float, seed: int, max_prompts: int = -1, batch_prompts: int = 16) -> list[dict]:
-    """`n` responses per prompt, each labelled by the rule scorer of its row's data source."""
+                     temperature: float, seed: int, max_prompts: int = -1, batch_prompts: int = 16,
+                     step_scorer=None) -> list[dict]:
+    """`n` responses per prompt, each labelled by the rule scorer of its row's data source, or
+    with `step_scorer` (a process reward function) split into steps, each labelled."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hybrid_rl.data import RLDataset, collate_prompts
@@ -80,6 +96,11 @@ def sample_responses(prompts_file: str, model_path: str, n: int, max_response_le
             row = rows[i // n]
             response_ids = batch["responses"][i][batch["response_mask"][i].bool()].tolist()
             text = tokenizer.decode(response_ids, skip_special_tokens=True)
+            if step_scorer is not None:
+                example = labelled_steps(step_scorer, row, text)
+                if example is not None:
+                    examples.append(example)
+                continue
             score = default_compute_score(row["data_source"], text, row["reward_model"]["ground_truth"],
                                           row["extra_info"])
             examples.append({"prompt": row["raw_prompt"], "response": text, "label": float(
@@ -89,9 +110,28 @@ def sample_responses(prompts_file: str, model_path: str, n: int, max_response_le
     return examples
 
 
+def labelled_steps(step_scorer, row: dict, text: str) -> dict | None:
+    """A response's steps as `step_scorer` splits and scores them (`step_ends`, `step_rewards`
+    clipped to [0, 1]); None for a response without steps."""
+    result = step_scorer(data_source=row["data_source"], solution_str=text,
+                         ground_truth=row["reward_model"]["ground_truth"], extra_info=row["extra_info"])
+    if not (isinstance(result, dict) and "step_rewards" in result and "step_ends" in result):
+        raise RewardDataError("--step-scorer must return a dict with step_rewards and step_ends (a process reward "
+                              f"function, as algorithm.adv_estimator=grpo_process reads it); it returned {result!r}.")
+    steps, start = [], 0
+    for end in result["step_ends"]:
+        steps.append(text[start:end].strip())
+        start = end
+    if not steps or len(steps) != len(result["step_rewards"]) or not all(steps):
+        return None
+    return {"prompt": row["raw_prompt"], "steps": steps, "labels": [min(1.0, max(0.0, float(r)))
+                                                                    for r in result["step_rewards"]],
+            "data_source": row["data_source"]}
+
+
 # ----------------------------------------------------------------------------------------- data
 def read_examples(path: str) -> tuple[list[dict], str]:
-    """The rows of a data file and their kind: `labelled` or `preferences`."""
+    """The rows of a data file and their kind: `labelled`, `preferences` or `steps`."""
     from hybrid_rl.data.dataset import read_rows, to_messages
 
     rows = read_rows(path)
@@ -102,14 +142,29 @@ def read_examples(path: str) -> tuple[list[dict], str]:
         kind = "labelled"
     elif {"prompt", "chosen", "rejected"} <= columns:
         kind = "preferences"
+    elif {"prompt", "steps", "labels"} <= columns:
+        kind = "steps"
     else:
         raise RewardDataError(f"{path} has columns {sorted(columns)}; a reward-model data file needs prompt, "
-                              "response and label (labelled) or prompt, chosen and rejected (preferences).")
+                              "response and label (labelled), prompt, chosen and rejected (preferences), or prompt, "
+                              "steps and labels (labelled steps, for a process reward model).")
     for i, row in enumerate(rows):
         row["prompt"] = to_messages(row["prompt"], i)
-        if kind == "labelled" and not (isinstance(row["label"], (int, float)) and 0.0 <= row["label"] <= 1.0):
+        if kind == "labelled" and not _unit_number(row["label"]):
             raise RewardDataError(f"{path} row {i}: label {row['label']!r} is not a number in [0, 1].")
+        if kind == "steps":
+            steps, labels = list(row["steps"]), list(row["labels"])
+            if not steps or not all(isinstance(step, str) and step.strip() for step in steps):
+                raise RewardDataError(f"{path} row {i}: steps must be a non-empty list of non-blank texts.")
+            if len(labels) != len(steps) or not all(_unit_number(label) for label in labels):
+                raise RewardDataError(f"{path} row {i}: labels must hold one number in [0, 1] per step "
+                                      f"({len(steps)} steps, labels {labels!r}).")
+            row["steps"], row["labels"] = steps, [float(label) for label in labels]
     return rows, kind
+
+
+def _unit_number(value) -> bool:
+    return isinstance(value, (int, float)) and 0.0 <= value <= 1.0
 
 
 def prompt_key(row: dict) -> str:
@@ -175,18 +230,71 @@ def reward_model_loss_fn(pairwise: bool):
     return loss_fn
 
 
+def step_loss_fn(probabilities: bool):
+    """`TrainEngine.update`'s loss callback for a process reward model: the mean over the
+    mini-batch's labelled steps (the `response_mask` marks each step's scored token, so the
+    engine's global token count is the step count) of the binary cross-entropy of P(good)
+    (`probabilities`) or of sigma(score) against `step_labels`; also the step accuracy."""
+
+    def loss_fn(out, micro, agg):
+        mask = micro["response_mask"].bool()
+        scores, labels = out["token_scores"][mask], micro["step_labels"][mask]
+        per_step = probability_loss(scores, labels) if probabilities else pointwise_loss(scores, labels)
+        correct = (scores > (0.5 if probabilities else 0.0)) == (labels > 0.5)
+        scale = agg["dp_size"] / agg["global_num_tokens"]
+        loss = per_step.sum() * scale
+        return loss, {"loss": float(loss.detach()), "accuracy": float(correct.sum()) * scale}
+
+    return loss_fn
+
+
+class StepRows:
+    """Labelled steps as a process reward model reads them during RL: the prompt through the
+    chat template, the steps joined by `separator` as the policy's response (its tokens, then
+    EOS), split again by `RewardInputs.with_steps`, with each step's label on the token where its
+    score is read (`step_labels`, and `response_mask` marking those tokens)."""
+
+    def __init__(self, tokenizer, separator: str, step_tag: str | None):
+        self.tokenizer, self.separator = tokenizer, separator
+        self.inputs = RewardInputs(tokenizer, tokenizer, None, step_tag)
+
+    def __call__(self, examples: list[dict]) -> Batch:
+        rows = []
+        for example in examples:
+            prompt = self.tokenizer.apply_chat_template(example["prompt"], add_generation_prompt=True, tokenize=False)
+            response = self.tokenizer(self.separator.join(example["steps"]), add_special_tokens=False)["input_ids"]
+            rows.append((self.tokenizer(prompt, add_special_tokens=False)["input_ids"],
+                         response + [self.tokenizer.eos_token_id]))
+        policy = collate_rows(rows, pad_id(self.tokenizer))
+        policy = Batch(tensors=policy.tensors, non_tensors={"raw_prompt": [e["prompt"] for e in examples]})
+        batch, _, steps = self.inputs.with_steps(policy, self.separator)
+        labels = torch.zeros(batch["responses"].shape, dtype=torch.float32)
+        mask = torch.zeros(batch["responses"].shape, dtype=torch.long)
+        for i, (example, row_steps) in enumerate(zip(examples, steps)):
+            if len(row_steps) != len(example["steps"]):
+                raise RewardDataError(
+                    f"the steps of {example['steps']!r} joined by {self.separator!r} split into {len(row_steps)} "
+                    f"steps, not {len(example['steps'])}: a step holds the separator or is blank. Choose a "
+                    "--step-separator no step contains (the reward_model.process.step_separator of the RL run).")
+            for (_, token), label in zip(row_steps, example["labels"]):
+                labels[i, token], mask[i, token] = label, 1
+        batch["step_labels"], batch["response_mask"] = labels, mask
+        return batch
+
+
 class RewardModelTrainer:
-    """A sequence classifier on the FSDP engine (one process), trained with `engine.update`: every
-    batch is one optimizer step, normalised over the batch's examples."""
+    """A reward model on the FSDP engine (one process), trained with `engine.update`: every
+    batch is one optimizer step, normalised over the batch's examples (steps, for a process
+    reward model: `head` STEP_SCORE or STEP_TAG)."""
 
     def __init__(self, base: str, loss: str, lr: float, total_steps: int, micro_batch_size: int, dtype: str,
-                 warmup_ratio: float = 0.1):
+                 warmup_ratio: float = 0.1, head: Head = Head.SCORE, tag_token_ids: tuple[int, int] | None = None):
         from transformers import AutoTokenizer
 
-        self.loss, self.micro_batch_size = loss, micro_batch_size
+        self.loss, self.micro_batch_size, self.head = loss, micro_batch_size, head
         self.tokenizer = AutoTokenizer.from_pretrained(base)
         model_cfg = OmegaConf.create({"trust_remote_code": False, "override_config": {}, "use_remove_padding": True,
-                                      "share_prompt_prefix": True})
+                                      "share_prompt_prefix": True, "enable_gradient_checkpointing": False})
         optim = OmegaConf.create({"lr": lr, "betas": [0.9, 0.999], "weight_decay": 0.0, "lr_warmup_steps": -1,
                                   "lr_warmup_steps_ratio": warmup_ratio, "lr_scheduler_type": "cosine",
                                   "min_lr_ratio": 0.0, "num_cycles": 0.5})
@@ -194,8 +302,12 @@ class RewardModelTrainer:
                                                                               "reshard_after_forward": True},
                                           "ppo_epochs": 1, "shuffle": False, "ppo_micro_batch_size_per_gpu":
                                           micro_batch_size, "use_dynamic_bsz": False, "grad_clip": 1.0})
-        spec = ModelSpec("reward_model", base, model_cfg, head=Head.SCORE, optim_cfg=optim, total_steps=total_steps)
+        spec = ModelSpec("reward_model", base, model_cfg, head=head, optim_cfg=optim, total_steps=total_steps,
+                         tag_token_ids=tag_token_ids)
         self.engine = build_engine(spec, self.role_cfg, torch.device("cpu"))
+        # A step-tag scorer and a two-label token classifier give P(good); a one-label head a logit.
+        self.probabilities = head is Head.STEP_TAG or (head is Head.STEP_SCORE and
+                                                       self.engine.hf_module().config.num_labels == 2)
 
     def batch(self, rows: list[tuple[list[int], list[int]]], labels: list[float] | None = None) -> Batch:
         batch = collate_rows(rows, pad_id(self.tokenizer))
@@ -205,11 +317,28 @@ class RewardModelTrainer:
         return batch
 
     def step(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step on `batch`: labelled rows, or (pairwise) chosen and rejected rows
-        interleaved."""
+        """One optimizer step on `batch`: labelled rows, (pairwise) chosen and rejected rows
+        interleaved, or `StepRows`."""
         cfg = OmegaConf.merge(self.role_cfg, {"ppo_mini_batch_size": len(batch)})
+        if self.head is not Head.SCORE:
+            return self.engine.update(batch, cfg, rollout_n=1, seed=0, output=Output.TOKEN_SCORES, temperature=1.0,
+                                      loss_fn=step_loss_fn(self.probabilities))
         return self.engine.update(batch, cfg, rollout_n=1, seed=0, output=Output.SCORES, temperature=1.0,
                                   loss_fn=reward_model_loss_fn(self.loss == "pairwise"))
+
+    def step_scores(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scores of `StepRows` at their labelled steps, and the labels."""
+        scores = self.engine.infer(batch, Output.TOKEN_SCORES, 1.0, self.micro_batch_size, None)["token_scores"]
+        mask = batch["response_mask"].bool()
+        return scores[mask], batch["step_labels"][mask]
+
+    def evaluate_steps(self, batch: Batch) -> dict[str, float]:
+        """Step accuracy (P(good) > 0.5, or score > 0, exactly for labels > 0.5) and loss."""
+        scores, labels = self.step_scores(batch)
+        loss = probability_loss(scores, labels) if self.probabilities else pointwise_loss(scores, labels)
+        correct = (scores > (0.5 if self.probabilities else 0.0)) == (labels > 0.5)
+        return {"step_accuracy": float(correct.float().mean()), "step_loss": float(loss.mean()),
+                "steps": len(labels), "good_steps": int((labels > 0.5).sum())}
 
     def scores(self, rows: list[tuple[list[int], list[int]]]) -> list[float]:
         return self.engine.infer(self.batch(rows), Output.SCORES, 1.0, self.micro_batch_size, None)["scores"].tolist()
@@ -245,15 +374,22 @@ class RewardModelTrainer:
 
 def train_reward_model(data: str, out: str, base: str, loss: str = "pointwise", epochs: int = 1, lr: float = 1e-5,
                        batch_size: int = 32, micro_batch_size: int = 8, val_fraction: float = 0.1, seed: int = 0,
-                       dtype: str = "auto") -> dict:
-    """Train and save a reward model; returns the held-out metrics before and after, and the
-    training curve."""
+                       dtype: str = "auto", step_separator: str = "\n", step_tag: str | None = None,
+                       step_tag_tokens: tuple[str, str] = ("+", "-")) -> dict:
+    """Train and save a reward model (a process reward model from labelled steps); returns the
+    held-out metrics before and after, and the training curve."""
     if loss not in LOSSES:
         raise ValueError(f"loss={loss!r} is not valid. Valid choices: {', '.join(LOSSES)}.")
     rng = random.Random(seed)
     rows, kind = read_examples(data)
     if kind == "preferences" and loss == "pointwise":
         raise RewardDataError(f"{data} holds preference pairs (chosen, rejected), which train with --loss pairwise.")
+    if kind == "steps":
+        if loss != "pointwise":
+            raise RewardDataError(f"{data} holds labelled steps, which train a process reward model with --loss "
+                                  "pointwise (each step against its label).")
+        return train_process_reward_model(rows, data, out, base, epochs, lr, batch_size, micro_batch_size,
+                                          val_fraction, seed, dtype, step_separator, step_tag, step_tag_tokens)
     train_rows, val_rows = split_by_prompt(rows, val_fraction, rng)
     if loss == "pointwise":
         train_items = [[(r, "response")] for r in train_rows]
@@ -275,25 +411,77 @@ def train_reward_model(data: str, out: str, base: str, loss: str = "pointwise", 
               "val_rows": len(val_rows), "before": trainer.evaluate(val_rows, kind, random.Random(seed)),
               "curve": []}
     logger.info("held out before training: %s", result["before"])
-    for epoch in range(epochs):
-        rng.shuffle(train_items)
-        for start in range(0, len(train_items), per_step):
-            items = train_items[start:start + per_step]
-            flat = [x for item in items for x in item]
-            labels = [float(row["label"]) for row, _ in flat] if loss == "pointwise" else None
-            metrics = trainer.step(trainer.batch(token_rows(flat, trainer.tokenizer), labels))
-            result["curve"].append({"epoch": epoch, "loss": metrics["reward_model/loss"],
-                                    "accuracy": metrics["reward_model/accuracy"]})
-            if len(result["curve"]) % 10 == 0 or len(result["curve"]) == epochs * steps_per_epoch:
-                logger.info("step %d/%d (epoch %d): loss %.4f, accuracy %.3f", len(result["curve"]),
-                            epochs * steps_per_epoch, epoch + 1, metrics["reward_model/loss"],
-                            metrics["reward_model/accuracy"])
+
+    def batch_of(items: list[list[tuple[dict, str]]]) -> Batch:
+        flat = [x for item in items for x in item]
+        labels = [float(row["label"]) for row, _ in flat] if loss == "pointwise" else None
+        return trainer.batch(token_rows(flat, trainer.tokenizer), labels)
+
+    result["curve"] = run_epochs(trainer, train_items, per_step, epochs, rng, batch_of)
     result["after"] = trainer.evaluate(val_rows, kind, random.Random(seed))
+    return finish(trainer, result, out)
+
+
+def run_epochs(trainer: RewardModelTrainer, items: list, per_step: int, epochs: int, rng: random.Random,
+               batch_of) -> list[dict]:
+    """`epochs` shuffled passes over `items`, an optimizer step on the batch `batch_of` makes of
+    each `per_step` of them; the training curve (loss and accuracy of every step)."""
+    curve, total = [], epochs * math.ceil(len(items) / per_step)
+    for epoch in range(epochs):
+        rng.shuffle(items)
+        for start in range(0, len(items), per_step):
+            metrics = trainer.step(batch_of(items[start:start + per_step]))
+            curve.append({"epoch": epoch, "loss": metrics["reward_model/loss"],
+                          "accuracy": metrics["reward_model/accuracy"]})
+            if len(curve) % 10 == 0 or len(curve) == total:
+                logger.info("step %d/%d (epoch %d): loss %.4f, accuracy %.3f", len(curve), total, epoch + 1,
+                            metrics["reward_model/loss"], metrics["reward_model/accuracy"])
+    return curve
+
+
+def finish(trainer: RewardModelTrainer, result: dict, out: str) -> dict:
+    """Save the trained model and `reward_model_training.json` in `out`."""
     logger.info("held out after training: %s", result["after"])
     trainer.save(out)
     with open(Path(out) / "reward_model_training.json", "w") as f:
         json.dump(result, f, indent=1)
     return result
+
+
+def train_process_reward_model(rows: list[dict], data: str, out: str, base: str, epochs: int, lr: float,
+                               batch_size: int, micro_batch_size: int, val_fraction: float, seed: int, dtype: str,
+                               separator: str, step_tag: str | None, step_tag_tokens: tuple[str, str]) -> dict:
+    """`train_reward_model` for labelled steps: a token classifier, or with `step_tag` a step-tag
+    scorer, trained on each step's label where `reward_model.process.*` reads its score."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from hybrid_rl.workers.reward_model import tag_token_ids_of
+
+    if not separator:
+        raise ValueError("--step-separator must be a non-empty string (the steps are joined and split at it).")
+    rng = random.Random(seed)
+    train_rows, val_rows = split_by_prompt(rows, val_fraction, rng)
+    tag_ids = None
+    if step_tag is not None:
+        architectures = AutoConfig.from_pretrained(base).architectures or []
+        if not any(name.endswith("ForCausalLM") for name in architectures):
+            raise RewardDataError(f"--step-tag trains a step-tag scorer, a causal LM; {base} holds "
+                                  f"{', '.join(architectures) or 'no architecture'}. Start from a policy folder, or "
+                                  "leave --step-tag out to train a token classifier.")
+        tag_ids = tag_token_ids_of(AutoTokenizer.from_pretrained(base), step_tag_tokens)
+    steps_per_epoch = math.ceil(len(train_rows) / batch_size)
+    torch.manual_seed(seed)  # a policy folder gets a fresh head: the same one on every run
+    trainer = RewardModelTrainer(base, "pointwise", lr, epochs * steps_per_epoch, micro_batch_size, dtype,
+                                 head=Head.STEP_SCORE if step_tag is None else Head.STEP_TAG, tag_token_ids=tag_ids)
+    step_rows = StepRows(trainer.tokenizer, separator, step_tag)
+    val_batch = step_rows(val_rows) if val_rows else None
+    result = {"data": data, "base": base, "loss": "pointwise", "kind": "steps", "step_separator": separator,
+              "step_tag": step_tag, "train_examples": len(train_rows), "val_rows": len(val_rows),
+              "before": trainer.evaluate_steps(val_batch) if val_batch else {}, "curve": []}
+    logger.info("held out before training: %s", result["before"])
+    result["curve"] = run_epochs(trainer, train_rows, batch_size, epochs, rng, step_rows)
+    result["after"] = trainer.evaluate_steps(val_batch) if val_batch else {}
+    return finish(trainer, result, out)
 
 
 # ------------------------------------------------------------------------------------------ CLI
@@ -312,9 +500,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-response-length", type=int, default=64)
     s.add_argument("--temperature", type=float, default=1.0)
     s.add_argument("--seed", type=int, default=0)
-    t = sub.add_parser("train", help="train a reward model on labelled responses or preference pairs")
-    t.add_argument("--data", required=True, help="parquet / JSON Lines with prompt,response,label or "
-                                                 "prompt,chosen,rejected")
+    s.add_argument("--step-scorer", default=None, help="file.py[:function] (default function compute_score): label "
+                                                       "each step with this process reward function instead")
+    t = sub.add_parser("train", help="train a reward model on labelled responses, preference pairs or labelled steps")
+    t.add_argument("--data", required=True, help="parquet / JSON Lines with prompt,response,label, "
+                                                 "prompt,chosen,rejected or prompt,steps,labels")
     t.add_argument("--out", required=True, help="folder to write the reward model to (replaced if it exists)")
     t.add_argument("--base", default=None, help="folder to start from: a policy (a fresh score head) or a "
                                                 "reward model (default: the default model)")
@@ -326,20 +516,37 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--val-fraction", type=float, default=0.1, help="share of the prompts held out")
     t.add_argument("--dtype", default="auto", help="compute dtype (auto: chosen from this CPU)")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--step-separator", default="\n", help="labelled steps: what joins them (as "
+                                                          "reward_model.process.step_separator splits them)")
+    t.add_argument("--step-tag", default=None, help="labelled steps: train a causal LM as a step-tag scorer with this "
+                                                    "tag (as reward_model.process.step_tag)")
+    t.add_argument("--step-tag-tokens", nargs=2, default=["+", "-"], metavar=("GOOD", "BAD"))
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         if args.command == "sample":
             model = resolve_model_path(args.model, key="--model")
+            step_scorer = None
+            if args.step_scorer:
+                from hybrid_rl.rewards import load_custom_reward_fn
+
+                path, _, name = args.step_scorer.partition(":")
+                step_scorer = load_custom_reward_fn(path, name or "compute_score", key="--step-scorer")
             examples = sample_responses(args.prompts, model, args.n, args.max_response_length, args.temperature,
-                                        args.seed, args.max_prompts)
+                                        args.seed, args.max_prompts, step_scorer=step_scorer)
             write_examples(examples, args.out)
-            good = sum(e["label"] > 0.5 for e in examples)
-            print(f"wrote {len(examples)} labelled responses ({good} with label > 0.5) to {args.out}")
+            if step_scorer is None:
+                good = sum(e["label"] > 0.5 for e in examples)
+                print(f"wrote {len(examples)} labelled responses ({good} with label > 0.5) to {args.out}")
+            else:
+                labels = [label for e in examples for label in e["labels"]]
+                print(f"wrote {len(examples)} responses with {len(labels)} labelled steps "
+                      f"({sum(label > 0.5 for label in labels)} with label > 0.5) to {args.out}")
         else:
             base = resolve_model_path(args.base, key="--base")
             result = train_reward_model(args.data, args.out, base, args.loss, args.epochs, args.lr, args.batch_size,
-                                        args.micro_batch_size, args.val_fraction, args.seed, args.dtype)
+                                        args.micro_batch_size, args.val_fraction, args.seed, args.dtype,
+                                        args.step_separator, args.step_tag, tuple(args.step_tag_tokens))
             print(json.dumps({"out": args.out, "before": result["before"], "after": result["after"]}))
     except (RewardDataError, ModelPathError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

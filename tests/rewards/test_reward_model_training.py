@@ -8,11 +8,13 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification
 
+from hybrid_rl.engines import Head
 from hybrid_rl.main import check_reward_model
-from hybrid_rl.rewards.model_inputs import collate_rows
-from hybrid_rl.rewards.training import (RewardDataError, main, pairs_from_labels, read_examples, token_rows,
-                                        train_reward_model)
+from hybrid_rl.rewards.model_inputs import RewardInputs, collate_rows
+from hybrid_rl.rewards.training import (RewardDataError, main, pairs_from_labels, read_examples, split_by_prompt,
+                                        token_rows, train_reward_model)
 from tests.conftest import write_jsonl
+from tests.rewards.test_reward_model import reward_model_dir  # noqa: F401 (a fixture)
 
 
 def labelled_rows(n_prompts: int, seed: int = 0) -> list[dict]:
@@ -114,3 +116,89 @@ def test_bad_data_files_are_refused(tmp_path, tiny_model_dir, capsys):
     with pytest.raises(RewardDataError, match="no training examples"):
         train_reward_model(same, str(tmp_path / "rm"), tiny_model_dir, loss="pairwise", val_fraction=0.0)
     assert not (tmp_path / "rm").exists()
+
+
+def step_rows(n_prompts: int, seed: int = 0) -> list[dict]:
+    """Labelled steps: a step is good when it checks (ok, fine, right) and bad when it doubts
+    (wrong, bad, no); every response mixes both, in random order."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n_prompts):
+        prompt = [{"role": "user", "content": f"Check item {i}."}]
+        labels = [1.0, 0.0] + [float(rng.random() < 0.5) for _ in range(rng.randint(0, 2))]
+        rng.shuffle(labels)
+        steps = [f"step {k} is {rng.choice(['ok', 'fine', 'right'] if good else ['wrong', 'bad', 'no'])}"
+                 for k, good in enumerate(labels)]
+        rows.append({"prompt": prompt, "steps": steps, "labels": labels})
+    return rows
+
+
+@pytest.mark.parametrize("scorer", ["token_classifier", "step_tag"])
+def test_a_process_reward_model_learns_held_out_steps_and_scores_them_where_rl_reads_them(tmp_path, tiny_model_dir,
+                                                                                         scorer):
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    from hybrid_rl.engines import Output
+    from hybrid_rl.workers.reward_model import place_step_scores, tag_token_ids_of
+    from tests.rewards.test_process_reward_model import prm_engine
+    from tests.rewards.test_reward_model import engine as reward_model_engine, rollouts
+
+    data = write_jsonl(tmp_path / "steps.jsonl", step_rows(48))
+    out = tmp_path / "prm"
+    tag = {"step_tag": " ки"} if scorer == "step_tag" else {}
+    result = train_reward_model(data, str(out), tiny_model_dir, epochs=4, lr=1e-3, batch_size=8, micro_batch_size=8,
+                                val_fraction=0.25, dtype="fp32", **tag)
+    before, after = result["before"], result["after"]
+    assert result["val_rows"] == 12 and after["steps"] >= 24
+    assert after["step_loss"] < before["step_loss"] and after["step_accuracy"] >= 0.9
+    # The folder passes the start-up check of reward_model.process.* ...
+    check_reward_model(OmegaConf.create({"model": {"path": str(out), "trust_remote_code": False},
+                                        "process": {"enable": True, "step_tag": tag.get("step_tag")}}), "--out")
+    # ... and scored as RL reads it (the policy's tokens of held-out responses, then EOS), its
+    # step scores tell the good steps from the bad.
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    _, held_out = split_by_prompt(read_examples(data)[0], 0.25, random.Random(0))  # as the training split them
+    batch = rollouts(tokenizer, [row["prompt"] for row in held_out], ["\n".join(row["steps"]) for row in held_out])
+    if scorer == "step_tag":
+        engine = reward_model_engine(str(out), packing="padded", head=Head.STEP_TAG,
+                                     tag_token_ids=tag_token_ids_of(tokenizer, ["+", "-"]))
+    else:
+        engine = prm_engine(str(out))
+    rows, _, steps = RewardInputs(tokenizer, tokenizer, None, tag.get("step_tag")).with_steps(batch, "\n")
+    token_scores = engine.infer(rows, Output.TOKEN_SCORES, 1.0, 4, None)["token_scores"]
+    step_scores, step_mask = place_step_scores(token_scores, steps, batch["responses"].shape)
+    labels = torch.tensor([label for row in held_out for label in row["labels"]])
+    assert int(step_mask.sum()) == len(labels)
+    assert float(((step_scores[step_mask] > 0.5) == (labels > 0.5)).float().mean()) >= 0.9
+
+
+def test_sampled_steps_carry_the_step_scorers_labels(tmp_path, tiny_model_dir, arithmetic_files):
+    out = tmp_path / "steps.jsonl"
+    assert main(["sample", "--prompts", arithmetic_files[1], "--out", str(out), "--model", tiny_model_dir, "--n", "2",
+                 "--max-response-length", "12", "--temperature", "2.0",
+                 "--step-scorer", "recipes/deepseekmath_grpo/step_reward.py"]) == 0
+    rows, kind = read_examples(str(out))
+    assert kind == "steps" and rows
+    for row in rows:
+        assert len(row["labels"]) == len(row["steps"]) and all(0.0 <= label <= 1.0 for label in row["labels"])
+        assert all(step.strip() and "\n" not in step for step in row["steps"])
+
+
+def test_bad_step_data_is_refused(tmp_path, tiny_model_dir, reward_model_dir):
+    prompt = [{"role": "user", "content": "q"}]
+    few = write_jsonl(tmp_path / "few.jsonl", [{"prompt": prompt, "steps": ["a", "b"], "labels": [1.0]}])
+    with pytest.raises(RewardDataError, match="one number in \\[0, 1\\] per step"):
+        read_examples(few)
+    blank = write_jsonl(tmp_path / "blank.jsonl", [{"prompt": prompt, "steps": ["a", " "], "labels": [1.0, 0.0]}])
+    with pytest.raises(RewardDataError, match="non-blank texts"):
+        read_examples(blank)
+    joined = write_jsonl(tmp_path / "joined.jsonl", [{"prompt": prompt, "steps": ["a\nb", "c"], "labels": [1.0, 0.0]}]
+                         * 4)
+    with pytest.raises(RewardDataError, match="split into 3 steps, not 2"):
+        train_reward_model(joined, str(tmp_path / "prm"), tiny_model_dir, val_fraction=0.0, dtype="fp32")
+    with pytest.raises(RewardDataError, match="train a process reward model with --loss pointwise"):
+        train_reward_model(joined, str(tmp_path / "prm"), tiny_model_dir, loss="pairwise")
+    with pytest.raises(RewardDataError, match="--step-tag trains a step-tag scorer, a causal LM"):
+        train_reward_model(joined, str(tmp_path / "prm"), reward_model_dir, step_tag=" ки")
+    assert not (tmp_path / "prm").exists()
