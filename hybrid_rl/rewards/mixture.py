@@ -9,8 +9,8 @@
 * ``code_tests``: the response's program run in the sandbox against the row's unit tests
   (``hybrid_rl.rewards.code``; limits in ``reward.sandbox``);
 * ``reward_model``: the reward model's score (``reward_model.enable``; computed on the workers
-  and read from the batch's ``rm_scores``); a process reward model's step rewards are a source
-  of their own that takes no mixture;
+  and read from the batch's ``rm_scores``); a process reward model's step rewards mix with no
+  other source yet, which may only be logged beside them (weight 0);
 * a function: ``{path: file.py, name: fn, reward_kwargs: {...}}`` or the string ``"file.py:fn"``,
   called like ``custom_reward_function``; it may return None for a sample to abstain.
 
@@ -66,7 +66,8 @@ def sources_from_config(reward_cfg: Any, config_error: type[Exception],
                         reward_model: bool = False, process: bool = False) -> list[RewardSource] | None:
     """The configured mixture, or None when ``reward.funcs`` is empty (a single source).
     ``reward_model``: whether ``reward_model.enable`` is on; ``process``: whether it is a process
-    reward model (``reward_model.process.enable``), whose step rewards are the only source."""
+    reward model (``reward_model.process.enable``), whose step rewards are the only source with
+    a weight (others are logged at weight 0)."""
     from . import default_compute_score, load_custom_reward_fn
     from .code import CodeTestsScorer
     from .sandbox import Sandbox
@@ -74,14 +75,9 @@ def sources_from_config(reward_cfg: Any, config_error: type[Exception],
 
     per_sample = {"rule": default_compute_score, "think_format": format_score, "think_tags": tag_count_score}
     funcs = list(reward_cfg.funcs or [])
-    if reward_model and process:
-        if funcs not in ([], ["reward_model"]):
-            raise config_error(f"reward.funcs={funcs}: a process reward model (reward_model.process.enable=true) "
-                               "gives step rewards, which cannot be mixed with other sources yet; leave reward.funcs "
-                               "empty, or set reward_model.process.enable=false for an outcome reward model.")
-        return [RewardSource("reward_model", 1.0, batch_key=RM_SCORES, step_keys=RM_STEPS)]
+    steps = RM_STEPS if reward_model and process else None
     if not funcs:
-        return [RewardSource("reward_model", 1.0, batch_key=RM_SCORES)] if reward_model else None
+        return [RewardSource("reward_model", 1.0, batch_key=RM_SCORES, step_keys=steps)] if reward_model else None
     if reward_model and "reward_model" not in funcs:
         raise config_error("reward_model.enable=true, but reward.funcs does not list reward_model; add it (e.g. "
                            "reward.funcs=[reward_model,rule]) or set reward_model.enable=false.")
@@ -106,7 +102,8 @@ def sources_from_config(reward_cfg: Any, config_error: type[Exception],
             if not reward_model:
                 raise config_error(f"{key}=reward_model needs reward_model.enable=true and reward_model.model.path "
                                    "(a sequence-classification model folder; tools/train_reward_model.py trains one).")
-            sources.append(RewardSource(_unique("reward_model", taken), float(weight), batch_key=RM_SCORES))
+            sources.append(RewardSource(_unique("reward_model", taken), float(weight), batch_key=RM_SCORES,
+                                        step_keys=steps))
         elif entry == "code_tests":
             sandbox = Sandbox(**dict(reward_cfg.sandbox)).start()
             sources.append(RewardSource(_unique("code_tests", taken), float(weight), batch_fn=CodeTestsScorer(sandbox)))
@@ -122,4 +119,10 @@ def sources_from_config(reward_cfg: Any, config_error: type[Exception],
             raise config_error(
                 f"{key}={entry!r} is not a reward source. Use one of {', '.join(BUILTIN_SOURCES)}, "
                 "'path/to/file.py:function', or {path: file.py, name: function, reward_kwargs: {}}.")
+    mixed = [source.name for source in sources if steps and source.step_keys is None and source.weight != 0]
+    if mixed:
+        raise config_error(f"reward.funcs={funcs}: a process reward model (reward_model.process.enable=true) gives step "
+                           f"rewards, which cannot be mixed with other sources yet; give {', '.join(mixed)} weight 0 "
+                           "in reward.weights to log them beside it, or set reward_model.process.enable=false for an "
+                           "outcome reward model.")
     return sources

@@ -221,9 +221,13 @@ def test_process_reward_models_that_cannot_work_are_refused(tmp_path, tiny_token
     with pytest.raises(ModelPathError, match="has 3 labels"):
         check_reward_model(cfg(f"reward_model.model.path={three}", "reward_model.process.enable=true").reward_model,
                            "reward_model.model.path")
-    with pytest.raises(ConfigError, match="cannot be mixed with other sources"):
+    with pytest.raises(ConfigError, match="cannot be mixed with other sources yet; give rule weight 0"):
         prepare(cfg(f"reward_model.model.path={prm}", "reward_model.process.enable=true",
                     "reward.funcs=[reward_model,rule]"))
+    *_, reward_fn, _ = prepare(cfg(f"reward_model.model.path={prm}", "reward_model.process.enable=true",
+                                   "reward.funcs=[reward_model,rule]", "reward.weights=[1.0,0.0]"))
+    assert [(s.name, s.weight, s.step_keys) for s in reward_fn.sources] == [
+        ("reward_model", 1.0, ("rm_step_scores", "rm_step_mask")), ("rule", 0.0, None)]  # the rule only logged
     with pytest.raises(ConfigError, match="step_separator=''"):
         prepare(cfg(f"reward_model.model.path={prm}", "reward_model.process.enable=true",
                     "reward_model.process.step_separator=''"))

@@ -74,7 +74,10 @@ def test_a_process_supervised_run(ray_session, tiny_model_dir, tiny_tokenizer, a
     else:  # a causal LM read at a tag after each step
         prm, extra = tiny_model_dir, ["reward_model.process.step_tag=' ки'"]
     step = run_one_step(tmp_path, tiny_model_dir, arithmetic_files, prm, "reward_model.process.enable=true",
-                        "algorithm.adv_estimator=grpo_process", "reward_model.process.step_separator=' '", *extra)
+                        "algorithm.adv_estimator=grpo_process", "reward_model.process.step_separator=' '",
+                        "reward.funcs=[reward_model,rule]", "reward.weights=[1.0,0.0]", *extra)
+    # the step rewards alone count; the rule, at weight 0, is logged beside them
     assert step["critic/score/mean"] == pytest.approx(step["reward/reward_model/mean"], abs=1e-6)
+    assert "reward/rule/mean" in step and "val/reward/rule/mean" in step
     assert step["reward_model/steps_per_response"] > 1  # steps at the spaces of the policy's responses
     assert "val/reward/reward_model/mean" in step and step["actor/pg_loss"] != 0.0
