@@ -387,8 +387,14 @@ def check_iterative_config(cfg: DictConfig) -> None:
     for key in ("epochs", "mini_batch_size", "micro_batch_size_per_gpu"):
         _positive(iterative.reward_model[key], f"trainer.iterative.reward_model.{key}")
     if cfg.reward_model.enable and cfg.reward_model.process.enable:
-        raise ConfigError("trainer.iterative.enable=true with a process reward model: training a PRM on step labels is "
-                          "not supported yet; use an outcome reward model (reward_model.process.enable=false).")
+        if cfg.reward_model.process.step_tag is not None:
+            raise ConfigError("trainer.iterative.enable=true with a step-tag scorer (reward_model.process.step_tag): "
+                              "training one inside the loop is not built yet; use a token-classification process "
+                              "reward model (step_tag=null), or train the scorer with hybrid-rl-reward-model.")
+        if not iterative.reward_model.step_scorer:
+            raise ConfigError("trainer.iterative.enable=true with a process reward model trains it on step labels: set "
+                              "trainer.iterative.reward_model.step_scorer=file.py:function, a grpo_process reward "
+                              "function that labels each step (e.g. recipes/deepseekmath_grpo/step_reward.py).")
     if iterative.reset_reference and needs_reference(cfg):
         for key in ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy"):
             _choice(OmegaConf.select(cfg, key), ("fsdp", "fsdp2"), key,

@@ -41,6 +41,7 @@ def prepare(cfg: DictConfig):
     """Everything the run needs before workers start; raises on bad input."""
     from hybrid_rl.config import needs_critic
     from hybrid_rl.data import RLDataset
+    from hybrid_rl.iterative import load_step_scorer
     from hybrid_rl.rewards import RewardManager, default_compute_score, load_custom_reward_fn
     from hybrid_rl.rewards.mixture import sources_from_config
 
@@ -102,6 +103,7 @@ def prepare(cfg: DictConfig):
         check_builtin_data_sources(train_dataset, "data.train_files")
         if val_dataset is not None:
             check_builtin_data_sources(val_dataset, "data.val_files")
+    load_step_scorer(cfg)  # a missing or broken step scorer stops the run here
     faults = dict(on_error=cfg.reward_model.on_error, timeout_s=cfg.reward_model.timeout_s, sources=sources)
     reward_fn = RewardManager(tokenizer, compute_score, cfg.data.reward_fn_key, cfg.reward_model.num_examine, **faults)
     val_reward_fn = RewardManager(tokenizer, compute_score, cfg.data.reward_fn_key, 0, **faults)

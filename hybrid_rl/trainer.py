@@ -38,7 +38,7 @@ from hybrid_rl.controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool
 from hybrid_rl.controller.worker_group import PendingCall
 from hybrid_rl.models import resolve_model_path
 from hybrid_rl.data import EpochSampler, RLDataset, collate_prompts
-from hybrid_rl.iterative import IterationSamples
+from hybrid_rl.iterative import IterationSamples, load_step_scorer
 from hybrid_rl.metrics import (Timer, compute_data_metrics, multi_turn_metrics, per_source_means,
                                reduce_worker_metrics, reward_source_metrics, throughput_metrics)
 from hybrid_rl.protocol import Batch, BatchMeta, Sampling
@@ -190,7 +190,8 @@ class Trainer:
         self.kl_ctrl = get_kl_controller(self.cfg.algorithm.kl_ctrl)
         self.reward_stats = RunningMoments()  # for algorithm.reward_norm.*=running
         iterative = self.cfg.trainer.iterative
-        self.iteration = (IterationSamples(iterative, self.tokenizer, self.pad_token_id, self.cfg.trainer.seed)
+        self.iteration = (IterationSamples(iterative, self.tokenizer, self.pad_token_id, self.cfg.trainer.seed,
+                                           load_step_scorer(self.cfg), self.cfg.reward_model.process.step_separator)
                           if iterative.enable else None)
         self.weights_version = 0  # actor updates so far
         self.rollout_version: int | None = None  # the update count of the rollout pool's weights
@@ -498,15 +499,17 @@ class Trainer:
             if len(batch):
                 batch.meta = BatchMeta(step=self.global_step)
                 per_rank = self.reward_model.train_reward_model(batch)
-                sums = {key: sum(r.pop(key) for r in per_rank)
-                        for key in ("replay_loss_sum_before", "replay_loss_sum_after", "replayed_rows")}
+                sums = {key: sum(r.pop(key) for r in per_rank) for key in (
+                    "replay_loss_sum_before", "replay_loss_sum_after", "replayed_rows", "replayed_examples")}
                 metrics.update(reduce_worker_metrics(per_rank))
                 metrics["iterative/reward_model_rows"] = float(len(batch))
                 metrics["iterative/replayed_rows"] = sums["replayed_rows"]
-                if sums["replayed_rows"]:
+                if sums["replayed_examples"]:  # the mean loss per replayed row (per step, for a PRM)
                     for when in ("before", "after"):
                         metrics[f"iterative/replay_loss_{when}"] = (sums[f"replay_loss_sum_{when}"]
-                                                                    / sums["replayed_rows"])
+                                                                    / sums["replayed_examples"])
+            if self.iteration.step_scorer is not None:
+                metrics["iterative/unlabelled_samples"] = float(self.iteration.unlabelled)
         if self.cfg.trainer.iterative.reset_reference:
             metrics["iterative/reference_reset"] = float(self.workers.reset_reference()[0])
         metrics["timing_s/iteration"] = time.perf_counter() - start

@@ -151,5 +151,41 @@ def test_iterative_settings_that_cannot_work_are_refused(tmp_path, tiny_model_di
     from tests.rewards.test_process_reward_model import build_prm
 
     prm = build_prm(tmp_path / "prm", tiny_tokenizer)
-    with pytest.raises(ConfigError, match="training a PRM on step labels is not supported yet"):
-        prepare(cfg("reward_model.enable=true", f"reward_model.model.path={prm}", "reward_model.process.enable=true"))
+    process = ("reward_model.enable=true", f"reward_model.model.path={prm}", "reward_model.process.enable=true")
+    with pytest.raises(ConfigError, match="set trainer.iterative.reward_model.step_scorer=file.py:function"):
+        prepare(cfg(*process))
+    with pytest.raises(FileNotFoundError, match="missing.py"):
+        prepare(cfg(*process, f"trainer.iterative.reward_model.step_scorer={tmp_path}/missing.py:fn"))
+    with pytest.raises(ConfigError, match="with a step-tag scorer"):
+        prepare(cfg("reward_model.enable=true", f"reward_model.model.path={tiny_model_dir}",
+                    "reward_model.process.enable=true", "reward_model.process.step_tag=' ки'",
+                    "trainer.iterative.reward_model.step_scorer=recipes/deepseekmath_grpo/step_reward.py"))
+
+
+STEP_SCORER = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    # a step is good when its text has an even number of characters
+    steps = [step for step in solution_str.split(" ") if step]
+    return {"score": 0.0, "step_rewards": [float(len(step) % 2 == 0) for step in steps], "step_ends": []}
+"""
+
+
+@pytest.mark.slow
+def test_an_iterative_run_trains_a_process_reward_model_on_step_labels(ray_session, tiny_model_dir, tiny_tokenizer,
+                                                                       arithmetic_files, tmp_path):
+    from tests.rewards.test_process_reward_model import build_prm
+
+    prm = build_prm(tmp_path / "prm", tiny_tokenizer, num_labels=2)
+    (tmp_path / "steps.py").write_text(STEP_SCORER)
+    overrides = iterative_overrides(tiny_model_dir, arithmetic_files, tmp_path / "run", prm, steps=2) + [
+        "reward_model.process.enable=true", "reward_model.process.step_separator=' '",
+        "algorithm.adv_estimator=grpo_process", f"trainer.iterative.reward_model.step_scorer={tmp_path}/steps.py",
+        "trainer.save_freq=-1"]
+    trainer, metrics = fit(overrides)
+    trainer.shutdown()
+    for step in metrics:
+        assert step["iterative/reward_model_rows"] > 0 and step["iterative/unlabelled_samples"] >= 0
+    # the second iteration replays steps of the first, and the PRM's loss on them falls
+    assert metrics[1]["iterative/replayed_rows"] > 0
+    assert metrics[1]["iterative/replay_loss_after"] < metrics[1]["iterative/replay_loss_before"]
+    assert metrics[1]["reward_model/accuracy"] > 0.5

@@ -168,12 +168,12 @@ def reward_model_config(tp: int = 1, pp: int = 1):
 def reward_model_training(rm, batch, cfg) -> dict:
     """Iterative RL's training of `rm` (as `RewardModelWorker.train_reward_model` runs it) on
     `batch` with labels, and the scores before and after."""
-    from hybrid_rl.workers.reward_model import train_pointwise
+    from hybrid_rl.workers.reward_model import train_further
 
     rows = Batch(tensors={**batch.tensors, "labels": torch.arange(len(batch)).remainder(2).float(),
                           "response_mask": batch["attention_mask"][:, -batch["responses"].shape[1]:]})
     before = rm.infer(rows, Output.SCORES, 1.0, 2, None)["scores"]
-    metrics = train_pointwise(rm, rows, cfg.trainer.iterative.reward_model, seed=3)
+    metrics = train_further(rm, rows, cfg.trainer.iterative.reward_model, seed=3)
     return {"before": before, "metrics": metrics, "after": rm.infer(rows, Output.SCORES, 1.0, 2, None)["scores"]}
 
 

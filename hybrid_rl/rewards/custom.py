@@ -122,3 +122,10 @@ def load_custom_reward_fn(
     if kwargs:
         fn = functools.partial(fn, **kwargs)
     return fn
+
+
+def load_function_ref(ref: str, key: str) -> Callable:
+    """A reward function named as "file.py:function" (or "file.py" for its compute_score), as
+    `reward.funcs` entries and the step scorers name them; `key` is the setting named in errors."""
+    path, name = ref.rsplit(":", 1) if ":" in ref and ref.rsplit(":", 1)[0].endswith(".py") else (ref, None)
+    return load_custom_reward_fn(path, name, key=key)

@@ -69,6 +69,7 @@ def sources_from_config(reward_cfg: Any, config_error: type[Exception],
     reward model (``reward_model.process.enable``), whose step rewards are the only source with
     a weight (others are logged at weight 0)."""
     from . import default_compute_score, load_custom_reward_fn
+    from .custom import load_function_ref
     from .code import CodeTestsScorer
     from .sandbox import Sandbox
     from .think_answer import format_score, tag_count_score
@@ -108,9 +109,8 @@ def sources_from_config(reward_cfg: Any, config_error: type[Exception],
             sandbox = Sandbox(**dict(reward_cfg.sandbox)).start()
             sources.append(RewardSource(_unique("code_tests", taken), float(weight), batch_fn=CodeTestsScorer(sandbox)))
         elif isinstance(entry, str) and ":" in entry and entry.rsplit(":", 1)[0].endswith(".py"):
-            path, name = entry.rsplit(":", 1)
-            fn = load_custom_reward_fn(path, name, key=key)
-            sources.append(RewardSource(_unique(name, taken), float(weight), fn=fn))
+            fn = load_function_ref(entry, key)
+            sources.append(RewardSource(_unique(entry.rsplit(":", 1)[1], taken), float(weight), fn=fn))
         elif hasattr(entry, "get") and entry.get("path"):
             name = entry.get("name") or "compute_score"
             fn = load_custom_reward_fn(entry["path"], name, entry.get("reward_kwargs"), key=key)

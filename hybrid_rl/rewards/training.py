@@ -54,7 +54,6 @@ from hybrid_rl.algorithms.reward_model_loss import pairwise_loss, pointwise_loss
 from hybrid_rl.engines import Head, ModelSpec, Output, build_engine
 from hybrid_rl.protocol import Batch
 from hybrid_rl.rewards.model_inputs import RewardInputs, collate_rows, pad_id, template_ids
-from hybrid_rl.rewards.steps import step_ends
 
 logger = logging.getLogger(__name__)
 
@@ -248,6 +247,18 @@ def step_loss_fn(probabilities: bool):
     return loss_fn
 
 
+def place_step_labels(steps: list, step_labels: list, shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each step's label on the reward model's token that ends the step (`steps` as
+    `RewardInputs.with_steps` gives them; a step cut away by `max_length` keeps no label), and
+    the mask of those tokens; both `shape` (B, T) of the reward model's response columns."""
+    labels = torch.zeros(shape, dtype=torch.float32)
+    mask = torch.zeros(shape, dtype=torch.long)
+    for i, (row_steps, row_labels) in enumerate(zip(steps, step_labels)):
+        for (_, token), label in zip(row_steps, row_labels):
+            labels[i, token], mask[i, token] = label, 1
+    return labels, mask
+
+
 class StepRows:
     """Labelled steps as a process reward model reads them during RL: the prompt through the
     chat template, the steps joined by `separator` as the policy's response (its tokens, then
@@ -268,17 +279,14 @@ class StepRows:
         policy = collate_rows(rows, pad_id(self.tokenizer))
         policy = Batch(tensors=policy.tensors, non_tensors={"raw_prompt": [e["prompt"] for e in examples]})
         batch, _, steps = self.inputs.with_steps(policy, self.separator)
-        labels = torch.zeros(batch["responses"].shape, dtype=torch.float32)
-        mask = torch.zeros(batch["responses"].shape, dtype=torch.long)
-        for i, (example, row_steps) in enumerate(zip(examples, steps)):
+        for example, row_steps in zip(examples, steps):
             if len(row_steps) != len(example["steps"]):
                 raise RewardDataError(
                     f"the steps of {example['steps']!r} joined by {self.separator!r} split into {len(row_steps)} "
                     f"steps, not {len(example['steps'])}: a step holds the separator or is blank. Choose a "
                     "--step-separator no step contains (the reward_model.process.step_separator of the RL run).")
-            for (_, token), label in zip(row_steps, example["labels"]):
-                labels[i, token], mask[i, token] = label, 1
-        batch["step_labels"], batch["response_mask"] = labels, mask
+        batch["step_labels"], batch["response_mask"] = place_step_labels(steps, [e["labels"] for e in examples],
+                                                                         batch["responses"].shape)
         return batch
 
 
@@ -528,10 +536,9 @@ def main(argv: list[str] | None = None) -> int:
             model = resolve_model_path(args.model, key="--model")
             step_scorer = None
             if args.step_scorer:
-                from hybrid_rl.rewards import load_custom_reward_fn
+                from hybrid_rl.rewards.custom import load_function_ref
 
-                path, _, name = args.step_scorer.partition(":")
-                step_scorer = load_custom_reward_fn(path, name or "compute_score", key="--step-scorer")
+                step_scorer = load_function_ref(args.step_scorer, "--step-scorer")
             examples = sample_responses(args.prompts, model, args.n, args.max_response_length, args.temperature,
                                         args.seed, args.max_prompts, step_scorer=step_scorer)
             write_examples(examples, args.out)

@@ -10,13 +10,12 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from hybrid_rl.algorithms.reward_model_loss import pointwise_loss
 from hybrid_rl.controller import Dispatch, register
 from hybrid_rl.engines import Head, ModelSpec, Output, build_engine
 from hybrid_rl.models import load_tokenizer
 from hybrid_rl.protocol import Batch
 from hybrid_rl.rewards.model_inputs import RewardInputs
-from hybrid_rl.rewards.training import reward_model_loss_fn
+from hybrid_rl.rewards.training import place_step_labels, reward_model_loss_fn, step_loss_fn
 from hybrid_rl.workers.base import ModelWorker
 
 
@@ -60,25 +59,38 @@ class RewardModelWorker(ModelWorker):
     @register(dispatch=Dispatch.DP_COMPUTE, mesh="reward_model")
     def train_reward_model(self, batch: Batch) -> dict:
         """Iterative RL: `trainer.iterative.reward_model.epochs` passes of pointwise training over
-        this rank's share of `batch` (rollout rows with `labels` in [0, 1]), and the loss on its
-        `replayed` rows before and after, as sums and a count (the driver averages over ranks)."""
+        this rank's share of `batch` (rollout rows with `labels` in [0, 1], or for a process reward
+        model `step_labels`, one per step), and the loss on its `replayed` rows (their steps) before
+        and after, as sums and a count of rows and of examples (the driver averages over ranks)."""
         cfg = self.cfg.trainer.iterative.reward_model
-        rows, _ = self.inputs(batch)
-        rows["labels"] = batch["labels"].float()
-        rows["response_mask"] = rows["attention_mask"][:, -rows["responses"].shape[1]:]
+        process = self.cfg.reward_model.process
         replayed = batch["replayed"].bool()
+        if process.enable:
+            rows, _, steps = self.inputs.with_steps(batch, process.step_separator)
+            rows["step_labels"], rows["response_mask"] = place_step_labels(steps, batch["step_labels"],
+                                                                           rows["responses"].shape)
+            output, loss_fn = Output.TOKEN_SCORES, step_loss_fn(self.reward_model.hf_module().config.num_labels == 2)
+        else:
+            rows, _ = self.inputs(batch)
+            rows["labels"] = batch["labels"].float()
+            rows["response_mask"] = rows["attention_mask"][:, -rows["responses"].shape[1]:]
+            output, loss_fn = Output.SCORES, reward_model_loss_fn(pairwise=False)
+        examples = rows["response_mask"].sum(-1) if process.enable else torch.ones(len(rows))
 
         def replay_loss() -> float:
             if not replayed.any():
                 return 0.0
-            scores = self.reward_model.infer(rows[replayed], Output.SCORES, 1.0, cfg.micro_batch_size_per_gpu,
-                                             None)["scores"]
-            return float(pointwise_loss(scores, rows["labels"][replayed]).sum())
+            replay = rows[replayed]
+            out = self.reward_model.infer(replay, output, 1.0, cfg.micro_batch_size_per_gpu, None)
+            # the loss callback's mean over the replayed examples, times their count
+            count = float(examples[replayed].sum())
+            return float(loss_fn(out, replay, {"dp_size": 1, "global_num_tokens": count, "global_num_seqs": count})[0]
+                         ) * count
 
         before = replay_loss()
-        metrics = train_pointwise(self.reward_model, rows, cfg, seed=self.cfg.trainer.seed + batch.meta.step)
+        metrics = train_further(self.reward_model, rows, cfg, self.cfg.trainer.seed + batch.meta.step, output, loss_fn)
         return {**metrics, "replay_loss_sum_before": before, "replay_loss_sum_after": replay_loss(),
-                "replayed_rows": float(replayed.sum())}
+                "replayed_rows": float(replayed.sum()), "replayed_examples": float(examples[replayed].sum())}
 
     @register(dispatch=Dispatch.DP_COMPUTE, mesh="reward_model")
     def compute_rm_score(self, batch: Batch) -> Batch:
@@ -109,14 +121,15 @@ def training_optim(cfg) -> DictConfig:
                              "min_lr_ratio": 0.0, "num_cycles": 0.5})
 
 
-def train_pointwise(engine, rows: Batch, cfg, seed: int) -> dict:
-    """`cfg.epochs` shuffled passes of pointwise training (`trainer.iterative.reward_model`) over
-    `rows`, which carry `labels` in [0, 1] and a `response_mask`, on any training engine."""
+def train_further(engine, rows: Batch, cfg, seed: int, output: Output = Output.SCORES, loss_fn=None) -> dict:
+    """`cfg.epochs` shuffled passes (`trainer.iterative.reward_model`) of `loss_fn` (default:
+    the pointwise loss of `labels` in [0, 1]) over `rows` with a `response_mask`, on any training
+    engine."""
     role_cfg = OmegaConf.create({"ppo_epochs": cfg.epochs, "shuffle": True, "ppo_mini_batch_size": cfg.mini_batch_size,
                                  "ppo_micro_batch_size_per_gpu": cfg.micro_batch_size_per_gpu,
                                  "use_dynamic_bsz": False, "grad_clip": cfg.grad_clip})
-    return engine.update(rows, role_cfg, rollout_n=1, seed=seed, output=Output.SCORES, temperature=1.0,
-                         loss_fn=reward_model_loss_fn(pairwise=False))
+    return engine.update(rows, role_cfg, rollout_n=1, seed=seed, output=output, temperature=1.0,
+                         loss_fn=loss_fn or reward_model_loss_fn(pairwise=False))
 
 
 def place_step_scores(token_scores: torch.Tensor, steps: list, shape) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,8 @@
 #   REWARD_MODEL=/models/rm sbatch --nodes=4 --gpus-per-node=8 recipes/deepseekmath_grpo/run_paper.sh
 #   SUPERVISION=process REWARD_MODEL=/models/prm sbatch ... run_paper.sh   # GRPO+PS (a token-classifier PRM)
 #   ITERATIVE=1 REWARD_MODEL=/models/rm sbatch ... run_paper.sh            # iterative RL on top of GRPO+OS
+#   ITERATIVE=1 SUPERVISION=process STEP_SCORER=my_steps.py:fn ...         # ... on top of GRPO+PS: your
+#                                      # grpo_process function labels each step for the PRM's training
 #
 # Data (under DATA_DIR, default ~/data): python tools/data/gsm8k.py --out-dir ~/data/gsm8k and
 # python tools/data/hendrycks_math.py --out-dir ~/data/math (the paper trains on 144K GSM8K/MATH questions from its SFT data, which is
@@ -24,9 +26,10 @@ model=${MODEL_PATH:-deepseek-ai/deepseek-math-7b-instruct}
 reward_model=${REWARD_MODEL:-}
 
 case ${SUPERVISION:-outcome} in
-  # Outcome: the rule is logged beside the reward model at weight 0; step rewards take no mixture.
+  # The rule is logged beside the reward model at weight 0.
   outcome) supervision=(algorithm.adv_estimator=grpo 'reward.funcs=[reward_model,rule]' 'reward.weights=[1.0,0.0]') ;;
-  process) supervision=(algorithm.adv_estimator=grpo_process reward_model.process.enable=true) ;;
+  process) supervision=(algorithm.adv_estimator=grpo_process reward_model.process.enable=true
+                        'reward.funcs=[reward_model,rule]' 'reward.weights=[1.0,0.0]') ;;
   *) echo "error: SUPERVISION must be outcome or process, got '$SUPERVISION'" >&2; exit 1 ;;
 esac
 iterative=() name=deepseekmath_7b_${SUPERVISION:-outcome}
@@ -36,6 +39,10 @@ if [[ ${ITERATIVE:-0} == 1 ]]; then
   # the rule) plus a 10 % replay of earlier ones, and the reference becomes the current policy.
   iterative=(trainer.iterative.enable=true trainer.iterative.freq="${ITERATION_STEPS:-100}"
              trainer.iterative.replay_ratio=0.1 trainer.iterative.reward_model.lr=2e-5)
+  # A PRM trains on step labels, from a function of yours (none here checks GSM8K or MATH steps).
+  if [[ ${SUPERVISION:-outcome} == process ]]; then
+    iterative+=(trainer.iterative.reward_model.step_scorer="${STEP_SCORER:-}")
+  fi
 fi
 overrides=(
   "${supervision[@]}" "${iterative[@]}"
