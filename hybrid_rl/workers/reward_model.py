@@ -1,7 +1,8 @@
 """The reward model: a sequence classifier (`AutoModelForSequenceClassification`, one label) that
 scores each response, or with `reward_model.process.enable` a process reward model (a token
 classifier) that scores each reasoning step, on a training engine (`reward_model.strategy`)
-colocated in the actor's worker processes. What it reads is built by
+colocated in the actor's worker processes, or with `reward_model.enable_resource_pool` in
+processes of its own; iterative RL trains it further. What it reads is built by
 `hybrid_rl.rewards.model_inputs`.
 """
 
