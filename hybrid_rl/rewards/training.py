@@ -32,7 +32,8 @@ the first of `--step-tag-tokens` after each tag). The loss is the binary cross-e
 step's P(good) (or, for a one-label head, sigma(score)) against its label. `sample
 --step-scorer file.py[:function]` labels the steps of sampled responses with a function that
 returns `step_rewards` and `step_ends` (a `grpo_process` reward function, such as
-recipes/deepseekmath_grpo/step_reward.py).
+recipes/deepseekmath_grpo/step_reward.py), `sample --completions K` by Math-Shepherd's
+completions (`completion_labels`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from hybrid_rl.algorithms.reward_model_loss import pairwise_loss, pointwise_loss
 from hybrid_rl.engines import Head, ModelSpec, Output, build_engine
 from hybrid_rl.protocol import Batch
 from hybrid_rl.rewards.model_inputs import RewardInputs, collate_rows, pad_id, template_ids
+from hybrid_rl.rewards.steps import decoded_prefix_lengths, step_ends, token_at
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +69,14 @@ class RewardDataError(ValueError):
 # ---------------------------------------------------------------------------------------- sample
 def sample_responses(prompts_file: str, model_path: str, n: int, max_response_length: int,
                      temperature: float, seed: int, max_prompts: int = -1, batch_prompts: int = 16,
-                     step_scorer=None) -> list[dict]:
+                     step_scorer=None, completions: int = 0, separator: str = "\n") -> list[dict]:
     """`n` responses per prompt, each labelled by the rule scorer of its row's data source, or
-    with `step_scorer` (a process reward function) split into steps, each labelled."""
+    split into steps (at `separator`) and each step labelled: by `step_scorer` (a process reward
+    function), or with `completions` > 0 by Math-Shepherd's completions (`completion_labels`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hybrid_rl.data import RLDataset, collate_prompts
+    from hybrid_rl.evaluate import score_of
     from hybrid_rl.rewards import default_compute_score
     from hybrid_rl.workers.actor_rollout_ref import eos_ids
     from hybrid_rl.workers.rollout import HFRollout, assemble_rollout
@@ -84,21 +88,39 @@ def sample_responses(prompts_file: str, model_path: str, n: int, max_response_le
     rollout = HFRollout(model, pad_id(tokenizer), stops)
     settings = {"temperature": temperature, "top_p": 1.0, "top_k": -1}
     torch.manual_seed(seed)
-    examples = []
-    for start in range(0, len(dataset), batch_prompts):
-        rows = [dataset[i] for i in range(start, min(start + batch_prompts, len(dataset)))]
-        prompts = collate_prompts(rows, pad_id(tokenizer), max(len(r["prompt_ids"]) for r in rows)).repeat(n)
+
+    def continuations(prompt_ids: list[list[int]], each: int) -> list[list[int]]:
+        """`each` sampled continuations of every token list, in order, cut at the stop token."""
+        rows = [{"prompt_ids": ids} for ids in prompt_ids]
+        prompts = collate_prompts(rows, pad_id(tokenizer), max(map(len, prompt_ids))).repeat(each)
         tokens, _ = rollout.generate(prompts, settings, max_response_length)
         batch = assemble_rollout(prompts, tokens, [[0.0] * len(t) for t in tokens], max_response_length,
                                  pad_id(tokenizer), stops)
-        for i in range(len(batch)):
+        return [batch["responses"][i][batch["response_mask"][i].bool()].tolist() for i in range(len(batch))]
+
+    examples = []
+    for start in range(0, len(dataset), batch_prompts):
+        rows = [dataset[i] for i in range(start, min(start + batch_prompts, len(dataset)))]
+        for i, response_ids in enumerate(continuations([list(r["prompt_ids"]) for r in rows], n)):
             row = rows[i // n]
-            response_ids = batch["responses"][i][batch["response_mask"][i].bool()].tolist()
             text = tokenizer.decode(response_ids, skip_special_tokens=True)
             if step_scorer is not None:
                 example = labelled_steps(step_scorer, row, text)
                 if example is not None:
                     examples.append(example)
+                continue
+            if completions:
+                def correct(answer: str) -> bool:
+                    return score_of(default_compute_score(row["data_source"], answer, row["reward_model"]["ground_truth"],
+                                                          row["extra_info"]))[1]
+
+                def complete(prefixes: list[list[int]]) -> list[list[int]]:
+                    return continuations([list(row["prompt_ids"]) + p for p in prefixes], completions)
+
+                labelled = completion_labels(tokenizer, response_ids, text, separator, completions, complete, correct)
+                if labelled is not None:
+                    examples.append({"prompt": row["raw_prompt"], "steps": labelled[0], "labels": labelled[1],
+                                     "data_source": row["data_source"]})
                 continue
             score = default_compute_score(row["data_source"], text, row["reward_model"]["ground_truth"],
                                           row["extra_info"])
@@ -107,6 +129,25 @@ def sample_responses(prompts_file: str, model_path: str, n: int, max_response_le
                 "prompt_ids": list(row["prompt_ids"]), "response_ids": response_ids})
         logger.info("sampled %d of %d prompts", min(start + batch_prompts, len(dataset)), len(dataset))
     return examples
+
+
+def completion_labels(tokenizer, response_ids: list[int], text: str, separator: str, k: int, complete,
+                      correct) -> tuple[list[str], list[float]] | None:
+    """Math-Shepherd's hard estimation of step labels: the response is split into steps at
+    `separator`; a step is good (1.0) when at least one of `k` continuations of the response up
+    to that step's end (`complete(prefixes)`: k token lists per prefix, in order) reaches a
+    `correct` answer, the last step when the response itself does. The steps' texts and labels;
+    None for a response without steps."""
+    ends = step_ends(text, separator)
+    steps = [text[start:end].strip() for start, end in zip([0] + ends[:-1], ends)]
+    if not steps or not all(steps):
+        return None
+    token_ends = decoded_prefix_lengths(tokenizer, response_ids)
+    prefixes = [response_ids[:token_at(token_ends, end) + 1] for end in ends[:-1]]
+    outs = complete(prefixes) if prefixes else []
+    labels = [float(any(correct(tokenizer.decode(prefix + outs[j * k + c], skip_special_tokens=True))
+                        for c in range(k))) for j, prefix in enumerate(prefixes)]
+    return steps, labels + [float(correct(text))]
 
 
 def labelled_steps(step_scorer, row: dict, text: str) -> dict | None:
@@ -510,6 +551,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--step-scorer", default=None, help="file.py[:function] (default function compute_score): label "
                                                        "each step with this process reward function instead")
+    s.add_argument("--completions", type=int, default=0, help="label each step by Math-Shepherd's completions "
+                                                              "instead: good when one of this many continuations "
+                                                              "from the step's end is right by the rule")
+    s.add_argument("--step-separator", default="\n", help="--completions: where responses split into steps")
     t = sub.add_parser("train", help="train a reward model on labelled responses, preference pairs or labelled steps")
     t.add_argument("--data", required=True, help="parquet / JSON Lines with prompt,response,label, "
                                                  "prompt,chosen,rejected or prompt,steps,labels")
@@ -539,10 +584,13 @@ def main(argv: list[str] | None = None) -> int:
                 from hybrid_rl.rewards.custom import load_function_ref
 
                 step_scorer = load_function_ref(args.step_scorer, "--step-scorer")
+            if step_scorer is not None and args.completions:
+                raise ValueError("--step-scorer and --completions both label steps; give one of them.")
             examples = sample_responses(args.prompts, model, args.n, args.max_response_length, args.temperature,
-                                        args.seed, args.max_prompts, step_scorer=step_scorer)
+                                        args.seed, args.max_prompts, step_scorer=step_scorer,
+                                        completions=args.completions, separator=args.step_separator)
             write_examples(examples, args.out)
-            if step_scorer is None:
+            if step_scorer is None and not args.completions:
                 good = sum(e["label"] > 0.5 for e in examples)
                 print(f"wrote {len(examples)} labelled responses ({good} with label > 0.5) to {args.out}")
             else:

@@ -202,3 +202,36 @@ def test_bad_step_data_is_refused(tmp_path, tiny_model_dir, reward_model_dir):
     with pytest.raises(RewardDataError, match="--step-tag trains a step-tag scorer, a causal LM"):
         train_reward_model(joined, str(tmp_path / "prm"), reward_model_dir, step_tag=" ки")
     assert not (tmp_path / "prm").exists()
+
+
+def test_completion_labels_mark_a_step_good_when_a_continuation_from_it_is_right(tiny_tokenizer):
+    """Math-Shepherd's hard estimation, with the continuations scripted (the model's text is what
+    the test must choose): each step's prefix ends at its step-end token."""
+    from hybrid_rl.rewards.training import completion_labels
+
+    text = "12 + 34\n= 47\nso 47"
+    response_ids = tiny_tokenizer(text, add_special_tokens=False)["input_ids"] + [tiny_tokenizer.eos_token_id]
+    seen = []
+
+    def complete(prefixes):
+        seen.extend(tiny_tokenizer.decode(p, skip_special_tokens=True) for p in prefixes)
+        scripted = [["= 46", "= 45"], ["so 48", "so 49"]]  # two continuations of each of the two prefixes
+        return [tiny_tokenizer(t, add_special_tokens=False)["input_ids"] for pair in scripted for t in pair]
+
+    steps, labels = completion_labels(tiny_tokenizer, response_ids, text, "\n", 2, complete,
+                                      lambda answer: answer.endswith("46"))
+    assert seen == ["12 + 34\n", "12 + 34\n= 47\n"]
+    assert steps == ["12 + 34", "= 47", "so 47"] and labels == [1.0, 0.0, 0.0]
+    assert completion_labels(tiny_tokenizer, [], "", "\n", 2, complete, bool) is None
+
+
+def test_sampled_steps_labelled_by_completions(tmp_path, tiny_model_dir, arithmetic_files):
+    out = tmp_path / "steps.jsonl"
+    assert main(["sample", "--prompts", arithmetic_files[1], "--out", str(out), "--model", tiny_model_dir, "--n", "2",
+                 "--max-response-length", "10", "--temperature", "2.0", "--completions", "2",
+                 "--step-separator", " "]) == 0
+    rows, kind = read_examples(str(out))
+    assert kind == "steps" and rows and any(len(row["steps"]) > 1 for row in rows)
+    assert all(set(row["labels"]) <= {0.0, 1.0} and len(row["labels"]) == len(row["steps"]) for row in rows)
+    assert main(["sample", "--prompts", arithmetic_files[1], "--out", str(out), "--model", tiny_model_dir,
+                 "--completions", "2", "--step-scorer", "recipes/deepseekmath_grpo/step_reward.py"]) == 2
