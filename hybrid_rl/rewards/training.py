@@ -104,29 +104,25 @@ def sample_responses(prompts_file: str, model_path: str, n: int, max_response_le
         for i, response_ids in enumerate(continuations([list(r["prompt_ids"]) for r in rows], n)):
             row = rows[i // n]
             text = tokenizer.decode(response_ids, skip_special_tokens=True)
-            if step_scorer is not None:
-                example = labelled_steps(step_scorer, row, text)
-                if example is not None:
-                    examples.append(example)
-                continue
-            if completions:
-                def correct(answer: str) -> bool:
-                    return score_of(default_compute_score(row["data_source"], answer, row["reward_model"]["ground_truth"],
-                                                          row["extra_info"]))[1]
 
-                def complete(prefixes: list[list[int]]) -> list[list[int]]:
-                    return continuations([list(row["prompt_ids"]) + p for p in prefixes], completions)
+            def rule(answer: str) -> tuple[float, bool]:
+                return score_of(default_compute_score(row["data_source"], answer, row["reward_model"]["ground_truth"],
+                                                      row["extra_info"]))
 
-                labelled = completion_labels(tokenizer, response_ids, text, separator, completions, complete, correct)
+            def complete(prefixes: list[list[int]]) -> list[list[int]]:
+                return continuations([list(row["prompt_ids"]) + p for p in prefixes], completions)
+
+            if step_scorer is not None or completions:
+                labelled = (labelled_steps(step_scorer, row, text) if step_scorer is not None else
+                            completion_labels(tokenizer, response_ids, text, separator, completions, complete,
+                                              lambda answer: rule(answer)[1]))
                 if labelled is not None:
                     examples.append({"prompt": row["raw_prompt"], "steps": labelled[0], "labels": labelled[1],
                                      "data_source": row["data_source"]})
                 continue
-            score = default_compute_score(row["data_source"], text, row["reward_model"]["ground_truth"],
-                                          row["extra_info"])
-            examples.append({"prompt": row["raw_prompt"], "response": text, "label": float(
-                score["score"] if isinstance(score, dict) else score), "data_source": row["data_source"],
-                "prompt_ids": list(row["prompt_ids"]), "response_ids": response_ids})
+            examples.append({"prompt": row["raw_prompt"], "response": text, "label": rule(text)[0],
+                             "data_source": row["data_source"], "prompt_ids": list(row["prompt_ids"]),
+                             "response_ids": response_ids})
         logger.info("sampled %d of %d prompts", min(start + batch_prompts, len(dataset)), len(dataset))
     return examples
 
@@ -139,8 +135,8 @@ def completion_labels(tokenizer, response_ids: list[int], text: str, separator: 
     `correct` answer, the last step when the response itself does. The steps' texts and labels;
     None for a response without steps."""
     ends = step_ends(text, separator)
-    steps = [text[start:end].strip() for start, end in zip([0] + ends[:-1], ends)]
-    if not steps or not all(steps):
+    steps = step_texts(text, ends)
+    if steps is None:
         return None
     token_ends = decoded_prefix_lengths(tokenizer, response_ids)
     prefixes = [response_ids[:token_at(token_ends, end) + 1] for end in ends[:-1]]
@@ -150,23 +146,24 @@ def completion_labels(tokenizer, response_ids: list[int], text: str, separator: 
     return steps, labels + [float(correct(text))]
 
 
-def labelled_steps(step_scorer, row: dict, text: str) -> dict | None:
-    """A response's steps as `step_scorer` splits and scores them (`step_ends`, `step_rewards`
-    clipped to [0, 1]); None for a response without steps."""
+def step_texts(text: str, ends: list[int]) -> list[str] | None:
+    """The steps of `text` that end at `ends`, stripped; None when there are none or one is blank."""
+    steps = [text[start:end].strip() for start, end in zip([0] + ends[:-1], ends)]
+    return steps if steps and all(steps) else None
+
+
+def labelled_steps(step_scorer, row: dict, text: str) -> tuple[list[str], list[float]] | None:
+    """A response's steps and labels as `step_scorer` splits and scores them (`step_ends`,
+    `step_rewards` clipped to [0, 1]); None for a response without steps."""
     result = step_scorer(data_source=row["data_source"], solution_str=text,
                          ground_truth=row["reward_model"]["ground_truth"], extra_info=row["extra_info"])
     if not (isinstance(result, dict) and "step_rewards" in result and "step_ends" in result):
         raise RewardDataError("--step-scorer must return a dict with step_rewards and step_ends (a process reward "
                               f"function, as algorithm.adv_estimator=grpo_process reads it); it returned {result!r}.")
-    steps, start = [], 0
-    for end in result["step_ends"]:
-        steps.append(text[start:end].strip())
-        start = end
-    if not steps or len(steps) != len(result["step_rewards"]) or not all(steps):
+    steps = step_texts(text, list(result["step_ends"]))
+    if steps is None or len(steps) != len(result["step_rewards"]):
         return None
-    return {"prompt": row["raw_prompt"], "steps": steps, "labels": [min(1.0, max(0.0, float(r)))
-                                                                    for r in result["step_rewards"]],
-            "data_source": row["data_source"]}
+    return steps, [min(1.0, max(0.0, float(r))) for r in result["step_rewards"]]
 
 
 # ----------------------------------------------------------------------------------------- data
@@ -270,6 +267,13 @@ def reward_model_loss_fn(pairwise: bool):
     return loss_fn
 
 
+def step_probabilities(engine) -> bool:
+    """Whether a process reward model's step scores are P(good) (a step-tag scorer, a two-label
+    token classifier) rather than a one-label head's logit."""
+    head = engine.spec.head
+    return head is Head.STEP_TAG or (head is Head.STEP_SCORE and engine.hf_module().config.num_labels == 2)
+
+
 def step_loss_fn(probabilities: bool):
     """`TrainEngine.update`'s loss callback for a process reward model: the mean over the
     mini-batch's labelled steps (the `response_mask` marks each step's scored token, so the
@@ -354,9 +358,7 @@ class RewardModelTrainer:
         spec = ModelSpec("reward_model", base, model_cfg, head=head, optim_cfg=optim, total_steps=total_steps,
                          tag_token_ids=tag_token_ids)
         self.engine = build_engine(spec, self.role_cfg, torch.device("cpu"))
-        # A step-tag scorer and a two-label token classifier give P(good); a one-label head a logit.
-        self.probabilities = head is Head.STEP_TAG or (head is Head.STEP_SCORE and
-                                                       self.engine.hf_module().config.num_labels == 2)
+        self.probabilities = step_probabilities(self.engine)
 
     def batch(self, rows: list[tuple[list[int], list[int]]], labels: list[float] | None = None) -> Batch:
         batch = collate_rows(rows, pad_id(self.tokenizer))

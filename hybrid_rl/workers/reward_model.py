@@ -16,7 +16,7 @@ from hybrid_rl.engines import Head, ModelSpec, Output, build_engine
 from hybrid_rl.models import load_tokenizer
 from hybrid_rl.protocol import Batch
 from hybrid_rl.rewards.model_inputs import RewardInputs
-from hybrid_rl.rewards.training import place_step_labels, reward_model_loss_fn, step_loss_fn
+from hybrid_rl.rewards.training import place_step_labels, reward_model_loss_fn, step_loss_fn, step_probabilities
 from hybrid_rl.workers.base import ModelWorker
 
 
@@ -70,7 +70,7 @@ class RewardModelWorker(ModelWorker):
             rows, _, steps = self.inputs.with_steps(batch, process.step_separator)
             rows["step_labels"], rows["response_mask"] = place_step_labels(steps, batch["step_labels"],
                                                                            rows["responses"].shape)
-            output, loss_fn = Output.TOKEN_SCORES, step_loss_fn(self.reward_model.hf_module().config.num_labels == 2)
+            output, loss_fn = Output.TOKEN_SCORES, step_loss_fn(step_probabilities(self.reward_model))
         else:
             rows, _ = self.inputs(batch)
             rows["labels"] = batch["labels"].float()
