@@ -11,6 +11,7 @@ import os
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from hybrid_rl.agent.formats import FORMATS
 from hybrid_rl.algorithms import ADV_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_RS_MODES
 from hybrid_rl.config_keys import check_verl_keys
 from hybrid_rl.controller.worker_group import PLACEMENT_STRATEGIES
@@ -115,9 +116,10 @@ def _check_multi_turn(rollout: DictConfig) -> None:
             raise ConfigError(f"{key}.{name}={mt[name]} must be >= 1.")
     if not mt.tool_timeout_s > 0:
         raise ConfigError(f"{key}.tool_timeout_s={mt.tool_timeout_s} must be > 0 (seconds).")
-    if mt.format != "hermes":
-        raise ConfigError(f"{key}.format={mt.format}: only hermes tool calls (<tool_call>{{json}}</tool_call>) are "
-                          "parsed here.")
+    if mt.format not in FORMATS:
+        raise ConfigError(f"{key}.format={mt.format}: tool calls are parsed in the formats {', '.join(FORMATS)} "
+                          "(hermes: <tool_call>{json}</tool_call>, Qwen2.5 and most ChatML models; gpt-oss: "
+                          "harmony messages to functions.<name>).")
     _choice(mt.tool_response_truncate_side, ("left", "right", "middle"), f"{key}.tool_response_truncate_side")
 
 

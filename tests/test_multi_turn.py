@@ -47,18 +47,18 @@ def call(name, **arguments) -> str:
 
 # ------------------------------------------------------------------------------------------ parsing
 def test_hermes_calls_are_parsed_and_malformed_ones_named():
-    calls, errors = agent.parse_tool_calls('I will check. <tool_call>\n{"name": "calculator", "arguments": '
+    calls, errors = agent.Hermes(None).parse('I will check. <tool_call>\n{"name": "calculator", "arguments": '
                                            '{"expression": "2+3"}}\n</tool_call> and <tool_call>{"name": "python", '
                                            '"arguments": "{\\"code\\": \\"print(1)\\"}"}</tool_call>')
     assert [(c.name, c.arguments) for c in calls] == [("calculator", {"expression": "2+3"}),
                                                       ("python", {"code": "print(1)"})]
     assert errors == []
-    assert agent.parse_tool_calls("the answer is 5") == ([], [])
+    assert agent.Hermes(None).parse("the answer is 5") == ([], [])
     for text, fragment in [('<tool_call>{"name": "calculator", "arguments": {"expression": }</tool_call>', "not valid JSON"),
                            ('<tool_call>{"arguments": {}}</tool_call>', '"name"'),
                            ('<tool_call>{"name": "calculator", "arguments": [1]}</tool_call>', "JSON object"),
                            ('<tool_call>{"name": "calculator"', "not closed")]:
-        calls, errors = agent.parse_tool_calls(text)
+        calls, errors = agent.Hermes(None).parse(text)
         assert calls == [] and len(errors) == 1 and fragment in errors[0], (text, errors)
 
 
@@ -227,8 +227,9 @@ class ScriptedModel:
         self.scripts = {tuple(tokenizer.encode(prompt)): list(turns) for prompt, turns in scripts.items()}
         self.calls = 0
 
-    def generate_ids(self, prompts, settings, max_tokens, stop=None):
+    def generate_ids(self, prompts, settings, max_tokens, stop=None, stop_token_ids=None):
         self.calls += 1
+        self.stops = (stop, stop_token_ids)
         tokens, log_probs = [], []
         for context, limit in zip(prompts, max_tokens):
             turns = next(turns for prompt, turns in self.scripts.items() if tuple(context[:len(prompt)]) == prompt)
@@ -236,15 +237,17 @@ class ScriptedModel:
             for s in stop or []:
                 text = text[:text.index(s) + len(s)] if s in text else text
             ids = self.tokenizer.encode(text)[:limit]
+            ends = [k for k, token in enumerate(ids) if token in (stop_token_ids or [])]
+            ids = ids[:ends[0] + 1] if ends else ids
             tokens.append(ids)
             log_probs.append([-0.25] * len(ids))
         return tokens, log_probs
 
 
-def make_loop(tokenizer, tools, response_length=200, interactions=None, **overrides):
+def make_loop(tokenizer, tools, response_length=200, interactions=None, chat_template_kwargs=None, **overrides):
     cfg = multi_turn_cfg("unused", **overrides).multi_turn
     return agent.MultiTurnRollout(cfg, tokenizer, tools, [tokenizer.eos_token_id], response_length,
-                                  interactions=interactions)
+                                  chat_template_kwargs, interactions=interactions)
 
 
 def test_trajectories_interleave_sampled_turns_and_masked_tool_turns(smol_tokenizer):
@@ -321,6 +324,115 @@ def test_turn_limits_budget_and_failing_tools_end_or_continue_trajectories(smol_
     assert t.tool_calls == 2 and "abcdef...(truncated)" in text and "tool\nb<|im_end|>" in text and "tool\nc" not in text
 
 
+# ----------------------------------------------------------------------------------- gpt-oss format
+# A harmony chat template written here after the rules of gpt-oss's own: a call is rendered from
+# the assistant message's tool_calls and ends with <|call|>; a tool message is named after the
+# last call and carries its content as a JSON string; an answer ends with <|end|> in the history
+# and with <|return|> when it is the last message of a training example.
+HARMONY_TEMPLATE = (
+    "{%- set ns = namespace(last=none) -%}"
+    "<|start|>system<|message|>Reasoning: medium<|end|>"
+    "{%- if tools -%}<|start|>developer<|message|># Tools\n{% for t in tools %}{{ t.function.name }}\n"
+    "{% endfor %}<|end|>{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'user' -%}<|start|>user<|message|>{{ m.content }}<|end|>"
+    "{%- elif m.role == 'assistant' and m.tool_calls -%}{%- set call = m.tool_calls[0].function -%}"
+    "{%- set ns.last = call.name -%}"
+    "<|start|>assistant to=functions.{{ call.name }}<|channel|>commentary json<|message|>"
+    "{{ call.arguments | tojson }}<|call|>"
+    "{%- elif m.role == 'assistant' -%}<|start|>assistant<|channel|>final<|message|>{{ m.content }}"
+    "{{ '<|return|>' if loop.last and not add_generation_prompt else '<|end|>' }}"
+    "{%- elif m.role == 'tool' -%}"
+    "{%- if ns.last is none -%}{{ raise_exception('a tool message without an assistant tool call') }}{%- endif -%}"
+    "<|start|>functions.{{ ns.last }} to=assistant<|channel|>commentary<|message|>{{ m.content | tojson }}<|end|>"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}")
+HARMONY_TOKENS = ["<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>"]
+
+
+@pytest.fixture(scope="module")
+def harmony_tokenizer():
+    """The default model's tokenizer with harmony's special tokens and a harmony chat template."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(None))
+    tok.add_special_tokens({"additional_special_tokens": HARMONY_TOKENS})
+    tok.chat_template = HARMONY_TEMPLATE
+    tok.eos_token = "<|return|>"
+    return tok
+
+
+GPT_OSS_CALL = "<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>{args}<|call|>"
+
+
+def test_gpt_oss_calls_are_parsed_from_harmony_messages():
+    gpt_oss = agent.GptOss(None)
+    thought = "<|channel|>analysis<|message|>I should add; a call to=functions.python would be slower.<|end|>"
+    calls, errors = gpt_oss.parse(thought + "<|start|>assistant" +
+                                  GPT_OSS_CALL.format(name="calculator", args='{"expression": "2+3"}'))
+    assert [(c.name, c.arguments) for c in calls] == [("calculator", {"expression": "2+3"})] and errors == []
+    # The recipient may also stand in the header before the channel (after the prompt's <|start|>assistant).
+    calls, errors = gpt_oss.parse(' to=functions.python<|channel|>commentary json<|message|>{"code": "print(1)"}<|call|>')
+    assert [(c.name, c.arguments) for c in calls] == [("python", {"code": "print(1)"})] and errors == []
+    assert gpt_oss.parse(thought + "<|start|>assistant<|channel|>final<|message|>5<|return|>") == ([], [])
+    assert gpt_oss.ends_with_call(GPT_OSS_CALL.format(name="x", args="{}"))
+    assert not gpt_oss.ends_with_call("<|channel|>final<|message|>5<|return|>")
+    for text, fragment in [(GPT_OSS_CALL.format(name="calculator", args='{"expression": }'), "not valid JSON"),
+                           (GPT_OSS_CALL.format(name="calculator", args="[1]"), "JSON object"),
+                           ('<|channel|>commentary to=browser.search<|message|>{"q": "x"}<|call|>', "not a function tool"),
+                           ("<|channel|>commentary<|message|>{}<|call|>", "names no recipient")]:
+        calls, errors = gpt_oss.parse(text)
+        assert calls == [] and len(errors) == 1 and fragment in errors[0], (text, errors)
+
+
+def test_gpt_oss_tool_turns_come_from_the_harmony_template(harmony_tokenizer):
+    tok = harmony_tokenizer
+    gpt_oss = agent.GptOss(tok)
+    chat = ChatTurns(tok, {}, gpt_oss)
+    text = "<|channel|>analysis<|message|>Add.<|end|><|start|>assistant" + GPT_OSS_CALL.format(
+        name="calculator", args='{"expression": "40 + 2"}')
+    calls, _ = gpt_oss.parse(text)
+    tool_turn = tok.decode(chat.inserted_turn(tool_messages("42"), "<|call|>", gpt_oss.call_message(text, calls)))
+    assert tool_turn == '<|start|>functions.calculator to=assistant<|channel|>commentary<|message|>"42"<|end|><|start|>assistant'
+    # After an answer (which the model ends with <|return|>), the user's reply.
+    user = tok.decode(chat.inserted_turn([{"role": "user", "content": "Try again."}], "<|return|>"))
+    assert user == "<|start|>user<|message|>Try again.<|end|><|start|>assistant"
+    assert gpt_oss.answer(tok.encode("<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant<|channel|>final"
+                                     "<|message|>42<|return|>")) == "42"
+    # The Hermes format cannot render tool turns with this template, nor gpt-oss with ChatML.
+    with pytest.raises(MultiTurnError, match="fails to render a tool message"):
+        ChatTurns(tok, {})
+
+
+def test_gpt_oss_trajectories_call_tools_and_mask_their_answers(harmony_tokenizer, smol_tokenizer):
+    tok = harmony_tokenizer
+    call_id = tok.convert_tokens_to_ids("<|call|>")
+    first = ("<|channel|>analysis<|message|>Use the tool.<|end|><|start|>assistant"
+             + GPT_OSS_CALL.format(name="calculator", args='{"expression": "347 + 288"}'))
+    model = ScriptedModel(tok, {
+        "A": [first + "<|start|>assistant<|channel|>final<|message|>wrote on<|return|>",
+              "<|channel|>final<|message|>635<|return|>"],
+        "B": [GPT_OSS_CALL.format(name="calculator", args='{"expression": }'),
+              GPT_OSS_CALL.format(name="search", args='{"q": "x"}'), "<|channel|>final<|message|>7<|return|>"],
+    })
+    loop = make_loop(tok, {"calculator": agent.Calculator()}, format="gpt-oss", describe_tools="template",
+                     chat_template_kwargs={"tools": [agent.Calculator().schema]})
+    a, b = loop.run(model, [tok.encode(p) for p in "AB"], {})
+    # The engine stops on <|call|> (added to the EOS ids) and is given no stop texts.
+    assert model.stops == (None, sorted({tok.eos_token_id, call_id}))
+    tool_turn = '<|start|>functions.calculator to=assistant<|channel|>commentary<|message|>"635"<|end|><|start|>assistant'
+    assert tok.decode(a.tokens) == first + tool_turn + "<|channel|>final<|message|>635<|return|>"
+    assert (a.assistant_turns, a.tool_turns, a.tool_calls, a.tool_errors) == (2, 1, 1, 0)
+    sampled, inserted = len(tok.encode(first)), len(tok.encode(tool_turn))
+    assert a.loss_mask == [1] * sampled + [0] * inserted + [1] * (len(a.tokens) - sampled - inserted)
+    text = tok.decode(b.tokens)
+    assert (b.assistant_turns, b.tool_calls, b.tool_errors) == (3, 1, 2)
+    assert '<|start|>functions.calculator to=assistant<|channel|>commentary<|message|>"Error: the arguments' in text
+    assert "<|start|>functions.search to=assistant" in text and "no tool named 'search'" in text
+    with pytest.raises(MultiTurnError, match="needs the special token <\\|call\\|>"):
+        make_loop(smol_tokenizer, {}, format="gpt-oss")
+
+
 # ----------------------------------------------------------------------------------------- the loss
 def test_tool_tokens_do_not_enter_the_loss(tiny_model_dir):
     """The policy loss of a trajectory ending in a tool turn is the same whatever the tool wrote,
@@ -366,7 +478,8 @@ def test_config_refuses_what_the_tool_loop_cannot_do(tmp_path):
                            (["actor_rollout_ref.rollout.beam_search=true"], "cannot be combined"),
                            (["actor_rollout_ref.rollout.multi_turn.max_assistant_turns=0"], "must be >= 1"),
                            (["actor_rollout_ref.rollout.multi_turn.tool_timeout_s=0"], "must be > 0"),
-                           (["actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=top"], "not valid")]:
+                           (["actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=top"], "not valid"),
+                           (["actor_rollout_ref.rollout.multi_turn.format=llama3_json"], "formats hermes, gpt-oss")]:
         with pytest.raises(ConfigError, match=message):
             validate_config(compose_config(on + extra))
 
@@ -429,7 +542,7 @@ def test_default_model_calls_the_calculator_through_the_driver(ray_session, tmp_
     calculator = agent.Calculator()
     checked = 0
     for output in answers:
-        calls, _ = agent.parse_tool_calls(output)
+        calls, _ = agent.Hermes(None).parse(output)
         if calls:  # the calculator's answer follows the call in the text the reward read
             assert f"tool\n{calculator.execute(calls[0].arguments).text}\n" in output, output
             checked += 1

@@ -9,26 +9,16 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from hybrid_rl.agent.formats import FORMATS, GptOss, Hermes, ToolCall, get_format
 from hybrid_rl.agent.interactions import Interaction, check_interaction_rows, load_interactions
-from hybrid_rl.agent.loop import MultiTurnError, MultiTurnRollout, parse_tool_calls, trajectory_tensors
+from hybrid_rl.agent.loop import MultiTurnError, MultiTurnRollout, trajectory_tensors
 from hybrid_rl.agent.tools import TOOLS, Calculator, PythonTool, Tool, ToolConfigError, ToolOutput, load_tools
 
-__all__ = ["TOOLS", "Calculator", "Interaction", "MultiTurnError", "MultiTurnRollout", "PythonTool", "Tool",
-           "ToolConfigError", "ToolOutput", "ToolSetup", "check_interaction_rows", "load_interactions", "load_tools",
-           "parse_tool_calls", "setup", "trajectory_tensors"]
+__all__ = ["FORMATS", "TOOLS", "Calculator", "GptOss", "Hermes", "Interaction", "MultiTurnError", "MultiTurnRollout",
+           "PythonTool", "Tool", "ToolCall", "ToolConfigError", "ToolOutput", "ToolSetup", "check_interaction_rows",
+           "get_format", "load_interactions", "load_tools", "setup", "trajectory_tensors"]
 
 DESCRIBE_TOOLS = ("template", "system", "none")
-
-
-def tools_system_prompt(schemas: list[dict]) -> str:
-    """Our system message for models whose chat template does not list tools itself: the
-    function schemas and the Hermes call format the rollout parses."""
-    listing = "\n".join(json.dumps(schema, ensure_ascii=False) for schema in schemas)
-    return ("You can call the tools below. Each is described by a JSON function schema:\n"
-            f"<tools>\n{listing}\n</tools>\n"
-            "To call one, write a JSON object with its name and arguments between tool-call tags, then stop:\n"
-            '<tool_call>\n{"name": "<tool name>", "arguments": {<arguments>}}\n</tool_call>\n'
-            "Its result comes back in the next message. When you have the answer, reply without a tool call.")
 
 
 @dataclass
@@ -70,5 +60,6 @@ def setup(rollout_cfg: Any, tokenizer, chat_template_kwargs: dict | None) -> Too
                 f"argument; {', '.join(missing)} never appear in a rendered prompt). Set {key}.describe_tools=system "
                 "to list them in a system message of ours, or describe_tools=none if your prompts describe them.")
     elif tools and cfg.describe_tools == "system":
-        system_prompt = tools_system_prompt(schemas)
+        listing = "\n".join(json.dumps(schema, ensure_ascii=False) for schema in schemas)
+        system_prompt = get_format(cfg.format, tokenizer).instructions(listing)
     return ToolSetup(tools, kwargs, system_prompt, interactions)

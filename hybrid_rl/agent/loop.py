@@ -6,10 +6,10 @@ outputs as the chat template renders them, then the start of the next assistant 
 0). The trainer sees the whole trajectory as one response; the loss mask keeps tool tokens out of
 every loss term, and the reward reads the whole text.
 
-Tool calls are Hermes-style (Qwen2.5, Hermes, many others): JSON objects
-``{"name": ..., "arguments": {...}}`` between ``<tool_call>`` and ``</tool_call>``. With one call
-per turn (``max_parallel_calls: 1``, verl's default) the engine stops right after the call, and
-the turn's end-of-turn text is inserted with the tool turn. A turn with no call ends the
+Tool calls are found in each turn as ``multi_turn.format`` says (`formats.py`: Hermes JSON in
+``<tool_call>`` tags, or gpt-oss's harmony messages to ``functions.<name>``). With one call per
+turn (``max_parallel_calls: 1``, verl's default) the engine stops right after the call, and the
+turn's end-of-turn text is inserted with the tool turn. A turn with no call ends the
 trajectory, unless the row has an interaction agent (`interactions.py`): it then answers as the
 user, or ends the trajectory. So do the response budget (``rollout.response_length`` tokens for
 all turns together), ``max_assistant_turns`` and ``max_user_turns`` (tool and interaction turns).
@@ -21,8 +21,6 @@ interaction that fails or does not answer in that time ends its trajectory, and 
 from __future__ import annotations
 
 import functools
-import json
-import re
 import uuid
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -31,51 +29,17 @@ from typing import Any, Protocol
 import torch
 
 from hybrid_rl.agent import interactions as interaction_agents
+from hybrid_rl.agent.formats import Hermes, ToolCall, get_format
 from hybrid_rl.agent.interactions import Interaction
 from hybrid_rl.agent.tools import Tool, ToolOutput
 
-CALL_END = "</tool_call>"
-TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 _MARK = "\x00assistant-turn\x00"  # stands for an assistant turn's text when rendering the template
+_PROBE = "tool-output-probe-91c2"  # plain text: some templates JSON-encode tool outputs
 TOOL_THREADS = 32  # tool calls (and interaction turns) run at once
 
 
 class MultiTurnError(ValueError):
     """The model's chat template cannot render tool turns as this rollout needs them."""
-
-
-@dataclass
-class ToolCall:
-    name: str
-    arguments: dict
-
-
-def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
-    """The Hermes-style tool calls in ``text``, and an error text for each malformed one."""
-    calls, errors = [], []
-    bodies = TOOL_CALL.findall(text)
-    if text.count("<tool_call>") > len(bodies):
-        errors.append("Error: a <tool_call> is not closed with </tool_call>")
-    for body in bodies:
-        try:
-            call = json.loads(body)
-        except json.JSONDecodeError as exc:
-            errors.append(f"Error: the tool call is not valid JSON ({exc.msg} at character {exc.pos})")
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            errors.append('Error: a tool call must be a JSON object with a "name" and "arguments"')
-            continue
-        arguments = call.get("arguments", {})
-        if isinstance(arguments, str):  # some models write the arguments as a JSON string
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                pass
-        if not isinstance(arguments, dict):
-            errors.append(f'Error: the "arguments" of the call to {call["name"]} must be a JSON object')
-            continue
-        calls.append(ToolCall(call["name"], arguments))
-    return calls, errors
 
 
 def truncate_text(text: str, limit: int, side: str) -> str:
@@ -93,40 +57,73 @@ def truncate_text(text: str, limit: int, side: str) -> str:
 
 class ChatTurns:
     """The tokens this rollout inserts between two assistant turns, from the model's own chat
-    template: the rest of the finished assistant turn after its stop token, the tool messages,
-    and the header of the next assistant turn."""
+    template: the rest of the finished assistant turn after its stop token, the tool messages (or
+    the user's reply), and the header of the next assistant turn."""
 
-    def __init__(self, tokenizer, chat_template_kwargs: dict | None = None):
+    def __init__(self, tokenizer, chat_template_kwargs: dict | None = None, call_format=None):
         self.tokenizer = tokenizer
         self.kwargs = dict(chat_template_kwargs or {})
-        self.history = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
-        self.before = self._render(self.history)
-        self.after_assistant = self.before[self.before.rindex(_MARK) + len(_MARK):]
-        probe = self._render(self.history + [{"role": "tool", "content": "\x00tool-output\x00"}], True)
-        if not probe.startswith(self.before) or "\x00tool-output\x00" not in probe[len(self.before):]:
+        self.format = call_format or Hermes(tokenizer)
+        self.user = {"role": "user", "content": "?"}
+        probe = self.format.call_message("", [ToolCall("calculator", {})])
+        try:
+            rendered = self._text([{"role": "tool", "content": _PROBE}], "", probe)
+        except MultiTurnError:
+            raise
+        except Exception as exc:  # noqa: BLE001  jinja's errors, and the template's own raise_exception
+            raise MultiTurnError(f"the chat template fails to render a tool message after an assistant turn "
+                                 f"({type(exc).__name__}: {exc}); set actor_rollout_ref.model.custom_chat_template "
+                                 f"to a template that renders them, or multi_turn.format to the model's tool-call "
+                                 f"format") from exc
+        if _PROBE not in rendered:
             raise MultiTurnError(
                 "the chat template does not render a tool message after an assistant turn (it leaves out "
-                "messages with role 'tool', or renders earlier turns differently once one follows): "
-                "set actor_rollout_ref.model.custom_chat_template to a template that renders them.")
+                "messages with role 'tool'): set actor_rollout_ref.model.custom_chat_template to a template "
+                "that renders them.")
 
     def _render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                   **self.kwargs)
 
-    def inserted_turn(self, messages: list[dict], stop_text: str) -> list[int]:
+    def _text(self, messages: list[dict], stop_text: str, call_message: dict | None) -> str:
+        if call_message is None:  # the turn's own text, which the template copies
+            rendered = self._render([self.user, {"role": "assistant", "content": _MARK}] + messages, True)
+            return self.format.closing(rendered[rendered.index(_MARK) + len(_MARK):], stop_text)
+        # The template renders the call itself, ending with the token the engine stopped on.
+        before = self._render([self.user, call_message])
+        rendered = self._render([self.user, call_message] + messages, True)
+        if not rendered.startswith(before):
+            raise MultiTurnError("the chat template renders an assistant turn with a tool call differently once "
+                                 "its tool answers follow: set actor_rollout_ref.model.custom_chat_template to "
+                                 "one that renders earlier turns as it rendered them last")
+        return rendered[len(before):]
+
+    def inserted_turn(self, messages: list[dict], stop_text: str, call_message: dict | None = None) -> list[int]:
         """Token ids of the ``messages`` (tool outputs, or the user's reply) answering an
         assistant turn that ended with ``stop_text`` (its end-of-turn token; empty when the turn
-        stopped after a tool call, which the turn's end then closes)."""
-        rendered = self._render(self.history + messages, True)
-        closing = self.after_assistant
-        # The engine stopped on the end-of-turn token, which the trajectory already holds.
-        closing = closing[len(stop_text):] if stop_text and closing.startswith(stop_text) else closing
-        return self.tokenizer.encode(closing + rendered[len(self.before):], add_special_tokens=False)
+        stopped after a tool call, which the turn's end then closes); ``call_message`` is the
+        turn as the format has the template render it before tool answers."""
+        return self.tokenizer.encode(self._text(messages, stop_text, call_message), add_special_tokens=False)
+
+
+def format_token_ids(call_format, tokenizer) -> list[int]:
+    """The ids of the special tokens that end a turn with a call in ``call_format`` (the engine
+    stops on them); a tokenizer without them cannot write such calls."""
+    ids = []
+    for token in call_format.end_tokens:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if token_id is None or token_id == tokenizer.unk_token_id or tokenizer.convert_ids_to_tokens(token_id) != token:
+            raise MultiTurnError(f"actor_rollout_ref.rollout.multi_turn.format={call_format.name} needs the special "
+                                 f"token {token} in the model's tokenizer, which has none: set multi_turn.format to "
+                                 "the model's tool-call format (hermes for ChatML models).")
+        ids.append(token_id)
+    return ids
 
 
 class TokenEngine(Protocol):
     def generate_ids(self, prompts: list[list[int]], settings: dict, max_tokens: list[int],
-                     stop: list[str] | None = None) -> tuple[list[list[int]], list[list[float]]]: ...
+                     stop: list[str] | None = None,
+                     stop_token_ids: list[int] | None = None) -> tuple[list[list[int]], list[list[float]]]: ...
 
 
 @dataclass
@@ -164,9 +161,10 @@ class MultiTurnRollout:
         self.tokenizer = tokenizer
         self.tools = tools
         self.interactions = interactions or {}
-        self.eos = set(eos_token_ids)
+        self.format = get_format(cfg.format, tokenizer)
+        self.eos = set(eos_token_ids) | set(format_token_ids(self.format, tokenizer))
         self.response_length = int(response_length)
-        self.chat = ChatTurns(tokenizer, chat_template_kwargs)
+        self.chat = ChatTurns(tokenizer, chat_template_kwargs, self.format)
 
     def run(self, engine: TokenEngine, prompts: list[list[int]], settings: dict,
             rows: list[dict] | None = None) -> list[Trajectory]:
@@ -190,11 +188,12 @@ class MultiTurnRollout:
         active = list(range(len(prompts)))
         # A turn ends at the model's end-of-turn token or, when it may make one call only, right
         # after that call: small models often write on past it, and the answer should come next.
-        stop = [CALL_END] if cfg.max_parallel_calls == 1 else None
+        stop = self.format.stop_texts if cfg.max_parallel_calls == 1 and self.format.stop_texts else None
+        stop_token_ids = sorted(self.eos)
         while active:
             contexts = [prompts[i] + trajectories[i].tokens for i in active]
             budgets = [self.response_length - len(trajectories[i].tokens) for i in active]
-            tokens, log_probs = engine.generate_ids(contexts, settings, budgets, stop=stop)
+            tokens, log_probs = engine.generate_ids(contexts, settings, budgets, stop=stop, stop_token_ids=stop_token_ids)
             pending = []  # (row, calls, errors, stop text)
             replies = []  # (row, stop text): answers the row's interaction reads
             for i, new, lps in zip(active, tokens, log_probs):
@@ -203,31 +202,32 @@ class MultiTurnRollout:
                 trajectory.assistant_turns += 1
                 text = self.tokenizer.decode(new, skip_special_tokens=False)
                 if talks:
-                    trajectory.messages.append({"role": "assistant",
-                                                "content": self.tokenizer.decode(new, skip_special_tokens=True)})
+                    trajectory.messages.append({"role": "assistant", "content": self.format.answer(new)})
                 ended = bool(new) and new[-1] in self.eos
-                if not (ended or text.rstrip().endswith(CALL_END)):
+                if not (ended or self.format.ends_with_call(text)):
                     continue  # the budget ran out inside the turn
-                calls, errors = parse_tool_calls(text)
+                calls, errors = self.format.parse(text)
                 if (cfg.max_assistant_turns and trajectory.assistant_turns >= cfg.max_assistant_turns) or \
                         (cfg.max_user_turns and trajectory.user_turns >= cfg.max_user_turns):
                     continue
                 stop_text = self.tokenizer.decode(new[-1:], skip_special_tokens=False) if ended else ""
                 if calls or errors:
-                    pending.append((i, calls[:cfg.max_parallel_calls], errors, stop_text))
+                    calls = calls[:cfg.max_parallel_calls]
+                    pending.append((i, calls, errors, stop_text, self.format.call_message(text, calls)))
                 elif i in talks:
                     replies.append((i, stop_text))
                 # else an answer: the trajectory is complete
-            outputs = iter(self.call_tools([call for _, calls, _, _ in pending for call in calls]))
+            outputs = iter(self.call_tools([call for _, calls, _, _, _ in pending for call in calls]))
             active = []
-            for i, calls, errors, stop_text in pending:
+            for i, calls, errors, stop_text, call_message in pending:
                 trajectory = trajectories[i]
                 answers = [next(outputs) for _ in calls]
                 trajectory.tool_calls += len(calls)
                 trajectory.tool_errors += len(errors) + sum(a.error for a in answers)
                 texts = [truncate_text(a.text, cfg.max_tool_response_length, cfg.tool_response_truncate_side)
                          for a in answers] + errors
-                if self._insert(trajectory, [{"role": "tool", "content": text} for text in texts], stop_text):
+                if self._insert(trajectory, [{"role": "tool", "content": text} for text in texts], stop_text,
+                                call_message):
                     trajectory.tool_turns += 1
                     active.append(i)
             for (i, stop_text), reply in zip(replies, self.interact([(talks[i], trajectories[i]) for i, _ in replies])):
@@ -243,10 +243,11 @@ class MultiTurnRollout:
                     active.append(i)
             active.sort()
 
-    def _insert(self, trajectory: Trajectory, messages: list[dict], stop_text: str) -> bool:
+    def _insert(self, trajectory: Trajectory, messages: list[dict], stop_text: str,
+                call_message: dict | None = None) -> bool:
         """Append an inserted turn (loss mask 0) if it leaves room for a reply; False ends the
         trajectory where it is."""
-        turn = self.chat.inserted_turn(messages, stop_text)
+        turn = self.chat.inserted_turn(messages, stop_text, call_message)
         if len(trajectory.tokens) + len(turn) >= self.response_length:
             return False
         trajectory.add(turn, None, trained=False)

@@ -257,9 +257,10 @@ class VLLMRollout:
         return self.generate_ids(prompts, settings, [response_length] * len(prompts))
 
     def generate_ids(self, prompts: list[list[int]], settings: dict, max_tokens: list[int],
-                     stop: list[str] | None = None) -> tuple[list, list]:
-        """One continuation of each token list (at most its ``max_tokens``; ending at a stop token
-        or after the first of the ``stop`` texts), with the sampled tokens' log-probs."""
+                     stop: list[str] | None = None, stop_token_ids: list[int] | None = None) -> tuple[list, list]:
+        """One continuation of each token list (at most its ``max_tokens``; ending at a stop token,
+        the model's EOS ids unless ``stop_token_ids`` are given, or after the first of the ``stop``
+        texts), with the sampled tokens' log-probs."""
         from vllm import SamplingParams
 
         by_limit = {limit: SamplingParams(
@@ -267,7 +268,7 @@ class VLLMRollout:
             top_p=settings["top_p"], top_k=settings["top_k"], logprobs=0,
             # Stop texts are matched on the detokenised output; token ids alone need no text.
             detokenize=bool(stop), stop=stop, include_stop_str_in_output=bool(stop),
-            stop_token_ids=self.stop_token_ids,
+            stop_token_ids=self.stop_token_ids if stop_token_ids is None else stop_token_ids,
         ) for limit in set(max_tokens)}
         params = [by_limit[limit] for limit in max_tokens]
         if self.asleep:
