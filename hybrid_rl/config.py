@@ -289,10 +289,42 @@ def validate_config(cfg: DictConfig) -> DictConfig:
             actor.strategy = "fsdp2"
         resolve_dtypes(cfg)
         rollout.enforce_eager = resolve_enforce_eager(rollout.enforce_eager, trainer.device)
+    _check_served_reward_model(cfg)
     unsupported = check_verl_keys(cfg, trainer.device)
     if unsupported:
         raise ConfigError("\nerror: ".join(unsupported))
     return cfg
+
+
+def _check_served_reward_model(cfg: DictConfig) -> None:
+    """verl 0.9's served reward model (``reward.reward_model``, hybrid_rl/workers/reward_server.py)."""
+    rm = cfg.reward.reward_model
+    if not rm.enable:
+        return
+    key = "reward.reward_model"
+    if cfg.reward_model.enable:
+        raise ConfigError(f"both reward_model.enable=true (a sequence classifier that scores in the workers) and "
+                          f"{key}.enable=true (a model served for your reward function to call) are set; keep one.")
+    if rm.rollout.name != "vllm":
+        raise ConfigError(f"{key}.rollout.name={rm.rollout.name}: the served reward model runs in vLLM's "
+                          f"OpenAI-compatible server; set {key}.rollout.name=vllm.")
+    if not rm.model_path:
+        raise ConfigError(f"{key}.enable=true needs {key}.model_path: the folder of the model to serve.")
+    tp, dp = rm.rollout.tensor_model_parallel_size, rm.rollout.data_parallel_size
+    _positive(tp, f"{key}.rollout.tensor_model_parallel_size")
+    _positive(dp, f"{key}.rollout.data_parallel_size")
+    if cfg.trainer.device == "cuda":
+        if not rm.enable_resource_pool:
+            raise ConfigError(f"{key} on GPU needs GPUs of its own (vLLM's server cannot share the trainer's "
+                              f"between scorings here): set {key}.enable_resource_pool=true and "
+                              f"{key}.n_gpus_per_node / nnodes.")
+        _positive(rm.n_gpus_per_node, f"{key}.n_gpus_per_node")
+        _positive(rm.nnodes, f"{key}.nnodes")
+        if tp * dp != rm.n_gpus_per_node * rm.nnodes:
+            raise ConfigError(f"{key}.rollout.tensor_model_parallel_size x data_parallel_size = {tp} x {dp} must "
+                              f"equal its GPUs, n_gpus_per_node x nnodes = {rm.n_gpus_per_node} x {rm.nnodes}.")
+    with open_dict(cfg):
+        rm.rollout.dtype = resolve_dtype(rm.rollout.dtype, cfg.trainer.device, "engine").dtype
 
 
 def check_reward_model_config(rm: DictConfig) -> None:

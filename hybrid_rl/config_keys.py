@@ -268,11 +268,28 @@ RULES: tuple[Rule, ...] = tuple([
             "data.image_*", "data.video_key", "data.audio_key", "data.return_multi_modal_inputs",
             "data.mm_processor_kwargs"),
     # --- rewards
-    *_rules(NOT_YET, "verl 0.9 serves this reward model from a rollout engine; the reward model here is a "
-            "sequence classifier on the FSDP engine: reward_model.enable=true reward_model.model.path=<folder>",
-            "reward.reward_model.enable"),
-    *_rules(NO_EFFECT, "read only with reward.reward_model.enable, which is not supported yet",
-            "reward.reward_model.*", "reward_model.rollout.*", "reward_model.num_workers", "reward_model.reward_loop_*"),
+    *_rules(WORKS, "the served reward model: vLLM's OpenAI-compatible server, called by your reward function "
+            "(hybrid_rl/workers/reward_server.py)", "reward.reward_model.enable", "reward.reward_model.model_path",
+            *(f"reward.reward_model.rollout.{k}" for k in (
+                "name", "dtype", "tensor_model_parallel_size", "data_parallel_size", "max_model_len", "max_num_seqs",
+                "max_num_batched_tokens", "enforce_eager", "enable_chunked_prefill", "enable_prefix_caching",
+                "engine_kwargs", "seed"))),
+    *_rules(WORKS, "on GPU the served reward model's own GPUs (it cannot share the trainer's); no effect on CPU",
+            "reward.reward_model.enable_resource_pool", "reward.reward_model.n_gpus_per_node",
+            "reward.reward_model.nnodes"),
+    *_rules(WORKS, "on GPU; on CPU its KV cache is actor_rollout_ref.rollout.kv_cache_gib, as the policy engine's",
+            "reward.reward_model.rollout.gpu_memory_utilization"),
+    *_rules(NO_EFFECT, "the served reward model samples as each request of your reward function asks",
+            *(f"reward.reward_model.rollout.{k}" for k in (
+                "temperature", "top_k", "top_p", "do_sample", "n", "ignore_eos", "prompt_length", "response_length"))),
+    *_rules(NOT_YET, "the served reward model runs tensor and data parallel only, unquantized",
+            *(f"reward.reward_model.rollout.{k}" for k in (
+                "pipeline_model_parallel_size", "expert_parallel_size", "quantization", "quantization_config_file",
+                "mtp", "disaggregation.enabled", "skip_tokenizer_init"))),
+    *_rules(NO_EFFECT, "settings of verl's rollout servers that the served reward model here does not read (it "
+            "keeps its devices, so it never sleeps)", "reward.reward_model.rollout.*"),
+    *_rules(NO_EFFECT, "verl 0.7's reward-loop keys; the served reward model reads reward.reward_model.*",
+            "reward_model.rollout.*", "reward_model.num_workers", "reward_model.reward_loop_*"),
     *_rules(NO_EFFECT, "the reward model's tokenizer is compared with the policy's own, and responses are "
             "re-templated exactly when vocabulary or chat template differ", "reward_model.model.input_tokenizer"),
     *_rules(WORKS, "the reward model in a worker group of its own; on CPU n_gpus_per_node counts its processes per node",
@@ -472,7 +489,11 @@ DEVIATIONS: dict[str, str] = {
                   "actor_rollout_ref.model.path", "critic.model.path", "data.train_files", "data.val_files"),
     **_deviations("FSDP2 is the FSDP engine here; fsdp is accepted as the same",
                   "actor_rollout_ref.actor.strategy", "critic.strategy"),
-    **_deviations("verl leaves it required; vllm is the engine here", "actor_rollout_ref.rollout.name"),
+    **_deviations("verl leaves it required; vllm is the engine here", "actor_rollout_ref.rollout.name",
+                  "reward.reward_model.rollout.name"),
+    **_deviations("the served reward model: auto dtype (chosen from the hardware) and one device per replica "
+                  "unless asked", "reward.reward_model.rollout.dtype",
+                  "reward.reward_model.rollout.tensor_model_parallel_size"),
     **_deviations("null: true with a rollout pool of its own (hybrid_engine=false), whose batches older weights "
                   "sampled, else false as in verl", "algorithm.rollout_correction.bypass_mode"),
     **_deviations("the same behaviour as verl's null", "custom_reward_function.name",

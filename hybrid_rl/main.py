@@ -44,6 +44,7 @@ def prepare(cfg: DictConfig):
     from hybrid_rl.iterative import load_step_scorer
     from hybrid_rl.rewards import RewardManager, default_compute_score, load_custom_reward_fn
     from hybrid_rl.rewards.mixture import sources_from_config
+    from hybrid_rl.workers.reward_server import SERVED_KWARGS
 
     validate_config(cfg)
     check_resume(cfg)
@@ -81,9 +82,21 @@ def prepare(cfg: DictConfig):
                 agent.check_interaction_rows(dataset.extra_infos(), tools.interactions, files)
 
     key, custom = custom_reward_function(cfg)
-    compute_score = load_custom_reward_fn(custom.path, custom.name, custom.reward_kwargs, key=key)
+    served = cfg.reward.reward_model.enable  # hybrid_rl/workers/reward_server.py
+    provided = SERVED_KWARGS if served else ()
+    compute_score = load_custom_reward_fn(custom.path, custom.name, custom.reward_kwargs, key=key, provided=provided)
     sources = sources_from_config(cfg.reward, ConfigError, reward_model=cfg.reward_model.enable,
-                                  process=cfg.reward_model.process.enable)
+                                  process=cfg.reward_model.process.enable, provided=provided)
+    if served:
+        resolve_model_path(cfg.reward.reward_model.model_path, key="reward.reward_model.model_path")
+        if compute_score is None and not any(s.fn is not None and s.fn is not default_compute_score
+                                             for s in sources or []):
+            raise ConfigError(
+                "reward.reward_model.enable=true serves a model for your reward function to call, but no function "
+                "is set: set reward.custom_reward_function.path to a file whose function takes "
+                "reward_router_address (and reward_model_tokenizer) and posts to http://<address>/v1/chat/completions "
+                "(docs/rewards.md). A sequence classifier that scores by itself is reward_model.enable=true "
+                "reward_model.model.path=<folder>.")
     if cfg.reward_model.enable and not cfg.reward.funcs and compute_score is not None:
         logger.warning("reward_model.enable=true and %s.path=%s: the reward model alone scores the responses, as in "
                        "verl. To add the function, set reward.funcs=[reward_model,'%s:%s'].", key, custom.path,

@@ -47,6 +47,7 @@ from hybrid_rl.tracking import Tracker
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
 from hybrid_rl.workers.critic import CriticWorker
 from hybrid_rl.workers.reward_model import RewardModelWorker
+from hybrid_rl.workers.reward_server import RewardServer
 from hybrid_rl.workers.rollout import training_temperature
 from hybrid_rl.workers.rollout_worker import RolloutWorker
 
@@ -240,6 +241,8 @@ class Trainer:
                             "is decoded and re-templated for it.")
         # Last: the rollout engine sizes its cache after the trainers.
         self.engine_settings = self.workers.init_model()[0]["rollout"]
+        if cfg.reward.reward_model.enable:
+            self.init_reward_server()
         self.generator = self.workers
         if self.async_rollout:
             self.engine_settings = self.init_rollout_pool(config, cpus)
@@ -255,6 +258,17 @@ class Trainer:
         self.reward_model_group = RayWorkerGroup(self.reward_model_pool, reward_model, name_prefix="reward_model_",
                                                  env_vars=worker_env(cfg, cpus))
         return self.reward_model_group
+
+    def init_reward_server(self) -> None:
+        """reward.reward_model.enable: the served reward model, whose address and tokenizer the
+        reward functions get (`workers/reward_server.py`)."""
+        rm = self.cfg.reward.reward_model
+        path = resolve_model_path(rm.model_path, key="reward.reward_model.model_path")
+        self.reward_server = RewardServer.start(self.cfg, path)
+        logger.info("The reward model %s serves at %s (vLLM's OpenAI-compatible server).", path,
+                    self.reward_server.address)
+        for reward_fn in (self.reward_fn, self.val_reward_fn):
+            reward_fn.call_kwargs = self.reward_server.call_kwargs()
 
     def init_rollout_pool(self, config: dict, cpus: float) -> dict:
         """Asynchronous training: the rollout pool's workers (`cpus` each), the weight channel from
@@ -325,6 +339,9 @@ class Trainer:
 
     def shutdown(self) -> None:
         """Stop the workers and free their CPUs/GPUs (the Ray session itself stays up)."""
+        if getattr(self, "reward_server", None) is not None:
+            self.reward_server.stop()
+            self.reward_server = None
         for group in ("group", "rollout_group", "reward_model_group"):
             if getattr(self, group, None) is not None:
                 getattr(self, group).kill()

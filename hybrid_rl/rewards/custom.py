@@ -34,6 +34,7 @@ def load_custom_reward_fn(
     name: str | None = "compute_score",
     reward_kwargs: Mapping[str, Any] | None = None,
     key: str = "custom_reward_function",
+    provided: tuple[str, ...] = (),
 ) -> Callable | None:
     """Import ``name`` from the Python file at ``path``.
 
@@ -42,7 +43,8 @@ def load_custom_reward_fn(
     The function must accept the keyword arguments ``data_source``,
     ``solution_str``, ``ground_truth`` and ``extra_info``; this is checked here
     so a wrong signature fails at start-up rather than at the first reward.
-    ``key`` is the config section the error messages name.
+    ``key`` is the config section the error messages name; ``provided`` names further keyword
+    arguments the caller passes (the served reward model's), which the function may require.
     """
     if path is None or str(path).strip() == "":
         return None
@@ -108,8 +110,14 @@ def load_custom_reward_fn(
         sig = None  # builtins/C callables: cannot introspect, trust the user
     if sig is not None:
         try:
-            sig.bind(data_source="x", solution_str="x", ground_truth="x", extra_info=None, **kwargs)
+            sig.bind(data_source="x", solution_str="x", ground_truth="x", extra_info=None, **kwargs,
+                     **{name: None for name in provided})
         except TypeError as exc:
+            if "reward_router_address" in sig.parameters and "reward_router_address" not in provided:
+                raise ValueError(
+                    f"custom reward function {name!r} in {path} takes reward_router_address: it calls a served "
+                    "reward model (verl's generative reward models). Set reward.reward_model.enable=true and "
+                    "reward.reward_model.model_path=<model folder> to start one.") from exc
             extra = f" with reward_kwargs {sorted(kwargs)}" if kwargs else ""
             raise ValueError(
                 f"custom reward function {name!r} in {path} has signature {name}{sig}, "
@@ -124,8 +132,8 @@ def load_custom_reward_fn(
     return fn
 
 
-def load_function_ref(ref: str, key: str) -> Callable:
+def load_function_ref(ref: str, key: str, provided: tuple[str, ...] = ()) -> Callable:
     """A reward function named as "file.py:function" (or "file.py" for its compute_score), as
     `reward.funcs` entries and the step scorers name them; `key` is the setting named in errors."""
     path, name = ref.rsplit(":", 1) if ":" in ref and ref.rsplit(":", 1)[0].endswith(".py") else (ref, None)
-    return load_custom_reward_fn(path, name, key=key)
+    return load_custom_reward_fn(path, name, key=key, provided=provided)

@@ -178,6 +178,12 @@ class RewardManager:
       without releasing the GIL can stall the whole process and is not covered; code that uses
       ``signal`` (e.g. ``signal.alarm``-based timeouts) only works in the main thread, so it fails
       when ``timeout_s`` is set. Without a limit calls run in the caller's thread, as before.
+
+    An ``async`` reward function (no mixture) is awaited for all samples of a batch together, so
+    requests it sends to a server (a served reward model, an API) are in flight at once; each is
+    cancelled at its own ``timeout_s``. ``call_kwargs`` (the served reward model's
+    ``reward_router_address`` and ``reward_model_tokenizer``) are passed to every function that
+    takes them by name or through ``**kwargs``.
     """
 
     def __init__(
@@ -222,6 +228,7 @@ class RewardManager:
         self._name = _fn_name(compute_score)
         self.sources = sources  # a weighted mixture (hybrid_rl.rewards.mixture) instead of compute_score
         self.sandbox_failures: dict[str, int] = {}
+        self.call_kwargs: dict[str, Any] = {}
 
     def close(self) -> None:
         """Let the worker threads of ``timeout_s`` go (optional; they are daemon threads)."""
@@ -235,10 +242,15 @@ class RewardManager:
         return state
 
     # ------------------------------------------------------------------ helpers
-    def _invoke(self, fn: Callable, data_source, solution_str: str, ground_truth, extra_info):
-        """One call of the reward function, with the ``timeout_s`` deadline when there is one."""
+    def _kwargs(self, fn: Callable, data_source, solution_str: str, ground_truth, extra_info) -> dict:
         kwargs = dict(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
                       extra_info=extra_info)
+        kwargs.update({key: value for key, value in self.call_kwargs.items() if _takes(fn, key)})
+        return kwargs
+
+    def _invoke(self, fn: Callable, data_source, solution_str: str, ground_truth, extra_info):
+        """One call of the reward function, with the ``timeout_s`` deadline when there is one."""
+        kwargs = self._kwargs(fn, data_source, solution_str, ground_truth, extra_info)
         if self.timeout_s is None:
             result = fn(**kwargs)
             if inspect.isawaitable(result):
@@ -269,19 +281,48 @@ class RewardManager:
     def _call(self, i: int, data_source, solution_str: str, ground_truth, extra_info, fn: Callable | None = None):
         """The reward function's result, or ``_FAILED`` when it failed and ``on_error="zero"``."""
         fn = fn or self.compute_score
-        name = _fn_name(fn)
         try:
             return self._invoke(fn, data_source, solution_str, ground_truth, extra_info)
-        except _RewardTimeout as timeout:
+        except Exception as exc:
+            return self._failure(exc, i, _fn_name(fn), data_source, solution_str, ground_truth)
+
+    def _call_all(self, samples: list[tuple]) -> list:
+        """An async reward function's results for all ``samples`` (ids, solution, data source,
+        ground truth, extra info), awaited together; failures handled as in ``_call``."""
+        async def one(sample):
+            _, solution_str, data_source, ground_truth, extra_info = sample
+            call = self.compute_score(**self._kwargs(self.compute_score, data_source, solution_str, ground_truth,
+                                                     extra_info))
+            try:
+                return await (call if self.timeout_s is None else asyncio.wait_for(call, self.timeout_s))
+            except asyncio.TimeoutError:
+                raise _RewardTimeout() from None
+
+        async def every():
+            return await asyncio.gather(*(one(sample) for sample in samples), return_exceptions=True)
+
+        results = []
+        for i, (result, (_, solution_str, data_source, ground_truth, _)) in enumerate(zip(asyncio.run(every()), samples)):
+            if isinstance(result, Exception):
+                result = self._failure(result, i, self._name, data_source, solution_str, ground_truth)
+            elif isinstance(result, BaseException):
+                raise result
+            results.append(result)
+        return results
+
+    def _failure(self, error: Exception, i: int, name: str, data_source, solution_str: str, ground_truth):
+        """``_FAILED`` for a failed call under ``on_error="zero"`` (counted, the first one logged);
+        raises ``RewardFunctionError`` under ``on_error="raise"``."""
+        if isinstance(error, _RewardTimeout):
             cause = None
             what = f"exceeded reward_model.timeout_s={self.timeout_s:g} s"
             fix = ("raise reward_model.timeout_s (or set it to null for no limit) if the function needs more "
                    "time; the timed-out call keeps running in a background thread")
-            stack = timeout.args[0] if timeout.args else "  (an async function, cancelled at the deadline)\n"
+            stack = error.args[0] if error.args else "  (an async function, cancelled at the deadline)\n"
             details = f"\nThe call was at:\n{stack}"
-        except Exception as exc:
-            cause = exc
-            what = f"raised {type(exc).__name__}: {exc}"
+        else:
+            cause = error
+            what = f"raised {type(error).__name__}: {error}"
             fix = details = ""
         sample = (f"sample index {i}, data_source={data_source!r}, ground_truth={ground_truth!r}, "
                   f"response[:200]={solution_str[:200]!r}")
@@ -456,9 +497,13 @@ class RewardManager:
         batch_scores = self._batch_source_scores(batch, [s[1] for s in samples], [s[3] for s in samples])
         step_source = next((source for source in self.sources or [] if source.step_keys), None)
 
+        together = self._call_all(samples) if self.sources is None and inspect.iscoroutinefunction(
+            self.compute_score) else None
         for i, (ids, solution_str, data_source, ground_truth, extra_info) in enumerate(samples):
             n_valid = len(ids)
-            if self.sources is None:
+            if together is not None:
+                result = together[i]
+            elif self.sources is None:
                 result = self._call(i, data_source, solution_str, ground_truth, extra_info)
             else:
                 result = self._mixture_result(i, data_source, solution_str, ground_truth, extra_info, batch_scores)
@@ -512,6 +557,16 @@ class RewardManager:
         if step_mask is not None:
             extra["step_mask"] = step_mask
         return reward, extra
+
+
+@functools.lru_cache(maxsize=None)
+def _takes(fn: Callable, name: str) -> bool:
+    """Whether ``fn`` accepts the keyword argument ``name`` (by name or through ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name and p.kind is not p.POSITIONAL_ONLY or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 async def _await(awaitable, timeout: float | None = None):

@@ -63,11 +63,13 @@ def _unique(name: str, taken: set) -> str:
 
 
 def sources_from_config(reward_cfg: Any, config_error: type[Exception],
-                        reward_model: bool = False, process: bool = False) -> list[RewardSource] | None:
+                        reward_model: bool = False, process: bool = False,
+                        provided: tuple[str, ...] = ()) -> list[RewardSource] | None:
     """The configured mixture, or None when ``reward.funcs`` is empty (a single source).
     ``reward_model``: whether ``reward_model.enable`` is on; ``process``: whether it is a process
     reward model (``reward_model.process.enable``), whose step rewards are the only source with
-    a weight (others are logged at weight 0)."""
+    a weight (others are logged at weight 0); ``provided``: the keyword arguments a served reward
+    model gives the functions."""
     from . import default_compute_score, load_custom_reward_fn
     from .custom import load_function_ref
     from .code import CodeTestsScorer
@@ -109,11 +111,11 @@ def sources_from_config(reward_cfg: Any, config_error: type[Exception],
             sandbox = Sandbox(**dict(reward_cfg.sandbox)).start()
             sources.append(RewardSource(_unique("code_tests", taken), float(weight), batch_fn=CodeTestsScorer(sandbox)))
         elif isinstance(entry, str) and ":" in entry and entry.rsplit(":", 1)[0].endswith(".py"):
-            fn = load_function_ref(entry, key)
+            fn = load_function_ref(entry, key, provided)
             sources.append(RewardSource(_unique(entry.rsplit(":", 1)[1], taken), float(weight), fn=fn))
         elif hasattr(entry, "get") and entry.get("path"):
             name = entry.get("name") or "compute_score"
-            fn = load_custom_reward_fn(entry["path"], name, entry.get("reward_kwargs"), key=key)
+            fn = load_custom_reward_fn(entry["path"], name, entry.get("reward_kwargs"), key=key, provided=provided)
             sources.append(RewardSource(_unique(name, taken), float(weight), fn=fn))
         else:
             raise config_error(

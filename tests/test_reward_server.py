@@ -1,0 +1,128 @@
+"""The served reward model (reward.reward_model.*, verl 0.9's keys): vLLM's OpenAI-compatible server
+for a generative judge that a custom reward function calls, as verl's GenRM functions do."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybrid_rl.config_keys import compose_config
+from tests.conftest import run_overrides
+
+# A verl-style generative-reward-model function: async, takes reward_router_address and
+# reward_model_tokenizer, posts a chat completion and scores the judge's reply. It logs what it
+# sent and got, and how many of its requests were in flight at once.
+JUDGE = '''
+import json
+
+import aiohttp
+
+IN_FLIGHT = {"now": 0, "max": 0}
+
+
+async def judge(data_source, solution_str, ground_truth, extra_info, reward_router_address,
+                reward_model_tokenizer, log_path):
+    messages = [{"role": "user", "content": f"Is {solution_str!r} the answer {ground_truth}?"}]
+    request = {"messages": messages, "temperature": 0, "max_tokens": 4, "ignore_eos": True}
+    IN_FLIGHT["now"] += 1
+    IN_FLIGHT["max"] = max(IN_FLIGHT["max"], IN_FLIGHT["now"])
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"http://{reward_router_address}/v1/chat/completions", json=request) as reply:
+                body = await reply.json()
+    finally:
+        IN_FLIGHT["now"] -= 1
+    text = body["choices"][0]["message"]["content"]
+    with open(log_path, "a") as log:
+        log.write(json.dumps({"messages": messages, "reply": text, "in_flight": IN_FLIGHT["max"],
+                              "vocab": len(reward_model_tokenizer)}) + "\\n")
+    return {"score": float(len(reward_model_tokenizer.encode(text, add_special_tokens=False)))}
+'''
+
+
+def served_overrides(judge_file, log_path, model_dir) -> list[str]:
+    return ["reward.reward_model.enable=true", f"reward.reward_model.model_path={model_dir}",
+            "reward.reward_model.rollout.dtype=float32", "reward.reward_model.rollout.max_model_len=256",
+            f"custom_reward_function.path={judge_file}", "custom_reward_function.name=judge",
+            f"+custom_reward_function.reward_kwargs.log_path={log_path}"]
+
+
+def test_server_command_carries_verls_keys():
+    from hybrid_rl.config import validate_config
+    from hybrid_rl.workers.reward_server import server_command
+
+    cfg = validate_config(compose_config([
+        "reward.reward_model.enable=true", "reward.reward_model.model_path=/models/judge",
+        "reward.reward_model.rollout.dtype=float32", "reward.reward_model.rollout.max_model_len=512",
+        "reward.reward_model.rollout.enforce_eager=false", "+reward.reward_model.rollout.engine_kwargs.vllm.swap_space=2"]))
+    command = server_command(cfg.reward.reward_model, "/abs/models/judge", 8123, "cpu", 7)
+    text = " ".join(command)
+    for part in ["vllm.entrypoints.openai.api_server --model /abs/models/judge",
+                 "--served-model-name /models/judge /abs/models/judge", "--port 8123", "--dtype float32",
+                 "--tensor-parallel-size 1", "--max-model-len 512", "--seed 7", "--no-enforce-eager", "--swap-space 2"]:
+        assert part in text, (part, text)
+    assert "--gpu-memory-utilization" not in text  # on CPU the KV cache is kv_cache_gib
+
+
+def test_served_reward_model_configs_are_checked(tmp_path, tiny_model_dir, arithmetic_files):
+    from hybrid_rl.main import SetupError, checked_trainer
+
+    judge = tmp_path / "judge.py"
+    judge.write_text(JUDGE)
+    base = run_overrides(tiny_model_dir, arithmetic_files, tmp_path / "run")
+    served = served_overrides(judge, tmp_path / "log.jsonl", tiny_model_dir)
+    for extra, message in [
+        (served[:2], "no function is set"),
+        (served + ["reward.reward_model.rollout.name=sglang"], "rollout.name=vllm"),
+        (served + ["reward_model.enable=true", f"reward_model.model.path={tiny_model_dir}"], "keep one"),
+        (served + ["reward.reward_model.rollout.pipeline_model_parallel_size=2"], "not supported yet"),
+        # A judge function without the server names the keys that start one.
+        (served[2:], "reward.reward_model.enable=true"),
+    ]:
+        with pytest.raises(SetupError, match=message):
+            checked_trainer(compose_config(base + extra))
+
+
+def test_a_generative_judge_scores_every_sample_through_the_server(ray_session, tmp_path, tiny_model_dir,
+                                                                  arithmetic_files):
+    """One step of the tiny policy judged by the tiny model served in vLLM: every sample is scored
+    through the server, all of a batch's requests are in flight together, and the judge's replies
+    are what transformers' greedy decoding of the same chat gives."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hybrid_rl.main import build_trainer
+
+    judge, log_path = tmp_path / "judge.py", tmp_path / "judge.jsonl"
+    judge.write_text(JUDGE)
+    cfg = compose_config(run_overrides(tiny_model_dir, arithmetic_files, tmp_path / "run") + served_overrides(
+        judge, log_path, tiny_model_dir) + [
+        "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "trainer.total_training_steps=1", "trainer.test_freq=-1", "trainer.val_before_train=false",
+        "trainer.final_model_dir=null"])
+    trainer = build_trainer(cfg)
+    try:
+        trainer.fit()
+        address = trainer.reward_server.address
+    finally:
+        trainer.shutdown()
+    calls = [json.loads(line) for line in open(log_path)]
+    assert len(calls) == 8 + 6  # the step's 4 prompts x 2 responses, then the final validation's 6
+    assert max(call["in_flight"] for call in calls) == 8
+    step = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")][-1]
+    assert step["reward/failed_samples"] == 0
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert all(call["vocab"] == len(tokenizer) for call in calls)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    for call in calls[:3]:
+        ids = tokenizer.apply_chat_template(call["messages"], add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)["input_ids"]
+        out = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        assert tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True) == call["reply"]
+    # The server is gone with the trainer.
+    import urllib.error
+    import urllib.request
+
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"http://{address}/health", timeout=5)
