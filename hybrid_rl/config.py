@@ -319,7 +319,9 @@ def _check_served_reward_model(cfg: DictConfig) -> None:
                               f"between scorings here): set {key}.enable_resource_pool=true and "
                               f"{key}.n_gpus_per_node / nnodes.")
         _positive(rm.n_gpus_per_node, f"{key}.n_gpus_per_node")
-        _positive(rm.nnodes, f"{key}.nnodes")
+        if rm.nnodes != 1:
+            raise ConfigError(f"{key}.nnodes={rm.nnodes}: the served reward model is one server on one node here; "
+                              f"set {key}.nnodes=1 (its replicas: rollout.data_parallel_size).")
         if tp * dp != rm.n_gpus_per_node * rm.nnodes:
             raise ConfigError(f"{key}.rollout.tensor_model_parallel_size x data_parallel_size = {tp} x {dp} must "
                               f"equal its GPUs, n_gpus_per_node x nnodes = {rm.n_gpus_per_node} x {rm.nnodes}.")

@@ -5,7 +5,7 @@ function gets ``reward_router_address`` ("host:port"; it POSTs to ``/v1/chat/com
 ``reward_model_tokenizer``, writes the judge's prompt, and parses the reply into a score.
 
 The server is a child process of a Ray actor, so Ray places it: on GPU it needs GPUs of its own
-(``reward.reward_model.enable_resource_pool``, ``n_gpus_per_node`` x ``nnodes``: tensor x data
+(``reward.reward_model.enable_resource_pool``, ``n_gpus_per_node`` on one node: tensor x data
 parallel replicas inside the one server), as colocation would need vLLM's sleep mode between
 scorings; on CPU it runs beside the workers. Its log goes to ``<trainer.default_local_dir>/reward_server.log``.
 """
