@@ -99,8 +99,7 @@ def test_a_generative_judge_scores_every_sample_through_the_server(ray_session, 
     cfg = compose_config(run_overrides(tiny_model_dir, arithmetic_files, tmp_path / "run") + served_overrides(
         judge, log_path, tiny_model_dir) + [
         "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "trainer.total_training_steps=1", "trainer.test_freq=-1", "trainer.val_before_train=false",
-        "trainer.final_model_dir=null"])
+        "trainer.total_training_steps=1", "data.val_files=null", "trainer.final_model_dir=null"])
     trainer = build_trainer(cfg)
     try:
         trainer.fit()
@@ -108,7 +107,7 @@ def test_a_generative_judge_scores_every_sample_through_the_server(ray_session, 
     finally:
         trainer.shutdown()
     calls = [json.loads(line) for line in open(log_path)]
-    assert len(calls) == 8 + 6  # the step's 4 prompts x 2 responses, then the final validation's 6
+    assert len(calls) == 8  # 4 prompts x 2 responses
     assert max(call["in_flight"] for call in calls) == 8
     step = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")][-1]
     assert step["reward/failed_samples"] == 0
