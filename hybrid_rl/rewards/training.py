@@ -167,11 +167,12 @@ def labelled_steps(step_scorer, row: dict, text: str) -> tuple[list[str], list[f
 
 
 # ----------------------------------------------------------------------------------------- data
-def read_examples(path: str) -> tuple[list[dict], str]:
-    """The rows of a data file and their kind: `labelled`, `preferences` or `steps`."""
+def read_examples(path: str | list[str]) -> tuple[list[dict], str]:
+    """The rows of one or more data files and their kind: `labelled`, `preferences` or `steps`."""
     from hybrid_rl.data.dataset import read_rows, to_messages
 
     rows = read_rows(path)
+    path = path if isinstance(path, str) else " + ".join(path)
     if not rows:
         raise RewardDataError(f"{path} holds no rows.")
     columns = set(rows[0])
@@ -423,7 +424,7 @@ class RewardModelTrainer:
         write_folder(Path(out).expanduser().absolute(), write, overwrite=True)
 
 
-def train_reward_model(data: str, out: str, base: str, loss: str = "pointwise", epochs: int = 1, lr: float = 1e-5,
+def train_reward_model(data: str | list[str], out: str, base: str, loss: str = "pointwise", epochs: int = 1, lr: float = 1e-5,
                        batch_size: int = 32, micro_batch_size: int = 8, val_fraction: float = 0.1, seed: int = 0,
                        dtype: str = "auto", step_separator: str = "\n", step_tag: str | None = None,
                        step_tag_tokens: tuple[str, str] = ("+", "-")) -> dict:
@@ -433,6 +434,7 @@ def train_reward_model(data: str, out: str, base: str, loss: str = "pointwise", 
         raise ValueError(f"loss={loss!r} is not valid. Valid choices: {', '.join(LOSSES)}.")
     rng = random.Random(seed)
     rows, kind = read_examples(data)
+    data = data if isinstance(data, str) else " + ".join(data)  # as error messages name it
     if kind == "preferences" and loss == "pointwise":
         raise RewardDataError(f"{data} holds preference pairs (chosen, rejected), which train with --loss pairwise.")
     if kind == "steps":
@@ -558,8 +560,9 @@ def main(argv: list[str] | None = None) -> int:
                                                               "from the step's end is right by the rule")
     s.add_argument("--step-separator", default="\n", help="--completions: where responses split into steps")
     t = sub.add_parser("train", help="train a reward model on labelled responses, preference pairs or labelled steps")
-    t.add_argument("--data", required=True, help="parquet / JSON Lines with prompt,response,label, "
-                                                 "prompt,chosen,rejected or prompt,steps,labels")
+    t.add_argument("--data", required=True, nargs="+", help="parquet / JSON Lines with prompt,response,label, "
+                                                            "prompt,chosen,rejected or prompt,steps,labels (several "
+                                                            "files: their rows together)")
     t.add_argument("--out", required=True, help="folder to write the reward model to (replaced if it exists)")
     t.add_argument("--base", default=None, help="folder to start from: a policy (a fresh score head) or a "
                                                 "reward model (default: the default model)")

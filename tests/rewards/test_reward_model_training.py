@@ -41,7 +41,8 @@ def test_pairs_pair_the_best_with_the_worst_while_labels_differ():
 
 @pytest.mark.parametrize("loss", ["pointwise", "pairwise"])
 def test_training_learns_held_out_prompts_and_saves_a_reward_model(tmp_path, tiny_model_dir, loss):
-    data = write_jsonl(tmp_path / "labelled.jsonl", labelled_rows(40))
+    rows = labelled_rows(40)  # in two files (responses of two policies, say), read together
+    data = [write_jsonl(tmp_path / "first.jsonl", rows[:50]), write_jsonl(tmp_path / "second.jsonl", rows[50:])]
     out = tmp_path / "rm"
     result = train_reward_model(data, str(out), tiny_model_dir, loss=loss, epochs=3, lr=1e-3, batch_size=16,
                                 micro_batch_size=8, val_fraction=0.25, dtype="fp32")
