@@ -329,6 +329,28 @@ def _check_served_reward_model(cfg: DictConfig) -> None:
         rm.rollout.dtype = resolve_dtype(rm.rollout.dtype, cfg.trainer.device, "engine").dtype
 
 
+def adopt_served_reward_model(cfg: DictConfig) -> None:
+    """verl 0.7-0.8 served a reward model for the custom reward function under the legacy keys
+    (``reward_model.enable``, ``model.path``, ``rollout.*``, with its reward loop on): the same
+    model as verl 0.9's ``reward.reward_model``, checked as that is."""
+    legacy, rm = cfg.reward_model, cfg.reward.reward_model
+    with open_dict(cfg):
+        rm.enable, rm.model_path = True, legacy.model.path
+        for key in ("enable_resource_pool", "n_gpus_per_node", "nnodes"):
+            if legacy[key] is not None:
+                rm[key] = legacy[key]
+        for key, value in (legacy.get("rollout") or {}).items():
+            if value is not None and key in rm.rollout:
+                rm.rollout[key] = value
+        legacy.enable = False
+    logger.info("reward_model.enable=true with a reward function that takes reward_router_address: the reward "
+                "model %s is served for it (verl 0.9's reward.reward_model).", legacy.model.path)
+    unsupported = check_verl_keys(cfg, cfg.trainer.device)
+    if unsupported:
+        raise ConfigError("\nerror: ".join(unsupported))
+    _check_served_reward_model(cfg)
+
+
 def check_reward_model_config(rm: DictConfig) -> None:
     _choice(rm.on_error, ("zero", "raise"), "reward_model.on_error")
     _choice(rm.reward_manager, (None, "naive", "dapo"), "reward_model.reward_manager",

@@ -63,6 +63,37 @@ def _rules(status: str, note: str, *patterns: str) -> list[Rule]:
     return [Rule(p, status, note) for p in patterns]
 
 
+# verl 0.7-0.8's reward_model.rollout keys (the others came with verl 0.9's reward.reward_model).
+LEGACY_SERVED_MODEL_KEYS = frozenset((
+    "name", "dtype", "gpu_memory_utilization", "enforce_eager", "cudagraph_capture_sizes", "free_cache_engine",
+    "data_parallel_size", "expert_parallel_size", "tensor_model_parallel_size", "max_num_batched_tokens",
+    "max_model_len", "max_num_seqs", "load_format", "engine_kwargs", "limit_images", "enable_chunked_prefill",
+    "enable_prefix_caching", "disable_log_stats", "skip_tokenizer_init", "prompt_length", "response_length"))
+
+
+def _served_model_rules(prefix: str, present: frozenset[str] | None = None) -> list[Rule]:
+    """The served reward model's server settings under ``prefix`` (only the ``present`` ones)."""
+    def keys(*names):
+        return [f"{prefix}.{k}" for k in names if present is None or k.split(".")[0] in present]
+
+    return [
+        *_rules(WORKS, "the served reward model's vLLM server (hybrid_rl/workers/reward_server.py)",
+                *keys("name", "dtype", "tensor_model_parallel_size", "data_parallel_size", "max_model_len",
+                      "max_num_seqs", "max_num_batched_tokens", "enforce_eager", "enable_chunked_prefill",
+                      "enable_prefix_caching", "engine_kwargs", "seed")),
+        *_rules(WORKS, "on GPU; on CPU its KV cache is actor_rollout_ref.rollout.kv_cache_gib, as the policy engine's",
+                *keys("gpu_memory_utilization")),
+        *_rules(NO_EFFECT, "the served reward model samples as each request of your reward function asks",
+                *keys("temperature", "top_k", "top_p", "do_sample", "n", "ignore_eos", "prompt_length",
+                      "response_length")),
+        *_rules(NOT_YET, "the served reward model runs tensor and data parallel only, unquantized",
+                *keys("pipeline_model_parallel_size", "expert_parallel_size", "quantization", "quantization_config_file",
+                      "mtp", "disaggregation.enabled", "skip_tokenizer_init")),
+        *_rules(NO_EFFECT, "settings of verl's rollout servers that the served reward model here does not read (it "
+                "keeps its devices, so it never sleeps)", f"{prefix}.*"),
+    ]
+
+
 RULES: tuple[Rule, ...] = tuple([
     # --- verl keys our own groups do not set but the code reads
     *_rules(WORKS, "", "actor_rollout_ref.ref.strategy", "actor_rollout_ref.rollout.engine_kwargs.vllm",
@@ -269,27 +300,16 @@ RULES: tuple[Rule, ...] = tuple([
             "data.mm_processor_kwargs"),
     # --- rewards
     *_rules(WORKS, "the served reward model: vLLM's OpenAI-compatible server, called by your reward function "
-            "(hybrid_rl/workers/reward_server.py)", "reward.reward_model.enable", "reward.reward_model.model_path",
-            *(f"reward.reward_model.rollout.{k}" for k in (
-                "name", "dtype", "tensor_model_parallel_size", "data_parallel_size", "max_model_len", "max_num_seqs",
-                "max_num_batched_tokens", "enforce_eager", "enable_chunked_prefill", "enable_prefix_caching",
-                "engine_kwargs", "seed"))),
+            "(hybrid_rl/workers/reward_server.py)", "reward.reward_model.enable", "reward.reward_model.model_path"),
     *_rules(WORKS, "on GPU the served reward model's own GPUs (it cannot share the trainer's); no effect on CPU",
             "reward.reward_model.enable_resource_pool", "reward.reward_model.n_gpus_per_node",
             "reward.reward_model.nnodes"),
-    *_rules(WORKS, "on GPU; on CPU its KV cache is actor_rollout_ref.rollout.kv_cache_gib, as the policy engine's",
-            "reward.reward_model.rollout.gpu_memory_utilization"),
-    *_rules(NO_EFFECT, "the served reward model samples as each request of your reward function asks",
-            *(f"reward.reward_model.rollout.{k}" for k in (
-                "temperature", "top_k", "top_p", "do_sample", "n", "ignore_eos", "prompt_length", "response_length"))),
-    *_rules(NOT_YET, "the served reward model runs tensor and data parallel only, unquantized",
-            *(f"reward.reward_model.rollout.{k}" for k in (
-                "pipeline_model_parallel_size", "expert_parallel_size", "quantization", "quantization_config_file",
-                "mtp", "disaggregation.enabled", "skip_tokenizer_init"))),
-    *_rules(NO_EFFECT, "settings of verl's rollout servers that the served reward model here does not read (it "
-            "keeps its devices, so it never sleeps)", "reward.reward_model.rollout.*"),
-    *_rules(NO_EFFECT, "verl 0.7's reward-loop keys; the served reward model reads reward.reward_model.*",
-            "reward_model.rollout.*", "reward_model.num_workers", "reward_model.reward_loop_*"),
+    # The server's settings, under verl 0.9's names and under verl 0.7-0.8's (reward_model.rollout.*,
+    # read when reward_model.enable=true and the reward function takes reward_router_address).
+    *_served_model_rules("reward.reward_model.rollout"),
+    *_served_model_rules("reward_model.rollout", LEGACY_SERVED_MODEL_KEYS),
+    *_rules(NO_EFFECT, "verl 0.7's reward-loop settings; the served reward model is one vLLM server here",
+            "reward_model.num_workers", "reward_model.reward_loop_*"),
     *_rules(NO_EFFECT, "the reward model's tokenizer is compared with the policy's own, and responses are "
             "re-templated exactly when vocabulary or chat template differ", "reward_model.model.input_tokenizer"),
     *_rules(WORKS, "the reward model in a worker group of its own; on CPU n_gpus_per_node counts its processes per node",

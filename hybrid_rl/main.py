@@ -15,7 +15,8 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from hybrid_rl.config import ConfigError, check_model_limits, custom_reward_function, validate_config
+from hybrid_rl.config import (ConfigError, adopt_served_reward_model, check_model_limits, custom_reward_function,
+                              validate_config)
 from hybrid_rl.config_keys import CONF_DIR, compose_config, leaves, verl_defaults
 from hybrid_rl.console import quiet_third_party_output
 from hybrid_rl.models import ModelPathError, cache_dir, load_tokenizer, resolve_model_path
@@ -43,11 +44,18 @@ def prepare(cfg: DictConfig):
     from hybrid_rl.data import RLDataset
     from hybrid_rl.iterative import load_step_scorer
     from hybrid_rl.rewards import RewardManager, default_compute_score, load_custom_reward_fn
+    from hybrid_rl.rewards.custom import keyword_parameter
     from hybrid_rl.rewards.mixture import sources_from_config
     from hybrid_rl.workers.reward_server import SERVED_KWARGS
 
     validate_config(cfg)
     check_resume(cfg)
+    key, custom = custom_reward_function(cfg)
+    compute_score = load_custom_reward_fn(custom.path, custom.name, custom.reward_kwargs, key=key,
+                                          provided=SERVED_KWARGS)
+    if cfg.reward_model.enable and compute_score is not None and keyword_parameter(compute_score,
+                                                                                    "reward_router_address"):
+        adopt_served_reward_model(cfg)  # verl 0.7-0.8's reward loop wrote it under reward_model.*
     model_path = resolve_model_path(cfg.actor_rollout_ref.model.path)
     if needs_critic(cfg) and cfg.critic.model.path:
         resolve_model_path(cfg.critic.model.path, key="critic.model.path")
@@ -81,12 +89,16 @@ def prepare(cfg: DictConfig):
             if dataset is not None:  # every row must name one of the interactions, or there must be one
                 agent.check_interaction_rows(dataset.extra_infos(), tools.interactions, files)
 
-    key, custom = custom_reward_function(cfg)
-    served = cfg.reward.reward_model.enable  # hybrid_rl/workers/reward_server.py
-    provided = SERVED_KWARGS if served else ()
-    compute_score = load_custom_reward_fn(custom.path, custom.name, custom.reward_kwargs, key=key, provided=provided)
     sources = sources_from_config(cfg.reward, ConfigError, reward_model=cfg.reward_model.enable,
-                                  process=cfg.reward_model.process.enable, provided=provided)
+                                  process=cfg.reward_model.process.enable, provided=SERVED_KWARGS)
+    served = cfg.reward.reward_model.enable  # hybrid_rl/workers/reward_server.py
+    callers = [fn for fn in [compute_score] + [s.fn for s in sources or []]
+               if fn is not None and keyword_parameter(fn, "reward_router_address") == "required"]
+    if callers and not served:
+        raise ConfigError(f"reward function {getattr(callers[0], '__name__', callers[0])} takes reward_router_address: it "
+                          "calls a served reward model (verl's generative reward models). Set "
+                          "reward.reward_model.enable=true and reward.reward_model.model_path=<model folder> to start "
+                          "one.")
     if served:
         resolve_model_path(cfg.reward.reward_model.model_path, key="reward.reward_model.model_path")
         if compute_score is None and not any(s.fn is not None and s.fn is not default_compute_score

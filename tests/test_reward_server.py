@@ -82,6 +82,16 @@ def test_served_reward_model_configs_are_checked(tmp_path, tiny_model_dir, arith
     ]:
         with pytest.raises(SetupError, match=message):
             checked_trainer(compose_config(base + extra))
+    # verl 0.7-0.8 wrote it under the legacy keys, with a function that takes reward_router_address.
+    legacy = [f"custom_reward_function.path={judge}", "custom_reward_function.name=judge",
+              f"+custom_reward_function.reward_kwargs.log_path={tmp_path / 'log.jsonl'}", "reward_model.enable=true",
+              f"reward_model.model.path={tiny_model_dir}", "reward_model.rollout.name=vllm",
+              "reward_model.rollout.max_model_len=256", "reward_model.rollout.tensor_model_parallel_size=1"]
+    cfg = checked_trainer(compose_config(base + legacy)).cfg
+    assert not cfg.reward_model.enable and cfg.reward.reward_model.enable
+    assert cfg.reward.reward_model.model_path == tiny_model_dir and cfg.reward.reward_model.rollout.max_model_len == 256
+    with pytest.raises(SetupError, match="expert_parallel_size=2 is not supported yet"):
+        checked_trainer(compose_config(base + legacy + ["reward_model.rollout.expert_parallel_size=2"]))
 
 
 def test_a_generative_judge_scores_every_sample_through_the_server(ray_session, tmp_path, tiny_model_dir,

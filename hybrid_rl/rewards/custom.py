@@ -44,7 +44,7 @@ def load_custom_reward_fn(
     ``solution_str``, ``ground_truth`` and ``extra_info``; this is checked here
     so a wrong signature fails at start-up rather than at the first reward.
     ``key`` is the config section the error messages name; ``provided`` names further keyword
-    arguments the caller passes (the served reward model's), which the function may require.
+    arguments the caller may pass (the served reward model's) to a function that takes them.
     """
     if path is None or str(path).strip() == "":
         return None
@@ -111,13 +111,8 @@ def load_custom_reward_fn(
     if sig is not None:
         try:
             sig.bind(data_source="x", solution_str="x", ground_truth="x", extra_info=None, **kwargs,
-                     **{name: None for name in provided})
+                     **{p: None for p in provided if keyword_parameter(fn, p)})
         except TypeError as exc:
-            if "reward_router_address" in sig.parameters and "reward_router_address" not in provided:
-                raise ValueError(
-                    f"custom reward function {name!r} in {path} takes reward_router_address: it calls a served "
-                    "reward model (verl's generative reward models). Set reward.reward_model.enable=true and "
-                    "reward.reward_model.model_path=<model folder> to start one.") from exc
             extra = f" with reward_kwargs {sorted(kwargs)}" if kwargs else ""
             raise ValueError(
                 f"custom reward function {name!r} in {path} has signature {name}{sig}, "
@@ -130,6 +125,19 @@ def load_custom_reward_fn(
     if kwargs:
         fn = functools.partial(fn, **kwargs)
     return fn
+
+
+def keyword_parameter(fn: Callable, name: str) -> str | None:
+    """How ``fn`` takes the keyword argument ``name``: "required", "optional" (with a default, or
+    through ``**kwargs``) or None (it does not)."""
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return None
+    param = parameters.get(name)
+    if param is not None and param.kind is not param.POSITIONAL_ONLY:
+        return "required" if param.default is param.empty else "optional"
+    return "optional" if any(p.kind is p.VAR_KEYWORD for p in parameters.values()) else None
 
 
 def load_function_ref(ref: str, key: str, provided: tuple[str, ...] = ()) -> Callable:

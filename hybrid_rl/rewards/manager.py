@@ -20,6 +20,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from .custom import keyword_parameter
 from .steps import decoded_prefix_lengths, token_at
 
 __all__ = ["ON_ERROR_CHOICES", "RewardFunctionError", "RewardManager", "UnknownDataSourceError"]
@@ -245,7 +246,7 @@ class RewardManager:
     def _kwargs(self, fn: Callable, data_source, solution_str: str, ground_truth, extra_info) -> dict:
         kwargs = dict(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
                       extra_info=extra_info)
-        kwargs.update({key: value for key, value in self.call_kwargs.items() if _takes(fn, key)})
+        kwargs.update({key: value for key, value in self.call_kwargs.items() if keyword_parameter(fn, key)})
         return kwargs
 
     def _invoke(self, fn: Callable, data_source, solution_str: str, ground_truth, extra_info):
@@ -557,16 +558,6 @@ class RewardManager:
         if step_mask is not None:
             extra["step_mask"] = step_mask
         return reward, extra
-
-
-@functools.lru_cache(maxsize=None)
-def _takes(fn: Callable, name: str) -> bool:
-    """Whether ``fn`` accepts the keyword argument ``name`` (by name or through ``**kwargs``)."""
-    try:
-        parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == name and p.kind is not p.POSITIONAL_ONLY or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 async def _await(awaitable, timeout: float | None = None):
