@@ -91,24 +91,7 @@ def prepare(cfg: DictConfig):
 
     sources = sources_from_config(cfg.reward, ConfigError, reward_model=cfg.reward_model.enable,
                                   process=cfg.reward_model.process.enable, provided=SERVED_KWARGS)
-    served = cfg.reward.reward_model.enable  # hybrid_rl/workers/reward_server.py
-    callers = [fn for fn in [compute_score] + [s.fn for s in sources or []]
-               if fn is not None and keyword_parameter(fn, "reward_router_address") == "required"]
-    if callers and not served:
-        raise ConfigError(f"reward function {getattr(callers[0], '__name__', callers[0])} takes reward_router_address: it "
-                          "calls a served reward model (verl's generative reward models). Set "
-                          "reward.reward_model.enable=true and reward.reward_model.model_path=<model folder> to start "
-                          "one.")
-    if served:
-        resolve_model_path(cfg.reward.reward_model.model_path, key="reward.reward_model.model_path")
-        if compute_score is None and not any(s.fn is not None and s.fn is not default_compute_score
-                                             for s in sources or []):
-            raise ConfigError(
-                "reward.reward_model.enable=true serves a model for your reward function to call, but no function "
-                "is set: set reward.custom_reward_function.path to a file whose function takes "
-                "reward_router_address (and reward_model_tokenizer) and posts to http://<address>/v1/chat/completions "
-                "(docs/rewards.md). A sequence classifier that scores by itself is reward_model.enable=true "
-                "reward_model.model.path=<folder>.")
+    check_served_reward_model_callers(cfg, [compute_score] + [s.fn for s in sources or []])
     if cfg.reward_model.enable and not cfg.reward.funcs and compute_score is not None:
         logger.warning("reward_model.enable=true and %s.path=%s: the reward model alone scores the responses, as in "
                        "verl. To add the function, set reward.funcs=[reward_model,'%s:%s'].", key, custom.path,
@@ -133,6 +116,30 @@ def prepare(cfg: DictConfig):
     reward_fn = RewardManager(tokenizer, compute_score, cfg.data.reward_fn_key, cfg.reward_model.num_examine, **faults)
     val_reward_fn = RewardManager(tokenizer, compute_score, cfg.data.reward_fn_key, 0, **faults)
     return model_path, tokenizer, train_dataset, val_dataset, reward_fn, val_reward_fn
+
+
+def check_served_reward_model_callers(cfg: DictConfig, functions: list) -> None:
+    """A served reward model (`reward.reward_model`) needs a reward function to call it, and a
+    function that needs one needs it served."""
+    from hybrid_rl.rewards import default_compute_score
+    from hybrid_rl.rewards.custom import keyword_parameter
+
+    functions = [fn for fn in functions if fn is not None and fn is not default_compute_score]
+    callers = [fn for fn in functions if keyword_parameter(fn, "reward_router_address") == "required"]
+    if not cfg.reward.reward_model.enable:
+        if callers:
+            raise ConfigError(f"reward function {getattr(callers[0], '__name__', callers[0])} takes "
+                              "reward_router_address: it calls a served reward model (verl's generative reward "
+                              "models). Set reward.reward_model.enable=true and reward.reward_model.model_path=<model "
+                              "folder> to start one.")
+        return
+    resolve_model_path(cfg.reward.reward_model.model_path, key="reward.reward_model.model_path")
+    if not functions:
+        raise ConfigError(
+            "reward.reward_model.enable=true serves a model for your reward function to call, but no function is "
+            "set: set reward.custom_reward_function.path to a file whose function takes reward_router_address (and "
+            "reward_model_tokenizer) and posts to http://<address>/v1/chat/completions (docs/rewards.md). A sequence "
+            "classifier that scores by itself is reward_model.enable=true reward_model.model.path=<folder>.")
 
 
 def check_reward_model(rm_cfg: DictConfig, key: str):
