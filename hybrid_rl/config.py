@@ -290,10 +290,15 @@ def validate_config(cfg: DictConfig) -> DictConfig:
         resolve_dtypes(cfg)
         rollout.enforce_eager = resolve_enforce_eager(rollout.enforce_eager, trainer.device)
     _check_served_reward_model(cfg)
-    unsupported = check_verl_keys(cfg, trainer.device)
+    refuse_unsupported_keys(cfg)
+    return cfg
+
+
+def refuse_unsupported_keys(cfg: DictConfig) -> None:
+    """Stop at start on every verl key set to what is not supported yet, naming each."""
+    unsupported = check_verl_keys(cfg, cfg.trainer.device)
     if unsupported:
         raise ConfigError("\nerror: ".join(unsupported))
-    return cfg
 
 
 def _check_served_reward_model(cfg: DictConfig) -> None:
@@ -322,9 +327,9 @@ def _check_served_reward_model(cfg: DictConfig) -> None:
         if rm.nnodes != 1:
             raise ConfigError(f"{key}.nnodes={rm.nnodes}: the served reward model is one server on one node here; "
                               f"set {key}.nnodes=1 (its replicas: rollout.data_parallel_size).")
-        if tp * dp != rm.n_gpus_per_node * rm.nnodes:
+        if tp * dp != rm.n_gpus_per_node:
             raise ConfigError(f"{key}.rollout.tensor_model_parallel_size x data_parallel_size = {tp} x {dp} must "
-                              f"equal its GPUs, n_gpus_per_node x nnodes = {rm.n_gpus_per_node} x {rm.nnodes}.")
+                              f"equal its GPUs, n_gpus_per_node = {rm.n_gpus_per_node}.")
     with open_dict(cfg):
         rm.rollout.dtype = resolve_dtype(rm.rollout.dtype, cfg.trainer.device, "engine").dtype
 
@@ -345,9 +350,7 @@ def adopt_served_reward_model(cfg: DictConfig) -> None:
         legacy.enable = False
     logger.info("reward_model.enable=true with a reward function that takes reward_router_address: the reward "
                 "model %s is served for it (verl 0.9's reward.reward_model).", legacy.model.path)
-    unsupported = check_verl_keys(cfg, cfg.trainer.device)
-    if unsupported:
-        raise ConfigError("\nerror: ".join(unsupported))
+    refuse_unsupported_keys(cfg)  # the moved keys, under their new names
     _check_served_reward_model(cfg)
 
 
