@@ -119,10 +119,12 @@ def test_dense_packing_spreads_units_over_rows_no_longer_than_the_longest_unit(b
     assert shared.num_tokens == int(units.sum()) <= rows * width
 
 
-def test_chunked_head_matches_float64_reference():
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_chunked_head_matches_float64_reference(dtype):
+    """Several chunks share the head's buffers: each chunk's log-probs and gradients are its own."""
     torch.manual_seed(0)
-    hidden = torch.randn(2, 11, 16, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    hidden = torch.randn(2, 11, 16, dtype=dtype, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=dtype, requires_grad=True)
     targets = torch.randint(0, 50, (2, 11))
     g_lp, g_ent = torch.randn(2, 11, dtype=torch.float64), torch.randn(2, 11, dtype=torch.float64)
 
@@ -131,10 +133,10 @@ def test_chunked_head_matches_float64_reference():
     got = hidden.grad.clone(), weight.grad.clone()
     hidden.grad = weight.grad = None
 
-    logits = hidden @ weight.T / 0.6
+    logits = hidden.double() @ weight.double().T / 0.6
     ref_lp = token_log_probs(logits, targets)
     ref_ent = entropy_from_logits(logits)
-    ((ref_lp * g_lp).sum() + (ref_ent * g_ent).sum()).backward()
+    ((ref_lp * g_lp.double()).sum() + (ref_ent * g_ent.double()).sum()).backward()
     # Log-probs and entropies are accumulated in float32 by design.
     assert torch.allclose(log_probs.double(), ref_lp, atol=1e-5)
     assert torch.allclose(entropy.double(), ref_ent, atol=1e-5)

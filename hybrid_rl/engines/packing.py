@@ -17,6 +17,7 @@ no (tokens x vocab) float32 logits tensor is kept for the micro-batch.
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -163,30 +164,30 @@ class _HeadLogProbs(torch.autograd.Function):
     """log p(target) and (optionally) entropy of softmax(h W^T / tau), chunk by chunk over
     positions.
 
-    With z = h W^T / tau, p = softmax(z) and H = logsumexp(z) - sum_v p_v z_v:
-        d log p_y / dz = onehot(y) - p,        dH / dz = -p * (z - sum_v p_v z_v),
-    and dz flows to h (dz W / tau) and W (dz^T h / tau). Only logsumexp per position is saved;
-    each chunk's logits are recomputed in backward. Without entropy (log-prob-only passes) the
-    forward skips the pass over the vocabulary that entropy needs and returns zeros.
+    With z = h W^T / tau, log p = log_softmax(z) and H = -sum_v p_v log p_v:
+        d log p_y / dz = onehot(y) - p,        dH / dz = -p * (log p + H),
+    and dz flows to h (dz W / tau) and W (dz^T h / tau). Nothing of a chunk is saved: backward
+    computes its logits and log-softmax again. Every chunk is written into the same few
+    (chunk x vocab) buffers (`_ChunkBuffers`): on CPU a fresh tensor of that size costs more in
+    page faults than the element-wise op that fills it. Without entropy (log-prob-only passes)
+    the forward skips the pass over the vocabulary that entropy needs and returns zeros.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk_size, compute_dtype, with_entropy):
         log_probs = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
         entropy = torch.zeros_like(log_probs)
-        lse = torch.empty_like(log_probs)
         w = weight.to(compute_dtype)
+        buffers = _chunk_buffers(chunk_size, w, compute_dtype)
         for start in range(0, hidden.shape[0], chunk_size):
             end = start + chunk_size
-            z = _chunk_logits(hidden[start:end], w, compute_dtype, temperature)
-            lse[start:end] = torch.logsumexp(z, dim=-1)
-            log_p = z.sub_(lse[start:end, None])  # z is a fresh float32 tensor: reuse it
+            log_p = buffers.log_softmax(hidden[start:end], w, temperature)
             log_probs[start:end] = log_p.gather(-1, targets[start:end, None]).squeeze(-1)
             if with_entropy:
-                # -sum p log p rather than lse - sum p z: no cancellation between two large terms.
-                entropy[start:end] = -(log_p.exp() * log_p).sum(-1)
+                p = torch.exp(log_p, out=buffers.probs[:len(log_p)])
+                entropy[start:end] = -p.mul_(log_p).sum(-1)
         # The cast weight is kept for backward rather than cast again (one head's worth of memory).
-        ctx.save_for_backward(hidden, w, targets, lse, entropy)
+        ctx.save_for_backward(hidden, w, targets, entropy)
         ctx.weight_dtype = weight.dtype
         ctx.temperature, ctx.chunk_size, ctx.compute_dtype = temperature, chunk_size, compute_dtype
         ctx.with_entropy = with_entropy
@@ -195,39 +196,89 @@ class _HeadLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy):
-        hidden, w, targets, lse, entropy = ctx.saved_tensors
+        hidden, w, targets, entropy = ctx.saved_tensors
         tau, dtype = ctx.temperature, ctx.compute_dtype
         if not ctx.with_entropy:
             grad_entropy = None  # the zeros returned are constants
-        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        # dz/dh and dz/dW carry 1/tau: fold it into the per-position coefficients.
+        g = (grad_log_probs / tau) if grad_log_probs is not None else torch.zeros_like(entropy)
+        ge = grad_entropy / tau if grad_entropy is not None else None
+        grad_hidden = hidden.new_empty(hidden.shape, dtype=dtype) if ctx.needs_input_grad[0] else None
         grad_weight = None  # accumulated in float32 over chunks
+        buffers = _chunk_buffers(ctx.chunk_size, w, dtype)
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = start + ctx.chunk_size
             h = hidden[start:end].to(dtype)
-            z = _chunk_logits(h, w, dtype, tau)
-            p = torch.exp(z - lse[start:end, None])
-            grad_z = torch.zeros_like(z)
-            if grad_log_probs is not None:
-                g = grad_log_probs[start:end]
-                grad_z -= p * g[:, None]
-                grad_z.scatter_add_(-1, targets[start:end, None], g[:, None])
-            if grad_entropy is not None:
-                mean_z = (lse[start:end] - entropy[start:end])[:, None]  # sum_v p_v z_v
-                grad_z -= p * (z - mean_z) * grad_entropy[start:end, None]
-            grad_z = (grad_z / tau).to(dtype)
+            log_p = buffers.log_softmax(h, w, tau)
+            grad_z = torch.exp(log_p, out=buffers.probs[:len(log_p)])
+            # grad_z = onehot(y) g - p (g + ge (log p + H)): the bracket is built in log_p's buffer.
+            if ge is None:
+                grad_z.mul_(-g[start:end, None])
+            else:
+                offset = -(g[start:end] + ge[start:end] * entropy[start:end])
+                grad_z.mul_(torch.addcmul(offset[:, None], log_p, -ge[start:end, None], out=log_p))
+            grad_z.scatter_add_(-1, targets[start:end, None], g[start:end, None])
+            grad_z = buffers.in_compute_dtype(grad_z)
             if grad_hidden is not None:
-                grad_hidden[start:end] = (grad_z @ w).to(hidden.dtype)
+                torch.mm(grad_z, w, out=grad_hidden[start:end])
             if ctx.needs_input_grad[1]:
-                part = grad_z.T @ h
-                grad_weight = part.float() if grad_weight is None else grad_weight.add_(part)
+                part = torch.mm(grad_z.T, h, out=buffers.weight_part)
+                grad_weight = part.to(torch.float32, copy=True) if grad_weight is None else grad_weight.add_(part)
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.to(hidden.dtype)
         if grad_weight is not None:
             grad_weight = grad_weight.to(ctx.weight_dtype)
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, temperature: float) -> torch.Tensor:
-    z = (hidden.to(dtype) @ weight.T).float()
-    return z.div_(temperature) if temperature != 1.0 else z
+class _ChunkBuffers:
+    """The (chunk x vocab) tensors a head pass writes (and the weight gradient of one chunk)."""
+
+    def __init__(self, rows: int, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device):
+        self.dtype = dtype
+        self.logits = torch.empty(rows, vocab, dtype=dtype, device=device)  # in the compute dtype
+        self.float_logits = None if dtype == torch.float32 else torch.empty_like(self.logits, dtype=torch.float32)
+        self.log_probs = torch.empty_like(self.logits, dtype=torch.float32)
+        self.probs = torch.empty_like(self.log_probs)
+        self.hidden = hidden
+        self._weight_part = None
+
+    @property
+    def weight_part(self) -> torch.Tensor:
+        """One chunk's weight gradient (allocated by the first pass that trains the head)."""
+        if self._weight_part is None:
+            self._weight_part = self.logits.new_empty(self.logits.shape[1], self.hidden)
+        return self._weight_part
+
+    def log_softmax(self, hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+        """log_softmax(h W^T / tau) in float32 for a chunk's hidden states."""
+        rows = hidden.shape[0]
+        logits = torch.mm(hidden.to(self.dtype), weight.T, out=self.logits[:rows])
+        z = logits if self.float_logits is None else self.float_logits[:rows].copy_(logits)
+        if temperature != 1.0:
+            z.div_(temperature)
+        # aten's out= form of log_softmax: the public one allocates.
+        return torch._log_softmax(z, -1, False, out=self.log_probs[:rows])
+
+    def in_compute_dtype(self, values: torch.Tensor) -> torch.Tensor:
+        """float32 chunk values in the compute dtype, in the logits buffer (free by then)."""
+        if values.dtype == self.dtype:
+            return values
+        return self.logits[:values.shape[0]].copy_(values)
+
+
+@functools.lru_cache(maxsize=1)
+def _cached_chunk_buffers(rows: int, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device) -> _ChunkBuffers:
+    return _ChunkBuffers(rows, vocab, hidden, dtype, device)
+
+
+def _chunk_buffers(chunk_size: int, weight: torch.Tensor, dtype: torch.dtype) -> _ChunkBuffers:
+    """On CPU one set of buffers per process, kept from pass to pass (the actor's and the
+    reference's passes share it): each fresh tensor of this size would be paid again in page
+    faults. CUDA's caching allocator reuses memory by itself, so there they live for one pass."""
+    if weight.device.type != "cpu":
+        return _ChunkBuffers(chunk_size, *weight.shape, dtype, weight.device)
+    return _cached_chunk_buffers(chunk_size, *weight.shape, dtype, weight.device)
 
 
 def head_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
