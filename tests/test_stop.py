@@ -100,9 +100,11 @@ def test_sigterm_finishes_the_step_saves_and_resumes_exactly(tiny_model_dir, ari
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
 
 
-def run_until_signalled(model_dir, files, run_dir: Path, signals: list[int]) -> tuple[subprocess.Popen, str]:
+def run_until_signalled(model_dir, files, run_dir: Path, signals: list[int],
+                        overrides: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     """A 200-step run that checkpoints every 100 steps, sent `signals` once step 1 is logged."""
-    cmd = command(model_dir, files, run_dir, "vllm") + ["trainer.save_freq=100", "trainer.total_training_steps=200"]
+    cmd = command(model_dir, files, run_dir, "vllm") + ["trainer.save_freq=100", "trainer.total_training_steps=200",
+                                                        *overrides]
     proc, log = start(cmd, run_dir)
     wait_for_step(proc, run_dir, log, 1)
     return proc, stop_run(proc, log, signals)
@@ -121,9 +123,26 @@ def test_sigint_checkpoint_loads(tiny_model_dir, arithmetic_files, tmp_path):
     assert model.num_parameters() > 0
 
 
+SLOW_REWARD = """
+import time
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    time.sleep(0.25)
+    return 0.0
+"""
+
+
 def test_second_sigint_abandons_the_step(tiny_model_dir, arithmetic_files, tmp_path):
+    # A reward that makes each step last 2 s (8 samples), so that both signals, 0.1 s apart, land
+    # inside step 2: with the tiny model's sub-second steps, step 2 and its checkpoint could be done
+    # before the second signal arrived. No validation, which would score with it too.
+    reward = tmp_path / "slow_reward.py"
+    reward.write_text(SLOW_REWARD)
     run_dir = tmp_path / "run"
-    proc, output = run_until_signalled(tiny_model_dir, arithmetic_files, run_dir, [signal.SIGINT, signal.SIGINT])
+    proc, output = run_until_signalled(tiny_model_dir, arithmetic_files, run_dir, [signal.SIGINT, signal.SIGINT],
+                                       (f"custom_reward_function.path={reward}", "trainer.val_before_train=false",
+                                        "trainer.test_freq=-1"))
     assert proc.returncode == 128 + signal.SIGINT, output[-3000:]
     assert "Stopped by SIGINT" in output
     # Abandoned, not half-written: no checkpoint and no temporary folder left.
