@@ -178,7 +178,7 @@ class _HeadLogProbs(torch.autograd.Function):
         log_probs = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
         entropy = torch.zeros_like(log_probs)
         w = weight.to(compute_dtype)
-        buffers = _chunk_buffers(chunk_size, w, compute_dtype)
+        buffers = _chunk_buffers(chunk_size, hidden.shape[0], w, compute_dtype)
         for start in range(0, hidden.shape[0], chunk_size):
             end = start + chunk_size
             log_p = buffers.log_softmax(hidden[start:end], w, temperature)
@@ -205,7 +205,7 @@ class _HeadLogProbs(torch.autograd.Function):
         ge = grad_entropy / tau if grad_entropy is not None else None
         grad_hidden = hidden.new_empty(hidden.shape, dtype=dtype) if ctx.needs_input_grad[0] else None
         grad_weight = None  # accumulated in float32 over chunks
-        buffers = _chunk_buffers(ctx.chunk_size, w, dtype)
+        buffers = _chunk_buffers(ctx.chunk_size, hidden.shape[0], w, dtype)
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = start + ctx.chunk_size
             h = hidden[start:end].to(dtype)
@@ -272,12 +272,13 @@ def _cached_chunk_buffers(rows: int, vocab: int, hidden: int, dtype: torch.dtype
     return _ChunkBuffers(rows, vocab, hidden, dtype, device)
 
 
-def _chunk_buffers(chunk_size: int, weight: torch.Tensor, dtype: torch.dtype) -> _ChunkBuffers:
+def _chunk_buffers(chunk_size: int, positions: int, weight: torch.Tensor, dtype: torch.dtype) -> _ChunkBuffers:
     """On CPU one set of buffers per process, kept from pass to pass (the actor's and the
     reference's passes share it): each fresh tensor of this size would be paid again in page
-    faults. CUDA's caching allocator reuses memory by itself, so there they live for one pass."""
+    faults. CUDA's caching allocator reuses memory by itself, so there they live for one pass,
+    no larger than its `positions` need."""
     if weight.device.type != "cpu":
-        return _ChunkBuffers(chunk_size, *weight.shape, dtype, weight.device)
+        return _ChunkBuffers(min(chunk_size, positions), *weight.shape, dtype, weight.device)
     return _cached_chunk_buffers(chunk_size, *weight.shape, dtype, weight.device)
 
 
