@@ -234,20 +234,20 @@ class _HeadLogProbs(torch.autograd.Function):
 class _ChunkBuffers:
     """The (chunk x vocab) tensors a head pass writes (and the weight gradient of one chunk)."""
 
-    def __init__(self, rows: int, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, rows: int, vocab: int, hidden_size: int, dtype: torch.dtype, device: torch.device):
         self.dtype = dtype
         self.logits = torch.empty(rows, vocab, dtype=dtype, device=device)  # in the compute dtype
         self.float_logits = None if dtype == torch.float32 else torch.empty_like(self.logits, dtype=torch.float32)
         self.log_probs = torch.empty_like(self.logits, dtype=torch.float32)
         self.probs = torch.empty_like(self.log_probs)
-        self.hidden = hidden
+        self.hidden_size = hidden_size
         self._weight_part = None
 
     @property
     def weight_part(self) -> torch.Tensor:
         """One chunk's weight gradient (allocated by the first pass that trains the head)."""
         if self._weight_part is None:
-            self._weight_part = self.logits.new_empty(self.logits.shape[1], self.hidden)
+            self._weight_part = self.logits.new_empty(self.logits.shape[1], self.hidden_size)
         return self._weight_part
 
     def log_softmax(self, hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -268,8 +268,9 @@ class _ChunkBuffers:
 
 
 @functools.lru_cache(maxsize=1)
-def _cached_chunk_buffers(rows: int, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device) -> _ChunkBuffers:
-    return _ChunkBuffers(rows, vocab, hidden, dtype, device)
+def _cached_chunk_buffers(rows: int, vocab: int, hidden_size: int, dtype: torch.dtype,
+                          device: torch.device) -> _ChunkBuffers:
+    return _ChunkBuffers(rows, vocab, hidden_size, dtype, device)
 
 
 def _chunk_buffers(chunk_size: int, positions: int, weight: torch.Tensor, dtype: torch.dtype) -> _ChunkBuffers:
