@@ -151,11 +151,43 @@ def test_chunked_head_gradcheck():
     targets = torch.randint(0, 7, (5,))
 
     def fn(h, w):
-        lp, ent = packing._HeadLogProbs.apply(h, w, targets, 1.3, 2, torch.float64, True)
+        lp, ent = packing._HeadLogProbs.apply(h, w, targets, 1.3, 2, torch.float64, True, False)
         return lp.double(), ent.double()
 
     # The forward accumulates in float32, so compare at float32 precision.
     assert torch.autograd.gradcheck(fn, (hidden, weight), eps=1e-3, atol=1e-3, rtol=1e-2)
+
+
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
+def test_head_gradient_written_into_grad_equals_the_autograd_one(compute_dtype):
+    """`into_grad` adds the weight's gradient to `weight.grad` (on top of what is there) instead of
+    returning it; in bf16 the float32 sum goes through the buffers block by block (here 2 blocks)."""
+    torch.manual_seed(3)
+    hidden = torch.randn(10, 8, requires_grad=True)
+    weight = torch.randn(40, 8, requires_grad=True)
+    targets = torch.randint(0, 40, (10,))
+    earlier = torch.randn(40, 8)
+    grads = {}
+    for into_grad in (False, True):
+        weight.grad = earlier.clone()
+        log_probs, entropy = packing.head_log_probs(hidden, weight, targets, 0.7, chunk_size=4,
+                                                    compute_dtype=compute_dtype, into_grad=into_grad)
+        (log_probs.sum() + entropy.sum()).backward()
+        grads[into_grad] = hidden.grad.clone(), weight.grad.clone()
+        hidden.grad = None
+    assert torch.equal(grads[True][0], grads[False][0])
+    # The same sums, in another order: chunk by chunk onto the earlier gradient.
+    torch.testing.assert_close(grads[True][1], grads[False][1], rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(grads[True][1], earlier)
+    # Without a gradient yet, the head creates it; no position at all still gives a dense zero one.
+    weight.grad = None
+    log_probs, _ = packing.head_log_probs(hidden[:0], weight, targets[:0], 1.0, chunk_size=4, into_grad=True)
+    log_probs.sum().backward()
+    assert weight.grad is not None and not weight.grad.is_sparse and not weight.grad.any()
+    # What autograd itself hands back for the weight is nothing: the gradient went to .grad.
+    log_probs, _ = packing.head_log_probs(hidden, weight, targets, 1.0, chunk_size=4, into_grad=True)
+    assert torch.autograd.grad(log_probs.sum(), weight, allow_unused=True) == (None,)
+    assert weight.grad.any()
 
 
 def test_log_prob_only_head_gives_the_same_log_probs_and_gradients():

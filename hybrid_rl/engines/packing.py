@@ -171,10 +171,15 @@ class _HeadLogProbs(torch.autograd.Function):
     (chunk x vocab) buffers (`_ChunkBuffers`): on CPU a fresh tensor of that size costs more in
     page faults than the element-wise op that fills it. Without entropy (log-prob-only passes)
     the forward skips the pass over the vocabulary that entropy needs and returns zeros.
+
+    With `into_grad` the weight's gradient is added straight into a float32 `weight.grad` (as
+    megatron's gradient-accumulation fusion does) and autograd gets None for it: no fresh
+    (vocab x hidden) gradient per backward, and a tied input embedding can add its rows to it
+    as a sparse gradient in place. `torch.autograd.grad` then sees no gradient for the weight.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size, compute_dtype, with_entropy):
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, compute_dtype, with_entropy, into_grad):
         log_probs = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
         entropy = torch.zeros_like(log_probs)
         w = weight.to(compute_dtype)
@@ -189,6 +194,7 @@ class _HeadLogProbs(torch.autograd.Function):
         # The cast weight is kept for backward rather than cast again (one head's worth of memory).
         ctx.save_for_backward(hidden, w, targets, entropy)
         ctx.weight_dtype = weight.dtype
+        ctx.grad_owner = weight if into_grad and weight.is_leaf and weight.dtype == torch.float32 else None
         ctx.temperature, ctx.chunk_size, ctx.compute_dtype = temperature, chunk_size, compute_dtype
         ctx.with_entropy = with_entropy
         ctx.set_materialize_grads(False)
@@ -204,7 +210,12 @@ class _HeadLogProbs(torch.autograd.Function):
         g = (grad_log_probs / tau) if grad_log_probs is not None else torch.zeros_like(entropy)
         ge = grad_entropy / tau if grad_entropy is not None else None
         grad_hidden = hidden.new_empty(hidden.shape, dtype=dtype) if ctx.needs_input_grad[0] else None
-        grad_weight = None  # accumulated in float32 over chunks
+        grad_weight = None  # float32, summed over chunks
+        if ctx.needs_input_grad[1]:
+            owner = ctx.grad_owner
+            if owner is not None and owner.grad is None:
+                owner.grad = torch.zeros_like(owner)
+            grad_weight = owner.grad if owner is not None else w.new_zeros(w.shape, dtype=torch.float32)
         buffers = _chunk_buffers(ctx.chunk_size, hidden.shape[0], w, dtype)
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = start + ctx.chunk_size
@@ -222,13 +233,12 @@ class _HeadLogProbs(torch.autograd.Function):
             if grad_hidden is not None:
                 torch.mm(grad_z, w, out=grad_hidden[start:end])
             if ctx.needs_input_grad[1]:
-                part = torch.mm(grad_z.T, h, out=buffers.weight_part)
-                grad_weight = part.to(torch.float32, copy=True) if grad_weight is None else grad_weight.add_(part)
+                buffers.add_into(grad_weight, torch.mm(grad_z.T, h, out=buffers.weight_part))
         if grad_hidden is not None:
             grad_hidden = grad_hidden.to(hidden.dtype)
         if grad_weight is not None:
-            grad_weight = grad_weight.to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+            grad_weight = None if ctx.grad_owner is not None else grad_weight.to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 class _ChunkBuffers:
@@ -260,6 +270,19 @@ class _ChunkBuffers:
         # aten's out= form of log_softmax: the public one allocates.
         return torch._log_softmax(z, -1, False, out=self.log_probs[:rows])
 
+    def add_into(self, total: torch.Tensor, part: torch.Tensor) -> None:
+        """total += part, a float32 total and a weight gradient part in the compute dtype. On CPU
+        an add across dtypes allocates a float32 copy of `part` (page faults again), so the part
+        goes through the float32 probs buffer, block by block of vocabulary rows."""
+        if part.dtype == total.dtype or part.device.type != "cpu":
+            total.add_(part)
+            return
+        staging = self.probs.view(-1)
+        rows = staging.numel() // part.shape[1]
+        for start in range(0, part.shape[0], rows):
+            block = part[start:start + rows]
+            total[start:start + rows].add_(staging[:block.numel()].view(block.shape).copy_(block))
+
     def in_compute_dtype(self, values: torch.Tensor) -> torch.Tensor:
         """float32 chunk values in the compute dtype, in the logits buffer (free by then)."""
         if values.dtype == self.dtype:
@@ -285,13 +308,15 @@ def _chunk_buffers(chunk_size: int, positions: int, weight: torch.Tensor, dtype:
 
 def head_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
                    chunk_size: int, compute_dtype: torch.dtype | None = None,
-                   with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                   with_entropy: bool = True, into_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of `targets` and entropies under the LM head `weight` for hidden states (..., H)
-    with targets (...); both float32 of the targets' shape (entropies zero unless `with_entropy`)."""
+    with targets (...); both float32 of the targets' shape (entropies zero unless `with_entropy`).
+    `into_grad`: a float32 leaf `weight` gets its gradient added to `weight.grad` directly (see
+    `_HeadLogProbs`)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
     dtype = compute_dtype or hidden.dtype
     log_probs, entropy = _HeadLogProbs.apply(flat, weight, targets.reshape(-1), temperature, chunk_size, dtype,
-                                             with_entropy)
+                                             with_entropy, into_grad)
     return log_probs.view(targets.shape), entropy.view(targets.shape)
 
 
