@@ -62,6 +62,7 @@ def test_two_ranks_vllm_grpo(eager, rollout_tp, lora_rank, ray_session, tiny_mod
     shared_memory = set(glob.glob("/dev/shm/*"))
     trainer = build_trainer(cfg)
     assert trainer.engine_settings["tensor_parallel"] == rollout_tp
+    assert trainer.engine_settings["block_size"] == 32  # prompts shorter than vLLM-CPU's 128 are shared
     # vLLM-CPU's group shared memory is unnamed once mapped: no later run trips on it, none leaks.
     assert set(glob.glob("/dev/shm/*")) <= shared_memory
     probe = long_prompt_batch(tiny_tokenizer, trainer.pad_token_id, cfg.actor_rollout_ref.rollout.temperature)

