@@ -236,8 +236,10 @@ class _HeadLogProbs(torch.autograd.Function):
                 buffers.add_into(grad_weight, torch.mm(grad_z.T, h, out=buffers.weight_part))
         if grad_hidden is not None:
             grad_hidden = grad_hidden.to(hidden.dtype)
-        if grad_weight is not None:
-            grad_weight = None if ctx.grad_owner is not None else grad_weight.to(ctx.weight_dtype)
+        if ctx.grad_owner is not None:
+            grad_weight = None  # already added to the weight's .grad
+        elif grad_weight is not None:
+            grad_weight = grad_weight.to(ctx.weight_dtype)
         return grad_hidden, grad_weight, None, None, None, None, None, None
 
 

@@ -83,11 +83,8 @@ def main(argv=None) -> int:
     input_ids, attention_mask, prompt_len = rollout_batch(model, tokenizer, args.prompts, args.responses,
                                                           args.random_tokens, args.seed)
     advantages = torch.randn(input_ids.shape[0], 1, generator=torch.Generator().manual_seed(args.seed))
-    results = {}
-    for name, autocast in (("float32", False), ("bf16_autocast", True)):
-        loss, grads = gradients(model, input_ids, attention_mask, prompt_len, advantages, autocast)
-        results[name] = (loss, grads)
-    (loss32, g32), (loss16, g16) = results["float32"], results["bf16_autocast"]
+    loss32, g32 = gradients(model, input_ids, attention_mask, prompt_len, advantages, autocast=False)
+    loss16, g16 = gradients(model, input_ids, attention_mask, prompt_len, advantages, autocast=True)
     norm = lambda grads: float(torch.sqrt(sum((g ** 2).sum() for g in grads.values())))  # noqa: E731
     cosines = sorted((float(torch.nn.functional.cosine_similarity(g32[n].flatten(), g16[n].flatten(), 0)), n)
                      for n in g32)
