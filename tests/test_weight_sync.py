@@ -1,5 +1,6 @@
 """`weight_sync.sync_weights` pushes the float32 masters and lets vLLM's loaders cast them into a
-bf16 engine: the engine must then hold exactly what casting first would have given it."""
+bf16 engine: the engine must then hold exactly what casting first would have given it. On CPU a
+push of some tensors repacks every layer that uses them, the LM head tied to the embedding too."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ pytestmark = pytest.mark.slow
 def bf16_engine_samples(model_dir: str) -> dict:
     """In a fresh process, as one worker rank: an FSDP actor and a bf16 vLLM engine. Samples
     after pushing the weights cast to bf16 first, after pushing other weights, and after pushing
-    the first weights again as float32 masters (`sync_weights`)."""
+    the first weights again as float32 masters (`sync_weights`); then with a scaled embedding,
+    pushed with the rest or alone."""
     import os
 
     import torch
@@ -62,7 +64,32 @@ def bf16_engine_samples(model_dir: str) -> dict:
         for name, param in engine.module.named_parameters():
             param.copy_(masters[name])
     sync_weights(engine, rollout)
-    return {"pre_cast": pre_cast, "other": other, "float32_push": sample()}
+    float32_push = sample()
+    # A push of one tensor: the tied embedding, which the LM head multiplies by as well.
+    scaled = dict(engine.per_tensor_weights(torch.bfloat16))
+    scaled["model.embed_tokens.weight"] = scaled["model.embed_tokens.weight"] * 1.5
+    rollout.load_weights(scaled.items())
+    full_scaled = sample()
+    sync_weights(engine, rollout)
+    rollout.load_weights([("model.embed_tokens.weight", scaled["model.embed_tokens.weight"])])
+    return {"pre_cast": pre_cast, "other": other, "float32_push": float32_push,
+            "full_scaled": full_scaled, "embedding_only": sample(),
+            "packed_error": max(rollout.llm.apply_model(packed_layer_error))}
+
+
+def packed_layer_error(model) -> float:
+    """The largest relative gap, over vLLM-CPU's packed linear layers (the LM head included),
+    between a layer's packed matmul and a plain one with the weight it holds."""
+    import torch
+
+    worst = 0.0
+    for module in model.modules():
+        if hasattr(module, "cpu_linear"):
+            x = torch.randn(4, module.weight.shape[1], dtype=module.weight.dtype)
+            plain = torch.nn.functional.linear(x, module.weight).float()
+            packed = module.cpu_linear(x, module.weight, None).float()
+            worst = max(worst, ((packed - plain).abs().max() / plain.abs().max()).item())
+    return worst
 
 
 def test_float32_pushes_land_as_their_bf16_cast(tiny_model_dir):
@@ -70,3 +97,7 @@ def test_float32_pushes_land_as_their_bf16_cast(tiny_model_dir):
         runs = pool.submit(bf16_engine_samples, tiny_model_dir).result()
     assert runs["other"] != runs["pre_cast"]  # the push in between took effect
     assert runs["float32_push"] == runs["pre_cast"]  # tokens and log-probs, to the last bit
+    # Pushing only the embedding reaches the head too: the same engine as a full push.
+    assert runs["full_scaled"] != runs["float32_push"]
+    assert runs["embedding_only"] == runs["full_scaled"]
+    assert runs["packed_error"] < 0.02  # bf16 rounding; a layer left with other weights is off by ~1

@@ -242,8 +242,10 @@ class VLLMRollout:
                     "started, still exists. Remove it (rm /dev/shm/*cpushm_*) when no other vLLM-CPU "
                     "run is starting here, and start again.") from exc
             raise
+        self.load_in_place = device.type == "cpu"  # see keep_cpu_linear_weights
         if device.type == "cpu":
             unlink_shared_memory_names()
+            self.llm.apply_model(keep_cpu_linear_weights)
         self.dtype = self.llm.llm_engine.model_config.dtype
         # Rotary cos/sin caches are not checkpoint weights: vLLM restores its own after every
         # reload and warns "RotaryEmbedding: Failed to load weights" each time. (Set after the
@@ -327,14 +329,59 @@ class VLLMRollout:
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Stream HF-named full tensors into the engine, then drop KV blocks computed with the
-        old weights (vLLM-CPU must reload via `reload_weights`; a direct load_weights fails)."""
-        if self.asleep:
-            # Weights back on the GPU to be overwritten; the KV cache stays released until the
-            # next generate.
-            self.llm.wake_up(tags=["weights"])
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
-                                                          "is_checkpoint_format": True})
+        old weights. On CPU they are copied into the kept weights (`keep_cpu_linear_weights`)
+        and the changed layers repacked; elsewhere vLLM's `reload_weights` loads them in place."""
+        if self.load_in_place:
+            self.llm.apply_model(lambda model: load_cpu_weights_in_place(model, weights))
+        else:
+            if self.asleep:
+                # Weights back on the GPU to be overwritten; the KV cache stays released until
+                # the next generate.
+                self.llm.wake_up(tags=["weights"])
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
+                                                              "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
+
+
+def keep_cpu_linear_weights(model: torch.nn.Module) -> None:
+    """Give back the weights that vLLM-CPU frees once it has packed each linear layer for oneDNN.
+
+    With them gone, vLLM can reload only through `reload_weights`, which rebuilds every layer
+    from metadata: fresh memory for each weight (its pages faulted in on every push), the copy,
+    then the packing. Kept, a push copies into them in place and repacks (the default model's
+    push: 0.19 -> 0.11 s), for the memory of one more copy of the linear layers in the engine's
+    dtype. They are rebuilt from the same metadata `reload_weights` uses (vLLM records it when
+    it first loads the model); their values arrive with the first push, as with a dummy load."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
+
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if not hasattr(module, "cpu_linear") or weight is None or weight.numel() > 0:
+            continue
+        info = get_layerwise_info(module)
+        if "weight" not in info.restore_metadata[0]:
+            raise RuntimeError(f"vLLM recorded no reload metadata for {name}: this vLLM-CPU version "
+                               "loads weights differently from the one hybrid_rl pins (see pyproject.toml)")
+        restore_layer_on_meta(module, info)
+        materialize_layer(module, info)
+
+
+def load_cpu_weights_in_place(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """vLLM's own loader copies (and casts, fuses, shards) the tensors into the kept weights;
+    each linear layer whose weight received one is then packed again for oneDNN. Layers are
+    matched by weight, not name: a tied LM head packs the embedding's weight, which is loaded
+    under the embedding's name only."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    loaded = model.load_weights(weights)
+    params = {name.replace(".base_layer.", "."): param for name, param in model.named_parameters()}
+    linear = [module for module in model.modules() if hasattr(module, "cpu_linear")]
+    if loaded is not None and all(name in params for name in loaded):
+        changed = {id(params[name]) for name in loaded}
+        linear = [module for module in linear if id(module.weight) in changed]
+    for module in linear:  # (all of them when the loader does not name what it loaded)
+        dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
 def unlink_shared_memory_names() -> None:
