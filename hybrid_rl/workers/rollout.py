@@ -242,9 +242,10 @@ class VLLMRollout:
                     "started, still exists. Remove it (rm /dev/shm/*cpushm_*) when no other vLLM-CPU "
                     "run is starting here, and start again.") from exc
             raise
-        self.load_in_place = device.type == "cpu"  # see keep_cpu_linear_weights
         if device.type == "cpu":
             unlink_shared_memory_names()
+        self.load_in_place = device.type == "cpu" and bool(cfg.cpu_in_place_sync)
+        if self.load_in_place:
             self.llm.apply_model(keep_cpu_linear_weights)
         self.dtype = self.llm.llm_engine.model_config.dtype
         # Rotary cos/sin caches are not checkpoint weights: vLLM restores its own after every
@@ -349,7 +350,7 @@ def keep_cpu_linear_weights(model: torch.nn.Module) -> None:
     With them gone, vLLM can reload only through `reload_weights`, which rebuilds every layer
     from metadata: fresh memory for each weight (its pages faulted in on every push), the copy,
     then the packing. Kept, a push copies into them in place and repacks (the default model's
-    push: 0.19 -> 0.11 s), for the memory of one more copy of the linear layers in the engine's
+    push: 0.18 -> 0.11 s), for the memory of one more copy of the linear layers in the engine's
     dtype. They are rebuilt from the same metadata `reload_weights` uses (vLLM records it when
     it first loads the model); their values arrive with the first push, as with a dummy load."""
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
@@ -370,17 +371,18 @@ def keep_cpu_linear_weights(model: torch.nn.Module) -> None:
 def load_cpu_weights_in_place(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """vLLM's own loader copies (and casts, fuses, shards) the tensors into the kept weights;
     each linear layer whose weight received one is then packed again for oneDNN. Layers are
-    matched by weight, not name: a tied LM head packs the embedding's weight, which is loaded
-    under the embedding's name only."""
+    matched by weight, not name: a tied LM head holds the embedding's weight, under whichever
+    name that arrived."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     loaded = model.load_weights(weights)
     params = {name.replace(".base_layer.", "."): param for name, param in model.named_parameters()}
     linear = [module for module in model.modules() if hasattr(module, "cpu_linear")]
+    # (A name the loader reports that no parameter has, e.g. the tied head's own: repack all.)
     if loaded is not None and all(name in params for name in loaded):
         changed = {id(params[name]) for name in loaded}
         linear = [module for module in linear if id(module.weight) in changed]
-    for module in linear:  # (all of them when the loader does not name what it loaded)
+    for module in linear:
         dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
