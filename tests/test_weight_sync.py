@@ -12,7 +12,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def bf16_engine_samples(model_dir: str, in_place: bool) -> dict:
+def bf16_engine_samples(model_dir: str, in_place: bool, lora_adapters: bool) -> dict:
     """In a fresh process, as one worker rank: an FSDP actor and a bf16 vLLM engine. Samples
     after pushing the weights cast to bf16 first, after pushing other weights, and after pushing
     the first weights again as float32 masters (`sync_weights`); then after pushes of a few
@@ -37,11 +37,14 @@ def bf16_engine_samples(model_dir: str, in_place: bool) -> dict:
     cfg = compose_config([f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.rollout.dtype=bfloat16",
                           "actor_rollout_ref.rollout.enforce_eager=true", "actor_rollout_ref.rollout.prompt_length=32",
                           "actor_rollout_ref.rollout.response_length=16",
-                          f"actor_rollout_ref.rollout.cpu_in_place_sync={in_place}"])
+                          f"actor_rollout_ref.rollout.cpu_in_place_sync={in_place}"]
+                         + (["+actor_rollout_ref.rollout.engine_kwargs.vllm.enable_lora=true",
+                             "+actor_rollout_ref.rollout.engine_kwargs.vllm.max_lora_rank=8"] if lora_adapters else []))
     actor = cfg.actor_rollout_ref.actor
     engine = build_engine(ModelSpec("actor", model_dir, cfg.actor_rollout_ref.model, optim_cfg=actor.optim),
                           actor, torch.device("cpu"))
     rollout = VLLMRollout(model_dir, cfg.actor_rollout_ref.rollout, torch.device("cpu"), [])
+    in_place = rollout.load_in_place
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rows = [tokenizer(text)["input_ids"] for text in ("1 + 2 =", "What is 7 + 5?", "Count: 3 4 5")]
     width = max(map(len, rows))
@@ -83,7 +86,8 @@ def bf16_engine_samples(model_dir: str, in_place: bool) -> dict:
     return {"pre_cast": pre_cast, "other": other, "float32_push": float32_push, "full_scaled": full_scaled,
             "only_changed": only_changed, "head_unnamed": sample(),
             # (vLLM's reload frees the weights it packs: nothing to compare with there.)
-            "packed_error": max(rollout.llm.apply_model(packed_layer_error)) if in_place else 0.0}
+            "packed_error": max(rollout.llm.apply_model(packed_layer_error)) if in_place else 0.0,
+            "in_place": in_place}
 
 
 def packed_layer_error(model) -> float:
@@ -101,10 +105,14 @@ def packed_layer_error(model) -> float:
     return worst
 
 
-@pytest.mark.parametrize("in_place", [True, False], ids=["in_place", "vllm_reload"])
-def test_float32_pushes_land_as_their_bf16_cast(tiny_model_dir, in_place):
+@pytest.mark.parametrize("in_place, lora_adapters", [(True, False), (False, False), (True, True)],
+                         ids=["in_place", "vllm_reload", "vllm_lora_adapters"])
+def test_float32_pushes_land_as_their_bf16_cast(tiny_model_dir, in_place, lora_adapters):
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        runs = pool.submit(bf16_engine_samples, tiny_model_dir, in_place).result()
+        runs = pool.submit(bf16_engine_samples, tiny_model_dir, in_place, lora_adapters).result()
+    # An engine with vLLM's LoRA adapters always reloads through vLLM.
+    assert runs["in_place"] == (in_place and not lora_adapters)
+    in_place = runs["in_place"]
     assert runs["other"] != runs["pre_cast"]  # the push in between took effect
     assert runs["float32_push"] == runs["pre_cast"]  # tokens and log-probs, to the last bit
     assert runs["full_scaled"] != runs["float32_push"]

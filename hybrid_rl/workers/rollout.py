@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -244,7 +244,9 @@ class VLLMRollout:
             raise
         if device.type == "cpu":
             unlink_shared_memory_names()
-        self.load_in_place = device.type == "cpu" and bool(cfg.cpu_in_place_sync)
+        # (Not with vLLM's LoRA adapters on: its loader then names the wrapped layers otherwise.)
+        self.load_in_place = (device.type == "cpu" and bool(cfg.cpu_in_place_sync)
+                              and self.llm.llm_engine.vllm_config.lora_config is None)
         if self.load_in_place:
             self.llm.apply_model(keep_cpu_linear_weights)
         self.dtype = self.llm.llm_engine.model_config.dtype
@@ -356,9 +358,8 @@ def keep_cpu_linear_weights(model: torch.nn.Module) -> None:
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
     from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
 
-    for name, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if not hasattr(module, "cpu_linear") or weight is None or weight.numel() > 0:
+    for name, module in packed_linear_layers(model):
+        if module.weight.numel() > 0:
             continue
         info = get_layerwise_info(module)
         if "weight" not in info.restore_metadata[0]:
@@ -366,6 +367,12 @@ def keep_cpu_linear_weights(model: torch.nn.Module) -> None:
                                "loads weights differently from the one hybrid_rl pins (see pyproject.toml)")
         restore_layer_on_meta(module, info)
         materialize_layer(module, info)
+
+
+def packed_linear_layers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+    """The layers vLLM-CPU has packed (each holds its own `cpu_linear`; a LoRA wrapper only
+    forwards its base layer's)."""
+    return ((name, module) for name, module in model.named_modules() if "cpu_linear" in vars(module))
 
 
 def load_cpu_weights_in_place(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -377,7 +384,7 @@ def load_cpu_weights_in_place(model: torch.nn.Module, weights: Iterable[tuple[st
 
     loaded = model.load_weights(weights)
     params = {name.replace(".base_layer.", "."): param for name, param in model.named_parameters()}
-    linear = [module for module in model.modules() if hasattr(module, "cpu_linear")]
+    linear = [module for _, module in packed_linear_layers(model)]
     # (A name the loader reports that no parameter has, e.g. the tied head's own: repack all.)
     if loaded is not None and all(name in params for name in loaded):
         changed = {id(params[name]) for name in loaded}
