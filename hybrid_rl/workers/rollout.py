@@ -383,9 +383,9 @@ def load_cpu_weights_in_place(model: torch.nn.Module, weights: Iterable[tuple[st
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     loaded = model.load_weights(weights)
-    params = {name.replace(".base_layer.", "."): param for name, param in model.named_parameters()}
+    params = dict(model.named_parameters())
     linear = [module for _, module in packed_linear_layers(model)]
-    # (A name the loader reports that no parameter has, e.g. the tied head's own: repack all.)
+    # (Should the loader report a name that no parameter has: repack all.)
     if loaded is not None and all(name in params for name in loaded):
         changed = {id(params[name]) for name in loaded}
         linear = [module for module in linear if id(module.weight) in changed]
