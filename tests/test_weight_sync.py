@@ -95,13 +95,14 @@ def packed_layer_error(model) -> float:
     between a layer's packed matmul and a plain one with the weight it holds."""
     import torch
 
+    from hybrid_rl.workers.rollout import packed_linear_layers
+
     worst = 0.0
-    for module in model.modules():
-        if hasattr(module, "cpu_linear"):
-            x = torch.randn(4, module.weight.shape[1], dtype=module.weight.dtype)
-            plain = torch.nn.functional.linear(x, module.weight).float()
-            packed = module.cpu_linear(x, module.weight, None).float()
-            worst = max(worst, ((packed - plain).abs().max() / plain.abs().max()).item())
+    for _, module in packed_linear_layers(model):
+        x = torch.randn(4, module.weight.shape[1], dtype=module.weight.dtype)
+        plain = torch.nn.functional.linear(x, module.weight).float()
+        packed = module.cpu_linear(x, module.weight, None).float()
+        worst = max(worst, ((packed - plain).abs().max() / plain.abs().max()).item())
     return worst
 
 

@@ -385,7 +385,7 @@ def load_cpu_weights_in_place(model: torch.nn.Module, weights: Iterable[tuple[st
     loaded = model.load_weights(weights)
     params = dict(model.named_parameters())
     linear = [module for _, module in packed_linear_layers(model)]
-    # (Should the loader report a name that no parameter has: repack all.)
+    # (A loader that names nothing, or a name that no parameter has: repack every layer.)
     if loaded is not None and all(name in params for name in loaded):
         changed = {id(params[name]) for name in loaded}
         linear = [module for module in linear if id(module.weight) in changed]
