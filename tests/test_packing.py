@@ -93,6 +93,36 @@ def test_packed_and_padded_gradients_agree(model, batch):
     assert torch.allclose(grads[0], grads[1], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("options", [PACKED, SHARED], ids=["packed", "shared_prompts"])
+def test_cpu_attention_runs_packed_rows_as_one_row_without_padding(model, tiny_model_dir, batch, options):
+    """With our CPU attention the model runs the packed tokens as one row (attention alone sees
+    the padded rows): the same log-probs as the row-wise reference and the same gradients as
+    transformers' SDPA on the padded rows; a model with other attention keeps the padded rows."""
+    torch.manual_seed(0)
+    flat_model = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, dtype=torch.float32, attn_implementation=hf_model.attn_implementation(torch.device("cpu")))
+    inputs, packed = hf_model.packed_inputs(flat_model, tensors(batch), options)
+    assert inputs["input_ids"].shape == (1, packed.num_tokens) and "grid_tokens" in inputs
+    rows, width = packed.attention_mask.shape[0], packed.attention_mask.shape[-1]
+    assert packed.num_tokens < rows * width  # there is padding to skip
+    other_inputs, _ = hf_model.packed_inputs(model, tensors(batch), options)
+    assert other_inputs["input_ids"].shape == (rows, width) and "grid_tokens" not in other_inputs
+
+    mask = batch["response_mask"]
+    grads = []
+    for m, layout in ((flat_model, options), (model, PADDED)):
+        m.zero_grad()
+        log_probs, entropy = hf_model.response_log_probs(m, tensors(batch), 0.7, layout)
+        ((log_probs * mask).sum() + 0.1 * (entropy * mask).sum()).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in m.parameters()]))
+        if m is flat_model:
+            with torch.no_grad():
+                ref_lp, ref_ent = reference_log_probs(model, batch, 0.7)
+            assert torch.allclose(log_probs[mask.bool()], ref_lp[mask.bool()], atol=2e-5)
+            assert torch.allclose(entropy[mask.bool()], ref_ent[mask.bool()], atol=2e-5)
+    assert torch.allclose(grads[0], grads[1], atol=1e-5, rtol=1e-4)
+
+
 def test_shared_prompts_compute_each_prompt_once(batch):
     plain = packing.pack_rows(batch["input_ids"], batch["attention_mask"], 9, share_prompts=False, dense_mask=True)
     shared = packing.pack_rows(batch["input_ids"], batch["attention_mask"], 9, share_prompts=True, dense_mask=True)

@@ -126,15 +126,26 @@ def cpu_autocast_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype 
 CPU_ATTENTION = "hybrid_rl_sdpa_float32"
 
 
-def _sdpa_in_float32(module, query, key, value, attention_mask, **kwargs):
+def _sdpa_in_float32(module, query, key, value, attention_mask, grid_tokens=None, token_slots=None, **kwargs):
     """transformers' SDPA attention with query, key and value upcast to float32 (a no-op for a
     float32 model). Under CPU bf16 autocast this is both more exact and faster: PyTorch's bf16
-    flash-attention backward on CPU is ~2.5x slower than its float32 one on short rows."""
+    flash-attention backward on CPU is ~2.5x slower than its float32 one on short rows.
+
+    With `grid_tokens` and `token_slots` (a flat packing, `packing.pack_rows(flat=True)`) the model
+    runs on one row of N real tokens: query, key and value are gathered into the (R, L) rows of
+    `attention_mask` and the output is gathered back to the N tokens."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    def to_rows(states):  # (1, heads, N, d) -> (R, heads, L, d)
+        rows, width = attention_mask.shape[0], attention_mask.shape[-1]
+        return states[0].index_select(1, grid_tokens).unflatten(1, (rows, width)).transpose(0, 1).float()
+
+    flat = grid_tokens is not None
     with torch.autocast(query.device.type, enabled=False):
-        out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(),
-                                              attention_mask, **kwargs)
+        q, k, v = (to_rows(t) if flat else t.float() for t in (query, key, value))
+        out, weights = sdpa_attention_forward(module, q, k, v, attention_mask, **kwargs)
+        if flat:  # out: (R, L, heads, d)
+            out = out.flatten(0, 1).index_select(0, token_slots)[None]
     return out.to(query.dtype), weights
 
 
@@ -159,14 +170,21 @@ def padded_inputs(micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {key: micro[key] for key in ("input_ids", "attention_mask", "position_ids")}
 
 
-def packed_inputs(micro: dict[str, torch.Tensor], options: ForwardOptions) -> tuple[dict, packing.PackedRows]:
+def packed_inputs(model: torch.nn.Module, micro: dict[str, torch.Tensor],
+                  options: ForwardOptions) -> tuple[dict, packing.PackedRows]:
     """The model's inputs for a micro-batch packed into rows of real tokens (`packing.pack_rows`),
-    and the packing, which says where each response token went."""
+    and the packing, which says where each response token went. A model with our CPU attention
+    runs them as one row without padding (`pack_rows(flat=True)`); only that attention function
+    reads the extra inputs, so any other model keeps the padded rows."""
     prompt_len = micro["input_ids"].shape[1] - micro["responses"].shape[1]
+    flat = options.dense_mask and getattr(model.config, "_attn_implementation", None) == CPU_ATTENTION
     packed = packing.pack_rows(micro["input_ids"], micro["attention_mask"], prompt_len, options.share_prompts,
-                               options.dense_mask)
-    return {"input_ids": packed.input_ids, "position_ids": packed.position_ids,
-            "attention_mask": packed.attention_mask}, packed
+                               options.dense_mask, flat=flat)
+    inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids,
+              "attention_mask": packed.attention_mask}
+    if flat:
+        inputs.update(grid_tokens=packed.grid_tokens, token_slots=packed.token_slots)
+    return inputs, packed
 
 
 def autocast_to(device_type: str, dtype: torch.dtype | None):
@@ -185,7 +203,7 @@ def response_head_outputs(model: torch.nn.Module, micro: dict[str, torch.Tensor]
     prompt_len = micro["input_ids"].shape[1] - resp_len
     packed = None
     if options.remove_padding:
-        inputs, packed = packed_inputs(micro, options)
+        inputs, packed = packed_inputs(model, micro, options)
         # Packed predictions sit at different positions in each row: keep every hidden state
         # and pick them from the flattened rows.
         keep, targets = 0, packed.targets
@@ -241,7 +259,7 @@ def response_values(model: torch.nn.Module, micro: dict[str, torch.Tensor], opti
     batch, resp_len = micro["responses"].shape
     with autocast_to(micro["input_ids"].device.type, options.autocast_dtype):
         if options.remove_padding:
-            inputs, packed = packed_inputs(micro, options)
+            inputs, packed = packed_inputs(model, micro, options)
             values = model(**inputs, use_cache=False).logits.flatten(0, 1)[packed.keep, 0]
             return packing.unpack(values.float(), packed, (batch, resp_len))
         out = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
@@ -291,7 +309,7 @@ def response_token_scores(model: torch.nn.Module, micro: dict[str, torch.Tensor]
 
     if not options.remove_padding:
         return scores_at(padded_inputs(micro))[:, -responses.shape[1]:]
-    inputs, packed = packed_inputs(micro, options)
+    inputs, packed = packed_inputs(model, micro, options)
     scores = scores_at(inputs).flatten()[packed.own]
     return packing.unpack(scores, packed, tuple(responses.shape))
 

@@ -10,6 +10,11 @@ mask costs the square of a row's length. With a varlen kernel (flash-attention o
 boundaries come from the position ids alone, so everything goes into one row and each response
 keeps its own copy of the prompt.
 
+Rows of units are padded to the longest unit; with `flat` the model itself runs on one row of
+real tokens and only attention sees the padded rows (the attention function gathers its inputs
+into them through `grid_tokens` and its output back through `token_slots`: see
+`hf_model._sdpa_in_float32`), so the linear layers, norms and activations skip the padding.
+
 `head_log_probs` then computes the response tokens' log-probs and entropies from the final
 hidden states in chunks of positions, recomputing each chunk's logits in the backward pass, so
 no (tokens x vocab) float32 logits tensor is kept for the micro-batch.
@@ -26,15 +31,19 @@ import torch
 
 @dataclass
 class PackedRows:
-    input_ids: torch.Tensor  # (R, L) real tokens, right-padded to the longest row
-    position_ids: torch.Tensor  # (R, L)
+    input_ids: torch.Tensor  # (R, L) real tokens, right-padded to the longest row; (1, N) when flat
+    position_ids: torch.Tensor  # the same shape
     attention_mask: torch.Tensor | None  # (R, 1, L, L) bool, or None for varlen kernels (R = 1)
-    keep: torch.Tensor  # (K,) flat positions in the R x L grid whose hidden state predicts a response token
+    keep: torch.Tensor  # (K,) flat positions of input_ids whose hidden state predicts a response token
     targets: torch.Tensor  # (K,) the response token each of them predicts
     rows: torch.Tensor  # (K,) where that prediction belongs in the (B, T) response grid
     cols: torch.Tensor  # (K,)
     own: torch.Tensor  # (K,) flat positions of the response tokens themselves (for per-token scores)
     num_tokens: int  # real tokens, padding excluded
+    # With `flat`: the token each slot of the R x L attention grid holds (padding: any token,
+    # masked to attend only to itself), and the grid slot of each of the N tokens.
+    grid_tokens: torch.Tensor | None = None  # (R * L,)
+    token_slots: torch.Tensor | None = None  # (N,)
 
 
 @dataclass
@@ -98,14 +107,15 @@ def _rows_first_fit(lengths: list[int], capacity: int) -> list[list[int]]:
 
 
 def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
-              share_prompts: bool, dense_mask: bool) -> PackedRows:
+              share_prompts: bool, dense_mask: bool, flat: bool = False) -> PackedRows:
     """Pack (B, prompt_len + T) padded rows into rows of real tokens (see the module doc).
 
     Rows whose prompt tokens are identical share one prompt copy when `share_prompts` (needs
     `dense_mask`); an empty response contributes no predictions. With a dense mask, units (a
     prompt and its responses) are placed first-fit into rows as long as the longest unit, because
     the mask makes attention cost grow with the square of a row's length; a varlen kernel gets
-    everything in one row.
+    everything in one row. `flat` (with a dense mask) lays the tokens out as one row without
+    padding and maps them to the rows of the mask (`grid_tokens`, `token_slots`).
     """
     if share_prompts and not dense_mask:
         raise ValueError("Sharing prompts between responses needs a dense attention mask (SDPA).")
@@ -140,17 +150,27 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len:
             out_cols += unit.cols
             offset += n
 
-    mask = None
+    mask = grid_tokens = token_slots = None
+    keep, own = torch.as_tensor(keep, dtype=torch.long), torch.as_tensor(own, dtype=torch.long)
     if dense_mask:
         causal = torch.ones(width, width, dtype=torch.bool).tril()
         same_segment = segment[:, :, None] == segment[:, None, :]
         own_prompt = (unit_of[:, :, None] == unit_of[:, None, :]) & is_prompt[:, None, :]
         mask = (causal & (same_segment | own_prompt))[:, None].to(device)
+        if flat:
+            real = (unit_of >= 0).flatten()
+            token_slots = real.nonzero().flatten()
+            grid_tokens = (real.cumsum(0) - 1).clamp(min=0)
+            input_ids_out = input_ids_out.flatten()[token_slots][None]
+            positions = positions.flatten()[token_slots][None]
+            keep, own = grid_tokens[keep], grid_tokens[own]
+            grid_tokens, token_slots = grid_tokens.to(device), token_slots.to(device)
     as_long = lambda values: torch.as_tensor(values, dtype=torch.long, device=device)  # noqa: E731
     return PackedRows(
         input_ids=input_ids_out.to(device), position_ids=positions.to(device), attention_mask=mask,
-        keep=as_long(keep), targets=torch.cat(targets).to(device) if targets else as_long([]),
-        rows=as_long(out_rows), cols=as_long(out_cols), own=as_long(own), num_tokens=sum(lengths))
+        keep=keep.to(device), targets=torch.cat(targets).to(device) if targets else as_long([]),
+        rows=as_long(out_rows), cols=as_long(out_cols), own=own.to(device), num_tokens=sum(lengths),
+        grid_tokens=grid_tokens, token_slots=token_slots)
 
 
 def unpack(values: torch.Tensor, packed: PackedRows, shape: tuple[int, ...]) -> torch.Tensor:
