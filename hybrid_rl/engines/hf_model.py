@@ -56,7 +56,7 @@ def load_value_model(path: str, model_cfg: Any, device: torch.device):
 
     config = model_config(path, model_cfg, scalar_head=True)
     model = AutoModelForTokenClassification.from_pretrained(
-        path, config=config, dtype=torch.float32, attn_implementation="sdpa",
+        path, config=config, dtype=torch.float32, attn_implementation=attn_implementation(device),
         trust_remote_code=model_cfg.trust_remote_code)
     if model_cfg.enable_gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -27,7 +27,9 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
-PHASES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "step")
+PHASES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "update_weights",
+          "step")
+CRITIC_PHASES = ("values", "update_critic")  # shown only when the run has a critic
 
 
 def head_memory_case(model_path: str, chunked: bool, rows: int, prompt: int, response: int) -> dict:
@@ -100,7 +102,8 @@ def main(argv=None) -> int:
     run, measured = run_steps(args.steps, args.overrides, args.config_name)
     cfg = run["cfg"]
     mean = lambda key: sum(r.get(key, 0.0) for r in measured) / len(measured)  # noqa: E731
-    phases = {p: mean(f"timing_s/{p}") for p in PHASES}
+    phases = {p: mean(f"timing_s/{p}") for p in PHASES
+              if p not in CRITIC_PHASES or any(f"timing_s/{p}" in r for r in measured)}
     nonembed, head = common.parameter_counts(run["model_path"])
     ranks = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     sequences = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
