@@ -203,6 +203,7 @@ def main(argv=None) -> int:
         "build_seconds": build_seconds,
         "first_step": first_step,
         "seconds": measured,
+        "seconds_per_step": timings,  # the first is the warm-up; this CPU varies by ~10 % from run to run
         "update": {"tokens_per_rank": tokens, "response_tokens_per_rank": response_tokens,
                    "nonembedding_params": nonembed, "head_params": head, "flops_per_rank": flops,
                    "achieved_tflops": achieved, "compute_dtype": compute_dtype,
