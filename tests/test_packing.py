@@ -220,6 +220,39 @@ def test_head_gradient_written_into_grad_equals_the_autograd_one(compute_dtype):
     assert weight.grad.any()
 
 
+@pytest.mark.parametrize("kept_chunks", [0, 1, 3])
+def test_head_backward_reads_kept_log_softmax_or_computes_it_again(monkeypatch, kept_chunks):
+    """On CPU the forward keeps up to a budget of chunks' log-softmax for backward; backward
+    computes the others again, and all of them again when another forward has taken the buffers
+    since its own. Gradients are the float64 reference's either way."""
+    vocab, chunk = 50, 4  # 10 positions: chunks of 4, 4 and 2
+    monkeypatch.setattr(packing, "KEPT_LOG_SOFTMAX_BYTES", kept_chunks * chunk * vocab * 4)
+    packing._cached_chunk_buffers.cache_clear()
+    computed = []
+    log_softmax = packing._ChunkBuffers.log_softmax
+    monkeypatch.setattr(packing._ChunkBuffers, "log_softmax",
+                        lambda self, *args, **kwargs: computed.append(1) or log_softmax(self, *args, **kwargs))
+    torch.manual_seed(4)
+    weight = torch.randn(vocab, 8, dtype=torch.float64, requires_grad=True)
+    hiddens = [torch.randn(10, 8, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    targets = torch.randint(0, vocab, (10,))
+    outputs = [packing.head_log_probs(h, weight, targets, 0.9, chunk_size=chunk) for h in hiddens]
+    assert len(computed) == 6
+    for i in (1, 0):  # the second forward's backward first: the first one's kept chunks are gone
+        (outputs[i][0].sum() + outputs[i][1].sum()).backward()
+        reference = hiddens[i].detach().clone().requires_grad_()
+        logits = reference @ weight.detach().T / 0.9
+        (token_log_probs(logits, targets).sum() + entropy_from_logits(logits).sum()).backward()
+        torch.testing.assert_close(hiddens[i].grad, reference.grad, rtol=1e-5, atol=1e-6)
+    assert len(computed) == 6 + (3 - min(kept_chunks, 3)) + 3
+    # A second backward through the same graph finds the kept chunks used up, and computes them.
+    log_probs, entropy = packing.head_log_probs(hiddens[0], weight, targets, 0.9, chunk_size=chunk)
+    first, = torch.autograd.grad(log_probs.sum() + entropy.sum(), hiddens[0], retain_graph=True)
+    second, = torch.autograd.grad(log_probs.sum() + entropy.sum(), hiddens[0])
+    torch.testing.assert_close(first, second, rtol=1e-6, atol=1e-9)
+    packing._cached_chunk_buffers.cache_clear()
+
+
 def test_log_prob_only_head_gives_the_same_log_probs_and_gradients():
     torch.manual_seed(2)
     hidden = torch.randn(9, 8, requires_grad=True)

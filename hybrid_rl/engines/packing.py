@@ -16,8 +16,9 @@ into them through `grid_tokens` and its output back through `token_slots`: see
 `hf_model._sdpa_in_float32`), so the linear layers, norms and activations skip the padding.
 
 `head_log_probs` then computes the response tokens' log-probs and entropies from the final
-hidden states in chunks of positions, recomputing each chunk's logits in the backward pass, so
-no (tokens x vocab) float32 logits tensor is kept for the micro-batch.
+hidden states in chunks of positions, so no (tokens x vocab) float32 logits tensor is built for
+the micro-batch; backward recomputes each chunk's log-softmax, except for those a CPU forward
+kept within its budget.
 """
 
 from __future__ import annotations
@@ -186,11 +187,14 @@ class _HeadLogProbs(torch.autograd.Function):
 
     With z = h W^T / tau, log p = log_softmax(z) and H = -sum_v p_v log p_v:
         d log p_y / dz = onehot(y) - p,        dH / dz = -p * (log p + H),
-    and dz flows to h (dz W / tau) and W (dz^T h / tau). Nothing of a chunk is saved: backward
-    computes its logits and log-softmax again. Every chunk is written into the same few
-    (chunk x vocab) buffers (`_ChunkBuffers`): on CPU a fresh tensor of that size costs more in
-    page faults than the element-wise op that fills it. Without entropy (log-prob-only passes)
-    the forward skips the pass over the vocabulary that entropy needs and returns zeros.
+    and dz flows to h (dz W / tau) and W (dz^T h / tau). Backward needs each chunk's log-softmax:
+    on CPU a forward that will be differentiated keeps them, up to `KEPT_LOG_SOFTMAX_BYTES`
+    (the default step's 576 response positions of SmolLM2 take 113 MB), and backward computes
+    the rest again from the logits, as it does on GPU, where memory is scarcer. Every chunk is
+    written into the same few (chunk x vocab) buffers (`_ChunkBuffers`): on CPU a fresh tensor
+    of that size costs more in page faults than the element-wise op that fills it. Without
+    entropy (log-prob-only passes) the forward skips the pass over the vocabulary that entropy
+    needs and returns zeros.
 
     With `into_grad` the weight's gradient is added straight into a float32 `weight.grad` (as
     megatron's gradient-accumulation fusion does) and autograd gets None for it: no fresh
@@ -204,9 +208,10 @@ class _HeadLogProbs(torch.autograd.Function):
         entropy = torch.zeros_like(log_probs)
         w = weight.to(compute_dtype)
         buffers = _chunk_buffers(chunk_size, hidden.shape[0], w, compute_dtype)
-        for start in range(0, hidden.shape[0], chunk_size):
+        ctx.kept = buffers.start_keeping() if any(ctx.needs_input_grad[:2]) else None
+        for chunk, start in enumerate(range(0, hidden.shape[0], chunk_size)):
             end = start + chunk_size
-            log_p = buffers.log_softmax(hidden[start:end], w, temperature)
+            log_p = buffers.log_softmax(hidden[start:end], w, temperature, keep_as=chunk if ctx.kept else None)
             log_probs[start:end] = log_p.gather(-1, targets[start:end, None]).squeeze(-1)
             if with_entropy:
                 p = torch.exp(log_p, out=buffers.probs[:len(log_p)])
@@ -237,10 +242,12 @@ class _HeadLogProbs(torch.autograd.Function):
                 owner.grad = torch.zeros_like(owner)
             grad_weight = owner.grad if owner is not None else w.new_zeros(w.shape, dtype=torch.float32)
         buffers = _chunk_buffers(ctx.chunk_size, hidden.shape[0], w, dtype)
-        for start in range(0, hidden.shape[0], ctx.chunk_size):
+        for chunk, start in enumerate(range(0, hidden.shape[0], ctx.chunk_size)):
             end = start + ctx.chunk_size
             h = hidden[start:end].to(dtype)
-            log_p = buffers.log_softmax(h, w, tau)
+            log_p = buffers.kept_log_softmax(ctx.kept, chunk, len(h))
+            if log_p is None:
+                log_p = buffers.log_softmax(h, w, tau)
             grad_z = torch.exp(log_p, out=buffers.probs[:len(log_p)])
             # grad_z = onehot(y) g - p (g + ge (log p + H)): the bracket is built in log_p's buffer.
             if ge is None:
@@ -254,6 +261,7 @@ class _HeadLogProbs(torch.autograd.Function):
                 torch.mm(grad_z, w, out=grad_hidden[start:end])
             if ctx.needs_input_grad[1]:
                 buffers.add_into(grad_weight, torch.mm(grad_z.T, h, out=buffers.weight_part))
+        buffers.stop_keeping(ctx.kept)  # backward wrote over them
         if grad_hidden is not None:
             grad_hidden = grad_hidden.to(hidden.dtype)
         if ctx.grad_owner is not None:
@@ -263,10 +271,17 @@ class _HeadLogProbs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
-class _ChunkBuffers:
-    """The (chunk x vocab) tensors a head pass writes (and the weight gradient of one chunk)."""
+KEPT_LOG_SOFTMAX_BYTES = 512 * 2**20  # per process, on CPU
 
-    def __init__(self, rows: int, vocab: int, hidden_size: int, dtype: torch.dtype, device: torch.device):
+
+class _ChunkBuffers:
+    """The (chunk x vocab) tensors a head pass writes (and the weight gradient of one chunk), and
+    on CPU the chunks' log-softmax kept from a forward for its backward. They belong to one
+    forward at a time: a backward whose forward was followed by another one, or that runs a
+    second time, computes them again."""
+
+    def __init__(self, rows: int, vocab: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
+                 keep_bytes: int = 0):
         self.dtype = dtype
         self.logits = torch.empty(rows, vocab, dtype=dtype, device=device)  # in the compute dtype
         self.float_logits = None if dtype == torch.float32 else torch.empty_like(self.logits, dtype=torch.float32)
@@ -274,6 +289,24 @@ class _ChunkBuffers:
         self.probs = torch.empty_like(self.log_probs)
         self.hidden_size = hidden_size
         self._weight_part = None
+        self.max_kept = keep_bytes // self.log_probs.nbytes
+        self._kept: list[torch.Tensor] = []  # allocated as forwards first need them, then reused
+        self._kept_for: object | None = None  # the forward they hold
+
+    def start_keeping(self) -> object | None:
+        """Claim the kept chunks for a new forward; a token for its backward (None: none kept)."""
+        self._kept_for = object() if self.max_kept else None
+        return self._kept_for
+
+    def stop_keeping(self, token: object | None) -> None:
+        if token is not None and token is self._kept_for:
+            self._kept_for = None
+
+    def kept_log_softmax(self, token: object | None, chunk: int, rows: int) -> torch.Tensor | None:
+        """The log-softmax the forward of `token` kept for `chunk`, or None (compute it again)."""
+        if token is None or token is not self._kept_for or chunk >= self.max_kept:
+            return None
+        return self._kept[chunk][:rows]
 
     @property
     def weight_part(self) -> torch.Tensor:
@@ -282,15 +315,22 @@ class _ChunkBuffers:
             self._weight_part = self.logits.new_empty(self.logits.shape[1], self.hidden_size)
         return self._weight_part
 
-    def log_softmax(self, hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-        """log_softmax(h W^T / tau) in float32 for a chunk's hidden states."""
+    def log_softmax(self, hidden: torch.Tensor, weight: torch.Tensor, temperature: float,
+                    keep_as: int | None = None) -> torch.Tensor:
+        """log_softmax(h W^T / tau) in float32 for a chunk's hidden states; written into the kept
+        buffer of chunk `keep_as` while the budget allows (see `start_keeping`)."""
         rows = hidden.shape[0]
         logits = torch.mm(hidden.to(self.dtype), weight.T, out=self.logits[:rows])
         z = logits if self.float_logits is None else self.float_logits[:rows].copy_(logits)
         if temperature != 1.0:
             z.div_(temperature)
+        out = self.log_probs
+        if keep_as is not None and keep_as < self.max_kept:
+            if keep_as == len(self._kept):
+                self._kept.append(torch.empty_like(self.log_probs))
+            out = self._kept[keep_as]
         # aten's out= form of log_softmax: the public one allocates.
-        return torch._log_softmax(z, -1, False, out=self.log_probs[:rows])
+        return torch._log_softmax(z, -1, False, out=out[:rows])
 
     def add_into(self, total: torch.Tensor, part: torch.Tensor) -> None:
         """total += part, a float32 total and a weight gradient part in the compute dtype. On CPU
@@ -315,7 +355,7 @@ class _ChunkBuffers:
 @functools.lru_cache(maxsize=1)
 def _cached_chunk_buffers(rows: int, vocab: int, hidden_size: int, dtype: torch.dtype,
                           device: torch.device) -> _ChunkBuffers:
-    return _ChunkBuffers(rows, vocab, hidden_size, dtype, device)
+    return _ChunkBuffers(rows, vocab, hidden_size, dtype, device, keep_bytes=KEPT_LOG_SOFTMAX_BYTES)
 
 
 def _chunk_buffers(chunk_size: int, positions: int, weight: torch.Tensor, dtype: torch.dtype) -> _ChunkBuffers:
