@@ -189,7 +189,7 @@ class _HeadLogProbs(torch.autograd.Function):
         d log p_y / dz = onehot(y) - p,        dH / dz = -p * (log p + H),
     and dz flows to h (dz W / tau) and W (dz^T h / tau). Backward needs each chunk's log-softmax:
     on CPU a forward that will be differentiated keeps them, up to `KEPT_LOG_SOFTMAX_BYTES`
-    (the default step's 576 response positions of SmolLM2 take 113 MB), and backward computes
+    (SmolLM2's head: 48 MiB per chunk of 256 positions), and backward computes
     the rest again from the logits, as it does on GPU, where memory is scarcer. Every chunk is
     written into the same few (chunk x vocab) buffers (`_ChunkBuffers`): on CPU a fresh tensor
     of that size costs more in page faults than the element-wise op that fills it. Without
