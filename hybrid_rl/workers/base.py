@@ -8,6 +8,7 @@ import torch
 from omegaconf import OmegaConf
 
 from hybrid_rl.controller import Dispatch, RankLayout, Worker, register
+from hybrid_rl.hardware import keep_freed_host_memory
 
 
 class ModelWorker(Worker):
@@ -35,8 +36,8 @@ class ModelWorker(Worker):
         return RankLayout(engine.dp_rank, engine.dp_size, engine.is_output_rank)
 
     def setup_device(self) -> torch.device:
-        """Threads, device and process group of this worker process (idempotent across roles
-        colocated in one process)."""
+        """Threads, device, host allocator (on CPU: `keep_freed_host_memory`) and process group of
+        this worker process (idempotent across roles colocated in one process)."""
         threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
         if threads > 0:
             torch.set_num_threads(threads)
@@ -45,5 +46,7 @@ class ModelWorker(Worker):
             # Ray gives each actor one visible GPU; vLLM picks its device from LOCAL_RANK.
             torch.cuda.set_device(0)
             os.environ["LOCAL_RANK"] = "0"
+        else:
+            keep_freed_host_memory()
         self.init_process_group(timeout_s=self.cfg.actor_rollout_ref.nccl_timeout)
         return torch.device("cuda", 0) if use_cuda else torch.device("cpu")

@@ -124,10 +124,12 @@ def main(argv=None) -> int:
     from hybrid_rl.config_keys import compose_config
     from hybrid_rl.engines import ModelSpec, Output, build_engine
     from hybrid_rl.engines.lora import enabled as lora_enabled
-    from hybrid_rl.hardware import peak_memory_gb
+    from hybrid_rl.hardware import keep_freed_host_memory, peak_memory_gb
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     init_process_group(device.type)
+    if device.type == "cpu":
+        keep_freed_host_memory()  # as the job's workers do
     rank0 = dist.get_rank() == 0
     if args.shape:
         model_path = broadcast_path(common.random_model(args.shape) if rank0 else "")
