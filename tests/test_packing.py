@@ -302,3 +302,27 @@ def test_balance_permutation_keeps_groups_whole(batch):
     # 3 groups of 3 over 3 ranks: each rank's chunk is one whole group.
     for chunk in order.view(3, 3):
         assert len({int(c) // 3 for c in chunk}) == 1
+
+
+def test_frozen_cpu_engine_holds_its_linears_in_bf16_with_the_same_log_probs(tiny_model_dir, monkeypatch):
+    """A frozen engine (reference, reward model) under CPU bf16 autocast keeps its linear layers
+    in bf16, since autocast would cast them in every forward: the same log-probs, bit for bit.
+    Embeddings (tied to the head here) and norms stay float32."""
+    from hybrid_rl.engines import ModelSpec, Output, build_engine
+    from tests.engine_helpers import actor_config, rollout_batch
+
+    cfg = actor_config("fsdp", dtype="bf16")
+    spec = ModelSpec("ref", tiny_model_dir, cfg.actor_rollout_ref.model)  # no optimizer: frozen
+    cpu = torch.device("cpu")
+    frozen = build_engine(spec, cfg.actor_rollout_ref.actor, cpu)
+    monkeypatch.setattr(hf_model, "cast_frozen_linears", lambda model, dtype: None)
+    in_float32 = build_engine(spec, cfg.actor_rollout_ref.actor, cpu)
+    dtypes = {name: p.dtype for name, p in frozen.module.named_parameters()}
+    assert dtypes["model.layers.0.self_attn.q_proj.weight"] == torch.bfloat16
+    assert dtypes["model.layers.1.mlp.down_proj.weight"] == torch.bfloat16
+    assert dtypes["model.embed_tokens.weight"] == dtypes["model.norm.weight"] == torch.float32
+    assert all(p.dtype == torch.float32 for p in in_float32.module.parameters())
+    batch = rollout_batch(0)
+    ours, reference = (engine.infer(batch, Output.LOG_PROBS, 0.7, 3, None)["log_probs"]
+                       for engine in (frozen, in_float32))
+    assert torch.equal(ours, reference) and ours.abs().sum() > 0

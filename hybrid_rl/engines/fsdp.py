@@ -104,6 +104,8 @@ class FSDPEngine(TrainEngine):
         else:  # the policy, or a step-tag scorer
             model = hf_model.load_causal_lm(spec.path, spec.model_cfg, device, trainable=trainable)
         self.options = hf_model.forward_options(spec.model_cfg, dtype, device)
+        if not trainable and self.options.autocast_dtype is not None:
+            hf_model.cast_frozen_linears(model, self.options.autocast_dtype)
         # A trained policy with LoRA: peft adapts `model` in place and freezes its base weights.
         self.peft = lora.attach(model, spec.model_cfg, autocast=self.options.autocast_dtype is not None) if (
             spec.head is Head.LM and trainable and lora.enabled(spec.model_cfg)) else None

@@ -49,6 +49,21 @@ def load_causal_lm(path: str, model_cfg: Any, device: torch.device, trainable: b
     return model
 
 
+def cast_frozen_linears(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """A frozen model under CPU autocast to `dtype`: its linear layers' weights and biases in
+    `dtype` once, since autocast casts them to it in every forward anyway (the same outputs, bit
+    for bit; half their memory). Embeddings, a head tied to them, and norms stay float32, as
+    autocast leaves them, in memory of their own: a float32 checkpoint's tensors are views of
+    its mapped file, whose pages then all stay resident while any one of them is used."""
+    embedding = model.get_input_embeddings().weight
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module.weight is not embedding:
+            module.to(dtype)
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.dtype != dtype:
+            tensor.data = tensor.data.clone()
+
+
 def load_value_model(path: str, model_cfg: Any, device: torch.device):
     """`AutoModelForTokenClassification` with one label: the backbone's weights plus a freshly
     initialised linear value head on every position."""
