@@ -167,6 +167,15 @@ def keep_freed_host_memory() -> bool:
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, HEAP_BLOCK_LIMIT) and libc.mallopt(_M_TRIM_THRESHOLD, -1))
 
 
+def return_freed_host_memory() -> None:
+    """Hand the free memory in glibc's heap back to the kernel once (`malloc_trim`): after
+    load-time copies are freed, which `keep_freed_host_memory` would otherwise keep resident."""
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def peak_memory_gb(device: torch.device) -> float:
     """Peak memory of this process so far: CUDA allocations on GPU, the peak resident set on CPU
     (in a worker: trainer, reference and the vLLM engine together)."""

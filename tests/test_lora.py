@@ -125,6 +125,48 @@ def test_skipping_peft_input_casts_under_cpu_autocast_changes_nothing(model_dir)
     assert torch.equal(engine.infer(rollout_batch(3), Output.LOG_PROBS, 0.7, 3, None)["log_probs"], skipped)
 
 
+@pytest.fixture(scope="module")
+def bf16_model_dir(model_dir, tmp_path_factory):
+    """The tiny model with every value rounded to bf16 (stored in float32): what a bf16 checkpoint holds."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("lora_bf16_model")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for tensor in model.parameters():
+            tensor.copy_(tensor.bfloat16())
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(folder)
+    return str(folder)
+
+
+def test_a_base_exact_in_bf16_is_held_in_bf16_under_cpu_autocast_with_the_same_numbers(
+        model_dir, bf16_model_dir, monkeypatch):
+    """Under CPU bf16 autocast the frozen base's linear layers are held in bf16 when that loses
+    nothing: the same losses, log-probs and merged (synced, exported) weights, bit for bit. A base
+    with float32 values stays float32."""
+    from hybrid_rl.engines import hf_model
+
+    bf16 = ["actor_rollout_ref.actor.fsdp_config.dtype=bf16"]
+    cfg, engine = lora_engine(bf16_model_dir, bf16)
+    dtypes = {n: p.dtype for n, p in engine.module.named_parameters()}
+    base = [n for n in dtypes if ".base_layer." in n]
+    assert base and all(dtypes[n] == torch.bfloat16 for n in base)
+    assert all(dtypes[n] == torch.float32 for n in dtypes if ".lora_" in n or "norm" in n or "embed" in n)
+    _, in_float32 = lora_engine(model_dir, bf16)  # values not exact in bf16
+    assert all(p.dtype == torch.float32 for p in in_float32.module.parameters())
+
+    monkeypatch.setattr(hf_model, "cast_frozen_linears", lambda *args, **kwargs: 0)
+    _, uncast = lora_engine(bf16_model_dir, bf16)
+    assert all(p.dtype == torch.float32 for p in uncast.module.parameters())
+    for seed in (1, 2):
+        assert step(engine, cfg, seed) == step(uncast, cfg, seed)
+    ours, reference = (e.infer(rollout_batch(3), Output.LOG_PROBS, 0.7, 3, None)["log_probs"] for e in (engine, uncast))
+    assert torch.equal(ours, reference)
+    merged, expected = weights(engine), weights(uncast)
+    assert merged.keys() == expected.keys() and all(torch.equal(merged[k], expected[k]) for k in expected)
+
+
 def test_target_modules_that_match_nothing_name_the_key_and_the_layers(model_dir):
     with pytest.raises(ValueError, match=r"actor_rollout_ref\.model\.target_modules=.*q_proj"):
         lora_engine(model_dir, ["actor_rollout_ref.model.target_modules=[attention_dense]"])

@@ -315,7 +315,7 @@ def test_frozen_cpu_engine_holds_its_linears_in_bf16_with_the_same_log_probs(tin
     spec = ModelSpec("ref", tiny_model_dir, cfg.actor_rollout_ref.model)  # no optimizer: frozen
     cpu = torch.device("cpu")
     frozen = build_engine(spec, cfg.actor_rollout_ref.actor, cpu)
-    monkeypatch.setattr(hf_model, "cast_frozen_linears", lambda model, dtype: None)
+    monkeypatch.setattr(hf_model, "cast_frozen_linears", lambda *args, **kwargs: 0)
     in_float32 = build_engine(spec, cfg.actor_rollout_ref.actor, cpu)
     dtypes = {name: p.dtype for name, p in frozen.module.named_parameters()}
     assert dtypes["model.layers.0.self_attn.q_proj.weight"] == torch.bfloat16

@@ -104,11 +104,12 @@ class FSDPEngine(TrainEngine):
         else:  # the policy, or a step-tag scorer
             model = hf_model.load_causal_lm(spec.path, spec.model_cfg, device, trainable=trainable)
         self.options = hf_model.forward_options(spec.model_cfg, dtype, device)
-        if not trainable and self.options.autocast_dtype is not None:
-            hf_model.cast_frozen_linears(model, self.options.autocast_dtype)
         # A trained policy with LoRA: peft adapts `model` in place and freezes its base weights.
         self.peft = lora.attach(model, spec.model_cfg, autocast=self.options.autocast_dtype is not None) if (
             spec.head is Head.LM and trainable and lora.enabled(spec.model_cfg)) else None
+        if self.options.autocast_dtype is not None and (not trainable or self.peft is not None):
+            # LoRA's base is merged into synced and exported weights: cast only where lossless.
+            hf_model.cast_frozen_linears(model, self.options.autocast_dtype, lossless_only=self.peft is not None)
         self.lora_scalings = lora.scalings(self.peft) if self.peft is not None else {}
         if spec.model_cfg.get("compile_layers", False):
             compile_layers(model)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from hybrid_rl.hardware import TORCH_DTYPES, resolve_dtype
+from hybrid_rl.hardware import TORCH_DTYPES, resolve_dtype, return_freed_host_memory
 from hybrid_rl.models import model_config
 from hybrid_rl.engines import packing
 
@@ -49,19 +49,31 @@ def load_causal_lm(path: str, model_cfg: Any, device: torch.device, trainable: b
     return model
 
 
-def cast_frozen_linears(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """A frozen model under CPU autocast to `dtype`: its linear layers' weights and biases in
+def cast_frozen_linears(model: torch.nn.Module, dtype: torch.dtype, lossless_only: bool = False) -> int:
+    """A model under CPU autocast to `dtype`: its frozen linear layers' weights and biases in
     `dtype` once, since autocast casts them to it in every forward anyway (the same outputs, bit
-    for bit; half their memory). Embeddings, a head tied to them, and norms stay float32, as
-    autocast leaves them, in memory of their own: a float32 checkpoint's tensors are views of
-    its mapped file, whose pages then all stay resident while any one of them is used."""
+    for bit; half their memory). Trained tensors (a LoRA adapter), embeddings, a head tied to
+    them, and norms stay float32, as autocast leaves them. With `lossless_only` a layer is cast
+    only if its values are exactly representable in `dtype` (a bf16 checkpoint's are), for
+    weights that are also merged and exported (LoRA's base). The float32 tensors left get
+    memory of their own: a float32 checkpoint's tensors are views of its mapped file, whose
+    pages all stay resident while any one of them is used. Returns the number of layers cast."""
     embedding = model.get_input_embeddings().weight
+    cast = 0
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and module.weight is not embedding:
-            module.to(dtype)
-    for tensor in (*model.parameters(), *model.buffers()):
-        if tensor.dtype != dtype:
-            tensor.data = tensor.data.clone()
+        if not isinstance(module, torch.nn.Linear) or module.weight is embedding or module.weight.requires_grad:
+            continue
+        tensors = [t for t in (module.weight, module.bias) if t is not None]
+        if lossless_only and not all(torch.equal(t.to(dtype).to(t.dtype), t) for t in tensors):
+            continue
+        module.to(dtype)
+        cast += 1
+    if cast:
+        for tensor in (*model.parameters(), *model.buffers()):
+            if tensor.dtype != dtype:
+                tensor.data = tensor.data.clone()
+        return_freed_host_memory()  # the float32 copies a bf16 checkpoint was loaded into
+    return cast
 
 
 def load_value_model(path: str, model_cfg: Any, device: torch.device):

@@ -186,16 +186,21 @@ MODEL_SHAPES = {
 }
 
 
-def random_model(shape: str, seed: int = 0) -> str:
+def random_model(shape: str, seed: int = 0, stored_dtype: str = "float32") -> str:
     """A Hugging Face folder holding a randomly initialised model of `MODEL_SHAPES[shape]` and the
     default model's tokenizer (every shape's vocabulary holds its ids), written once into the cache
-    folder: enough for the engines alone and for a whole job (`actor_rollout_ref.model.path`)."""
+    folder: enough for the engines alone and for a whole job (`actor_rollout_ref.model.path`).
+    `stored_dtype="bfloat16"` writes the weights in bf16, as the public checkpoints hold them
+    (folder name `...-bf16`)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from hybrid_rl.models import cache_dir, resolve_model_path
 
-    folder = str(cache_dir() / "bench_models" / f"{shape}-seed{seed}")
+    suffix = "" if stored_dtype == "float32" else "-bf16" if stored_dtype == "bfloat16" else None
+    if suffix is None:
+        raise ValueError(f"stored_dtype={stored_dtype!r}: float32 or bfloat16")
+    folder = str(cache_dir() / "bench_models" / f"{shape}-seed{seed}{suffix}")
     has_model = os.path.isfile(os.path.join(folder, "config.json"))
     if has_model and os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
         return folder
@@ -209,7 +214,8 @@ def random_model(shape: str, seed: int = 0) -> str:
     torch.manual_seed(seed)
     # Written next to its final place and renamed, so an interrupted write leaves no half model.
     partial = f"{folder}.partial-{os.getpid()}"
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(partial)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.to(getattr(torch, stored_dtype)).save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     os.replace(partial, folder)
     return folder

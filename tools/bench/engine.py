@@ -104,6 +104,8 @@ def main(argv=None) -> int:
     source = ap.add_mutually_exclusive_group()
     source.add_argument("--model", help="a Hugging Face folder (default: the default model)")
     source.add_argument("--shape", choices=sorted(common.MODEL_SHAPES), help="random weights of this shape")
+    ap.add_argument("--stored-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="with --shape: the dtype its weights are written in (public checkpoints: bfloat16)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--responses", type=int, default=8, help="responses per prompt (rollout.n)")
     ap.add_argument("--prompt-len", type=int, default=256)
@@ -132,7 +134,7 @@ def main(argv=None) -> int:
         keep_freed_host_memory()  # as the job's workers do
     rank0 = dist.get_rank() == 0
     if args.shape:
-        model_path = broadcast_path(common.random_model(args.shape) if rank0 else "")
+        model_path = broadcast_path(common.random_model(args.shape, stored_dtype=args.stored_dtype) if rank0 else "")
     else:
         from hybrid_rl.models import resolve_model_path
 
