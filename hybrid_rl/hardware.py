@@ -159,21 +159,26 @@ def keep_freed_host_memory() -> bool:
     update ~4 % shorter); in the job's worker ~45,000 become ~15,000. Resident memory then stays
     at its peak, which rose by up to 0.2 GB in the jobs measured (docs/benchmarks.md).
     Returns whether it applied (glibc only; other C libraries keep their behaviour)."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    import ctypes
-
-    libc = ctypes.CDLL("libc.so.6")
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, HEAP_BLOCK_LIMIT) and libc.mallopt(_M_TRIM_THRESHOLD, -1))
+    libc = _glibc()
+    return libc is not None and bool(libc.mallopt(_M_MMAP_THRESHOLD, HEAP_BLOCK_LIMIT)
+                                     and libc.mallopt(_M_TRIM_THRESHOLD, -1))
 
 
 def return_freed_host_memory() -> None:
     """Hand the free memory in glibc's heap back to the kernel once (`malloc_trim`): after
     load-time copies are freed, which `keep_freed_host_memory` would otherwise keep resident."""
-    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
-        import ctypes
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+def _glibc():
+    """This process's glibc (ctypes), or None under another C library or OS."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    import ctypes
+
+    return ctypes.CDLL("libc.so.6")
 
 
 def peak_memory_gb(device: torch.device) -> float:

@@ -190,7 +190,7 @@ def random_model(shape: str, seed: int = 0, stored_dtype: str = "float32") -> st
     """A Hugging Face folder holding a randomly initialised model of `MODEL_SHAPES[shape]` and the
     default model's tokenizer (every shape's vocabulary holds its ids), written once into the cache
     folder: enough for the engines alone and for a whole job (`actor_rollout_ref.model.path`).
-    `stored_dtype="bfloat16"` writes the weights in bf16, as the public checkpoints hold them
+    `stored_dtype="bfloat16"` writes the weights in bf16, as bf16 checkpoints (Qwen2.5's) hold them
     (folder name `...-bf16`)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer

@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     source.add_argument("--model", help="a Hugging Face folder (default: the default model)")
     source.add_argument("--shape", choices=sorted(common.MODEL_SHAPES), help="random weights of this shape")
     ap.add_argument("--stored-dtype", choices=("float32", "bfloat16"), default="float32",
-                    help="with --shape: the dtype its weights are written in (public checkpoints: bfloat16)")
+                    help="with --shape: the dtype its weights are written in (Qwen2.5's checkpoints: bfloat16)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--responses", type=int, default=8, help="responses per prompt (rollout.n)")
     ap.add_argument("--prompt-len", type=int, default=256)
