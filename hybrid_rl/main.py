@@ -336,7 +336,7 @@ def run(cfg: DictConfig, stop: GracefulStop):
     """Train; after a worker failure, restart the workers from the last checkpoint up to
     `trainer.max_restarts` times. Returns the run's `RunSummary`."""
     from hybrid_rl.controller import PlacementError, WorkerError
-    from hybrid_rl.trainer import WorkerFailure
+    from hybrid_rl.trainer import WorkerFailure, out_of_memory_advice
 
     trainer = checked_trainer(cfg)
     restarts = 0
@@ -346,7 +346,8 @@ def run(cfg: DictConfig, stop: GracefulStop):
         try:
             trainer.init_workers()
         except WorkerError as exc:
-            raise SetupError(f"the workers failed to start: {str(exc).splitlines()[0]}") from exc
+            advice = f". {out_of_memory_advice(cfg)}" if exc.out_of_memory else ""
+            raise SetupError(f"the workers failed to start: {str(exc).splitlines()[0]}{advice}") from exc
         except PlacementError as exc:
             raise SetupError(str(exc)) from exc
         stop.trainer = trainer

@@ -105,6 +105,36 @@ class WorkerFailure(RuntimeError):
     """A worker process failed or died; the message names the rank, node and step."""
 
 
+def out_of_memory_advice(cfg: DictConfig) -> str:
+    """What to change when Ray's memory monitor killed a worker: the settings, among those this
+    run has not already set, that make a rank's process hold less host memory."""
+    model, rollout = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout
+    if cfg.trainer.device == "cuda":
+        return ("Host memory ran out. With actor_rollout_ref.actor.fsdp_config.param_offload or "
+                "optimizer_offload the weights or optimizer state live there: turn them off, or give the "
+                "job nodes with more memory.")
+    levers = []
+    if not int(model.lora_rank):
+        levers.append("actor_rollout_ref.model.lora_rank=16 (no gradients or optimizer state for the base "
+                      "weights, and no separate reference model)")
+    if not model.enable_gradient_checkpointing:
+        levers.append("actor_rollout_ref.model.enable_gradient_checkpointing=true")
+    if rollout.name == "vllm" and cfg.actor_rollout_ref.hybrid_engine:
+        if rollout.cpu_in_place_sync:
+            levers.append("actor_rollout_ref.rollout.cpu_in_place_sync=false (vLLM-CPU keeps no second copy "
+                          "of its linear layers; syncs take longer)")
+        levers.append(f"a smaller actor_rollout_ref.rollout.kv_cache_gib (now {rollout.kv_cache_gib})")
+        levers.append("actor_rollout_ref.rollout.name=hf (no vLLM engine: the rollout generates with the "
+                      "trainer's own weights, several times slower)")
+    if cfg.trainer.n_gpus_per_node > 1:
+        levers.append(f"fewer ranks per node (trainer.n_gpus_per_node={cfg.trainer.n_gpus_per_node}: each rank "
+                      "has a process of its own)")
+    if not levers:
+        return "The node ran out of memory with every memory-saving setting on: this model needs a larger machine."
+    return ("The node ran out of memory. To need less per rank: " + "; ".join(levers) +
+            ". docs/benchmarks.md ('Whole-worker memory') lists what fits on a 24 GiB machine.")
+
+
 class DynamicSamplingError(RuntimeError):
     """Dynamic sampling reached algorithm.filter_groups.max_num_gen_batches without enough groups."""
 
@@ -334,8 +364,9 @@ class Trainer:
     def describe_failure(self, exc: WorkerError) -> str:
         node = self.node_info[exc.rank] if exc.rank < len(self.node_info) else {}
         cause = str(exc).splitlines()[0]  # Ray's death reports run over many lines
+        advice = f". {out_of_memory_advice(self.cfg)}" if exc.out_of_memory else ""
         return (f"worker rank {exc.rank} on node {node.get('hostname', '?')} ({node.get('ip', '?')}, pid "
-                f"{node.get('pid', '?')}) failed during step {self.global_step}: {cause}")
+                f"{node.get('pid', '?')}) failed during step {self.global_step}: {cause}{advice}")
 
     def shutdown(self) -> None:
         """Stop the workers and free their CPUs/GPUs (the Ray session itself stays up)."""

@@ -5,6 +5,7 @@ finishes the run."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -84,3 +85,37 @@ def test_a_worker_that_cannot_start_stops_the_run_with_one_clear_line(tiny_model
     assert done.returncode == 2, done.stderr[-3000:]
     assert "error: the workers failed to start:" in done.stderr and "max_num_seqs" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_worker_killed_for_memory_gets_the_settings_that_need_less(tiny_model_dir, arithmetic_files, tmp_path):
+    """Ray's memory monitor, told the node is full at 1 % use, kills a worker as it starts: the one
+    error line says so and names the settings that make a rank hold less, minus those already set."""
+    cmd = [sys.executable, "-m", "hybrid_rl.main", *run_overrides(tiny_model_dir, arithmetic_files, tmp_path),
+           "trainer.cpus_per_worker=1", "actor_rollout_ref.model.enable_gradient_checkpointing=true"]
+    env = {**os.environ, "RAY_memory_usage_threshold": "0.01", "RAY_memory_monitor_refresh_ms": "100"}
+    done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 2, done.stderr[-3000:]
+    (error,) = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert error.startswith("error: the workers failed to start:") and "OutOfMemoryError" in error, error
+    assert "The node ran out of memory. To need less per rank:" in error
+    assert "actor_rollout_ref.model.lora_rank=16" in error and "actor_rollout_ref.rollout.name=hf" in error
+    assert "enable_gradient_checkpointing" not in error  # already on
+
+
+def test_memory_advice_names_only_settings_not_yet_made():
+    from hybrid_rl.config_keys import compose_config
+    from hybrid_rl.trainer import out_of_memory_advice
+
+    default = out_of_memory_advice(compose_config([]))
+    for key in ("lora_rank=16", "enable_gradient_checkpointing=true", "cpu_in_place_sync=false", "kv_cache_gib",
+                "rollout.name=hf"):
+        assert key in default, key
+    lean = out_of_memory_advice(compose_config([
+        "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+        "actor_rollout_ref.rollout.name=hf"]))
+    assert "lora_rank" not in lean and "checkpointing" not in lean and "cpu_in_place_sync" not in lean
+    assert "with every memory-saving setting on" in lean
+    two_ranks = out_of_memory_advice(compose_config(["trainer.n_gpus_per_node=2"]))
+    assert "trainer.n_gpus_per_node=2" in two_ranks
+    gpu = out_of_memory_advice(compose_config(["trainer.device=cuda"]))
+    assert "param_offload" in gpu and "rollout.name=hf" not in gpu

@@ -52,15 +52,18 @@ class PlacementError(RuntimeError):
 
 
 class WorkerError(RuntimeError):
-    """A remote worker method failed.  ``rank``, ``method`` and ``cause`` (the
-    original exception, when Ray could deserialize it) are attributes; the
-    Ray error is chained as ``__cause__``."""
+    """A remote worker method failed.  ``rank``, ``method``, ``cause`` (the
+    original exception, when Ray could deserialize it) and ``out_of_memory``
+    (Ray's memory monitor killed the worker) are attributes; the Ray error is
+    chained as ``__cause__``."""
 
-    def __init__(self, message: str, rank: int, method: str, cause: Optional[BaseException]):
+    def __init__(self, message: str, rank: int, method: str, cause: Optional[BaseException],
+                 out_of_memory: bool = False):
         super().__init__(message)
         self.rank = rank
         self.method = method
         self.cause = cause
+        self.out_of_memory = out_of_memory
 
 
 def exception_text(traceback_str: str) -> str:
@@ -479,7 +482,8 @@ class RayWorkerGroup:
             what = f"{type(err).__name__}: {err}"
         name = self._worker_names[rank] if rank < len(self._worker_names) else "?"
         msg = f"{self.worker_cls.__name__}.{method} failed on rank {rank} (actor {name}): {what}"
-        return WorkerError(msg, rank=rank, method=method, cause=cause if isinstance(cause, BaseException) else None)
+        return WorkerError(msg, rank=rank, method=method, cause=cause if isinstance(cause, BaseException) else None,
+                           out_of_memory=isinstance(err, ray.exceptions.OutOfMemoryError))
 
     def _broadcast_args(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> Tuple[tuple, dict]:
         """Put non-trivial arguments into the object store once instead of
