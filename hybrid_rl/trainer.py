@@ -110,9 +110,11 @@ def out_of_memory_advice(cfg: DictConfig) -> str:
     run has not already set, that make a rank's process hold less host memory."""
     model, rollout = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout
     if cfg.trainer.device == "cuda":
-        return ("Host memory ran out. With actor_rollout_ref.actor.fsdp_config.param_offload or "
-                "optimizer_offload the weights or optimizer state live there: turn them off, or give the "
-                "job nodes with more memory.")
+        return ("Host memory ran out. On GPU it holds what is offloaded: weights or optimizer state under "
+                "actor_rollout_ref.actor.fsdp_config.param_offload / optimizer_offload (or the megatron.* "
+                "offloads), and the vLLM engine's weights while it sleeps between rollouts "
+                "(actor_rollout_ref.rollout.free_cache_engine=false keeps them on the GPU). Turn those off, "
+                "or give the job nodes with more memory.")
     levers = []
     if not int(model.lora_rank):
         levers.append("actor_rollout_ref.model.lora_rank=16 (no gradients or optimizer state for the base "
