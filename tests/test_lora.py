@@ -140,24 +140,26 @@ def bf16_model_dir(model_dir, tmp_path_factory):
     return str(folder)
 
 
-def test_a_base_exact_in_bf16_is_held_in_bf16_under_cpu_autocast_with_the_same_numbers(
-        model_dir, bf16_model_dir, monkeypatch):
-    """Under CPU bf16 autocast the frozen base's linear layers are held in bf16 when that loses
-    nothing: the same losses, log-probs and merged (synced, exported) weights, bit for bit. A base
-    with float32 values stays float32."""
+@pytest.mark.parametrize("compute", ["bf16", "fp32"])
+def test_a_base_exact_in_bf16_is_held_in_bf16_with_the_same_numbers(model_dir, bf16_model_dir, monkeypatch, compute):
+    """On CPU the frozen base's linear layers are held in bf16 when that loses nothing, under bf16
+    autocast and in float32 compute (cast up at each use): the same losses, log-probs and merged
+    (synced, exported) weights, bit for bit. A base with float32 values stays float32."""
     from hybrid_rl.engines import hf_model
 
-    bf16 = ["actor_rollout_ref.actor.fsdp_config.dtype=bf16"]
-    cfg, engine = lora_engine(bf16_model_dir, bf16)
+    dtype = [f"actor_rollout_ref.actor.fsdp_config.dtype={compute}"]
+    cfg, engine = lora_engine(bf16_model_dir, dtype)
     dtypes = {n: p.dtype for n, p in engine.module.named_parameters()}
     base = [n for n in dtypes if ".base_layer." in n]
     assert base and all(dtypes[n] == torch.bfloat16 for n in base)
     assert all(dtypes[n] == torch.float32 for n in dtypes if ".lora_" in n or "norm" in n or "embed" in n)
-    _, in_float32 = lora_engine(model_dir, bf16)  # values not exact in bf16
+    upcast = [m for m in engine.module.modules() if isinstance(m, hf_model.UpcastLinear)]
+    assert len(upcast) == (len(base) if compute == "fp32" else 0)
+    _, in_float32 = lora_engine(model_dir, dtype)  # values not exact in bf16
     assert all(p.dtype == torch.float32 for p in in_float32.module.parameters())
 
     monkeypatch.setattr(hf_model, "cast_frozen_linears", lambda *args, **kwargs: 0)
-    _, uncast = lora_engine(bf16_model_dir, bf16)
+    _, uncast = lora_engine(bf16_model_dir, dtype)
     assert all(p.dtype == torch.float32 for p in uncast.module.parameters())
     for seed in (1, 2):
         assert step(engine, cfg, seed) == step(uncast, cfg, seed)
@@ -190,3 +192,27 @@ def test_megatron_bridge_lora_keys_are_refused():
 
     errors = check_verl_keys(compose_config(["actor_rollout_ref.model.lora.rank=8"]), "cpu")
     assert errors and "actor_rollout_ref.model.lora_rank" in errors[0]
+
+
+def test_a_frozen_float32_engine_holds_a_bf16_checkpoints_linears_in_bf16(model_dir, bf16_model_dir, monkeypatch):
+    """A reference (or reward) engine computing in float32 on CPU holds the linear layers of a
+    checkpoint whose values are bf16 numbers in bf16, cast up at each use: the same log-probs, bit
+    for bit; a checkpoint with float32 values stays float32."""
+    from hybrid_rl.engines import ModelSpec, build_engine, hf_model
+
+    cfg = actor_config("fsdp2")
+    cpu = torch.device("cpu")
+
+    def reference(folder):
+        return build_engine(ModelSpec("ref", folder, cfg.actor_rollout_ref.model), cfg.actor_rollout_ref.actor, cpu)
+
+    frozen, in_float32 = reference(bf16_model_dir), reference(model_dir)
+    dtypes = {name: p.dtype for name, p in frozen.module.named_parameters()}
+    assert dtypes["model.layers.0.self_attn.q_proj.weight"] == dtypes["model.layers.1.mlp.down_proj.weight"] == torch.bfloat16
+    assert dtypes["model.embed_tokens.weight"] == dtypes["model.norm.weight"] == torch.float32
+    assert all(p.dtype == torch.float32 for p in in_float32.module.parameters())
+    monkeypatch.setattr(hf_model, "cast_frozen_linears", lambda *args, **kwargs: 0)
+    uncast = reference(bf16_model_dir)
+    batch = rollout_batch(0)
+    ours, expected = (e.infer(batch, Output.LOG_PROBS, 0.7, 3, None)["log_probs"] for e in (frozen, uncast))
+    assert torch.equal(ours, expected) and ours.abs().sum() > 0

@@ -107,9 +107,14 @@ class FSDPEngine(TrainEngine):
         # A trained policy with LoRA: peft adapts `model` in place and freezes its base weights.
         self.peft = lora.attach(model, spec.model_cfg, autocast=self.options.autocast_dtype is not None) if (
             spec.head is Head.LM and trainable and lora.enabled(spec.model_cfg)) else None
-        if self.options.autocast_dtype is not None and (not trainable or self.peft is not None):
-            # LoRA's base is merged into synced and exported weights: cast only where lossless.
-            hf_model.cast_frozen_linears(model, self.options.autocast_dtype, lossless_only=self.peft is not None)
+        if not trainable or self.peft is not None:
+            if self.options.autocast_dtype is not None:
+                # LoRA's base is merged into synced and exported weights: cast only where lossless.
+                hf_model.cast_frozen_linears(model, self.options.autocast_dtype, lossless_only=self.peft is not None)
+            elif device.type == "cpu" and dtype == torch.float32:
+                # Float32 compute (no bf16 instructions): a bf16 checkpoint's frozen layers held in
+                # bf16 and cast up at each use, exactly.
+                hf_model.cast_frozen_linears(model, torch.bfloat16, upcast=True)
         self.lora_scalings = lora.scalings(self.peft) if self.peft is not None else {}
         if spec.model_cfg.get("compile_layers", False):
             compile_layers(model)

@@ -49,24 +49,39 @@ def load_causal_lm(path: str, model_cfg: Any, device: torch.device, trainable: b
     return model
 
 
-def cast_frozen_linears(model: torch.nn.Module, dtype: torch.dtype, lossless_only: bool = False) -> int:
+class UpcastLinear(torch.nn.Linear):
+    """A frozen linear layer held in a narrower dtype than the float32 it computes in (a CPU
+    without bf16 instructions): each use casts its weights up. Only layers whose values the
+    narrow dtype holds exactly are held so, so the outputs are float32's, bit for bit."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return torch.nn.functional.linear(x, self.weight.to(x.dtype), bias)
+
+
+def cast_frozen_linears(model: torch.nn.Module, dtype: torch.dtype, lossless_only: bool = False,
+                        upcast: bool = False) -> int:
     """A model under CPU autocast to `dtype`: its frozen linear layers' weights and biases in
     `dtype` once, since autocast casts them to it in every forward anyway (the same outputs, bit
     for bit; half their memory). Trained tensors (a LoRA adapter), embeddings, a head tied to
     them, and norms stay float32, as autocast leaves them. With `lossless_only` a layer is cast
     only if its values are exactly representable in `dtype` (a bf16 checkpoint's are), for
-    weights that are also merged and exported (LoRA's base). The float32 tensors left get
-    memory of their own: a float32 checkpoint's tensors are views of its mapped file, whose
-    pages all stay resident while any one of them is used. Returns the number of layers cast."""
+    weights that are also merged and exported (LoRA's base). With `upcast` (float32 compute, no
+    autocast; implies `lossless_only`) the layers cast become `UpcastLinear`s. The float32
+    tensors left get memory of their own: a float32 checkpoint's tensors are views of its mapped
+    file, whose pages all stay resident while any one of them is used. Returns the number of
+    layers cast."""
     embedding = model.get_input_embeddings().weight
     cast = 0
     for module in model.modules():
         if not isinstance(module, torch.nn.Linear) or module.weight is embedding or module.weight.requires_grad:
             continue
         tensors = [t for t in (module.weight, module.bias) if t is not None]
-        if lossless_only and not all(torch.equal(t.to(dtype).to(t.dtype), t) for t in tensors):
+        if (lossless_only or upcast) and not all(torch.equal(t.to(dtype).to(t.dtype), t) for t in tensors):
             continue
         module.to(dtype)
+        if upcast:
+            module.__class__ = UpcastLinear
         cast += 1
     if cast:
         for tensor in (*model.parameters(), *model.buffers()):
