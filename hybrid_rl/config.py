@@ -141,6 +141,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
                       ("critic", cfg.critic.fsdp_config), ("reward_model.model", cfg.reward_model.model.fsdp_config)):
         _choice(fsdp.dtype, ("auto", *TORCH_DTYPES), f"{key}.fsdp_config.dtype")
     _choice(rollout.enforce_eager, (None, True, False), "actor_rollout_ref.rollout.enforce_eager")
+    _choice(rollout.cpu_in_place_sync, ("auto", True, False), "actor_rollout_ref.rollout.cpu_in_place_sync")
     for key, strategy in (("actor_rollout_ref.actor.strategy", actor.strategy),
                           ("actor_rollout_ref.ref.strategy", cfg.actor_rollout_ref.ref.strategy),
                           ("critic.strategy", cfg.critic.strategy)):

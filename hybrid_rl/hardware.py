@@ -12,6 +12,7 @@ it costs.
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 from dataclasses import dataclass
@@ -179,6 +180,16 @@ def _glibc():
     import ctypes
 
     return ctypes.CDLL("libc.so.6")
+
+
+def host_memory_bytes() -> int:
+    """This machine's memory, or the control group's limit where one is set lower (a container)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as limit:
+            return min(total, int(limit.read()))
+    except (OSError, ValueError):  # no cgroup v2 file, or "max"
+        return total
 
 
 def peak_memory_gb(device: torch.device) -> float:

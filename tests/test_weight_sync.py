@@ -8,6 +8,9 @@ import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
+from transformers import AutoConfig
+
+from hybrid_rl.workers.rollout import keep_linear_weights
 
 pytestmark = pytest.mark.slow
 
@@ -87,7 +90,8 @@ def bf16_engine_samples(model_dir: str, in_place: bool, lora_adapters: bool) -> 
             "only_changed": only_changed, "head_unnamed": sample(),
             # (vLLM's reload frees the weights it packs: nothing to compare with there.)
             "packed_error": max(rollout.llm.apply_model(packed_layer_error)) if in_place else 0.0,
-            "in_place": in_place}
+            "in_place": in_place, "kept_bytes": rollout.kept_linear_bytes,
+            "logged": rollout.settings()["cpu_in_place_sync"]}
 
 
 def packed_layer_error(model) -> float:
@@ -106,13 +110,14 @@ def packed_layer_error(model) -> float:
     return worst
 
 
-@pytest.mark.parametrize("in_place, lora_adapters", [(True, False), (False, False), (True, True)],
+# (`auto`: the tiny model's kept weights are far below an eighth of any machine's memory.)
+@pytest.mark.parametrize("in_place, lora_adapters", [("auto", False), (False, False), (True, True)],
                          ids=["in_place", "vllm_reload", "vllm_lora_adapters"])
 def test_float32_pushes_land_as_their_bf16_cast(tiny_model_dir, in_place, lora_adapters):
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
         runs = pool.submit(bf16_engine_samples, tiny_model_dir, in_place, lora_adapters).result()
     # An engine with vLLM's LoRA adapters always reloads through vLLM.
-    assert runs["in_place"] == (in_place and not lora_adapters)
+    assert runs["in_place"] == runs["logged"] == (bool(in_place) and not lora_adapters)
     in_place = runs["in_place"]
     assert runs["other"] != runs["pre_cast"]  # the push in between took effect
     assert runs["float32_push"] == runs["pre_cast"]  # tokens and log-probs, to the last bit
@@ -121,3 +126,23 @@ def test_float32_pushes_land_as_their_bf16_cast(tiny_model_dir, in_place, lora_a
     if in_place:  # vLLM's reload leaves a tied head that is not named at its old values
         assert runs["head_unnamed"] == runs["full_scaled"]
     assert runs["packed_error"] < 0.02  # bf16 rounding; a layer left with other weights is off by ~1
+    # What keeping the weights costs, in bf16: each layer's q, k, v, o, gate, up and down
+    # projections (the tied LM head is the embedding, kept anyway).
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    hidden, inner, kv = config.hidden_size, config.intermediate_size, config.num_key_value_heads * config.head_dim
+    per_layer = 2 * hidden * hidden + 2 * kv * hidden + 3 * inner * hidden
+    assert runs["kept_bytes"] == 2 * config.num_hidden_layers * per_layer
+
+
+GB = 10**9
+
+
+@pytest.mark.parametrize("setting, kept_gb, ranks, keep", [
+    ("auto", 0.42, 2, True),  # SmolLM2-135M in float32, two ranks
+    ("auto", 2.62, 1, True),  # Qwen2.5-1.5B in bf16
+    ("auto", 5.24, 1, False),  # Qwen2.5-1.5B in float32
+    ("auto", 2.62, 2, False),  # two ranks of it in bf16
+    (True, 5.24, 1, True), (False, 0.42, 1, False),
+])
+def test_auto_keeps_the_linear_weights_when_they_are_small_against_the_node(setting, kept_gb, ranks, keep):
+    assert keep_linear_weights(setting, int(kept_gb * GB), ranks, 24 * 2**30) is keep

