@@ -105,9 +105,10 @@ class WorkerFailure(RuntimeError):
     """A worker process failed or died; the message names the rank, node and step."""
 
 
-def out_of_memory_advice(cfg: DictConfig) -> str:
+def out_of_memory_advice(cfg: DictConfig, engine_settings: dict | None = None) -> str:
     """What to change when Ray's memory monitor killed a worker: the settings, among those this
-    run has not already set, that make a rank's process hold less host memory."""
+    run has not already set (or, for `cpu_in_place_sync: auto`, its engines already chose: their
+    `engine_settings` once started), that make a rank's process hold less host memory."""
     model, rollout = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout
     if cfg.trainer.device == "cuda":
         return ("Host memory ran out. On GPU it holds what is offloaded: weights or optimizer state under "
@@ -122,7 +123,7 @@ def out_of_memory_advice(cfg: DictConfig) -> str:
     if not model.enable_gradient_checkpointing:
         levers.append("actor_rollout_ref.model.enable_gradient_checkpointing=true")
     if rollout.name == "vllm" and cfg.actor_rollout_ref.hybrid_engine:
-        if rollout.cpu_in_place_sync:
+        if rollout.cpu_in_place_sync and (engine_settings or {}).get("cpu_in_place_sync", True):
             levers.append("actor_rollout_ref.rollout.cpu_in_place_sync=false (vLLM-CPU keeps no second copy "
                           "of its linear layers; syncs take longer)")
         levers.append(f"a smaller actor_rollout_ref.rollout.kv_cache_gib (now {rollout.kv_cache_gib})")
@@ -366,7 +367,7 @@ class Trainer:
     def describe_failure(self, exc: WorkerError) -> str:
         node = self.node_info[exc.rank] if exc.rank < len(self.node_info) else {}
         cause = str(exc).splitlines()[0]  # Ray's death reports run over many lines
-        advice = f". {out_of_memory_advice(self.cfg)}" if exc.out_of_memory else ""
+        advice = f". {out_of_memory_advice(self.cfg, self.engine_settings)}" if exc.out_of_memory else ""
         return (f"worker rank {exc.rank} on node {node.get('hostname', '?')} ({node.get('ip', '?')}, pid "
                 f"{node.get('pid', '?')}) failed during step {self.global_step}: {cause}{advice}")
 

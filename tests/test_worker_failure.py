@@ -115,6 +115,8 @@ def test_memory_advice_names_only_settings_not_yet_made():
         "actor_rollout_ref.rollout.name=hf"]))
     assert "lora_rank" not in lean and "checkpointing" not in lean and "cpu_in_place_sync" not in lean
     assert "with every memory-saving setting on" in lean
+    # `auto` that chose vLLM's reload: nothing left to turn off there.
+    assert "cpu_in_place_sync" not in out_of_memory_advice(compose_config([]), {"cpu_in_place_sync": False})
     two_ranks = out_of_memory_advice(compose_config(["trainer.n_gpus_per_node=2"]))
     assert "trainer.n_gpus_per_node=2" in two_ranks
     gpu = out_of_memory_advice(compose_config(["trainer.device=cuda"]))
