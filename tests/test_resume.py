@@ -1,14 +1,17 @@
 """Crash-safe checkpoints and exact resume, through the real command line.
 
-Run A trains 4 steps without interruption. Run B is the same command, killed with SIGKILL as soon
-as its step-2 checkpoint is complete, then started again: it resumes from that checkpoint and
-must reproduce A's per-step metrics and final weights.
+Run A trains 4 steps without interruption, with a checkpoint after each. Run B is the same
+command, killed with SIGKILL as soon as its step-2 checkpoint is complete, then started again: it
+resumes from that checkpoint and must reproduce A's per-step metrics and final weights. For the
+other engines and rollouts B starts from a copy of A's folder as it stood after checkpoint 2
+(what a run stopped there leaves), which tests the same resume with one run fewer.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -87,23 +90,47 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@pytest.mark.parametrize("rollout, engine", [("hf", "fsdp"), ("vllm", "fsdp"), ("vllm", "megatron"), ("vllm", "lora")])
-def test_kill_and_resume_is_exact(rollout, engine, tiny_model_dir, arithmetic_files, tmp_path):
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run(command(tiny_model_dir, arithmetic_files, straight, rollout, engine))
-    run_and_kill_after(command(tiny_model_dir, arithmetic_files, resumed, rollout, engine), resumed, step=2)
+@pytest.fixture(scope="session")
+def straight_run(tiny_model_dir, arithmetic_files, tmp_path_factory):
+    """`straight_run(rollout, engine)`: the folder of run A for that pair, run once per session
+    (test_stop compares against it too)."""
+    runs = {}
+
+    def get(rollout: str, engine: str) -> Path:
+        if (rollout, engine) not in runs:
+            folder = tmp_path_factory.mktemp(f"straight_{rollout}_{engine}") / "run"
+            run(command(tiny_model_dir, arithmetic_files, folder, rollout, engine))
+            runs[rollout, engine] = folder
+        return runs[rollout, engine]
+
+    return get
+
+
+def copy_as_stopped_after(straight: Path, resumed: Path, step: int) -> None:
+    """`straight`'s folder as it stood right after checkpoint `step`: no later checkpoint, metric
+    or final model."""
+    shutil.copytree(straight, resumed, ignore=shutil.ignore_patterns(
+        "final_model", *(f"global_step_{later}" for later in range(step + 1, STEPS + 1))))
+    (resumed / POINTER).write_text(str(step))
+    lines = (straight / "metrics.jsonl").read_text().splitlines()
+    (resumed / "metrics.jsonl").write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= step))
+
+
+def test_kill_and_resume_is_exact(straight_run, tiny_model_dir, arithmetic_files, tmp_path):
+    straight, resumed = straight_run("vllm", "fsdp"), tmp_path / "resumed"
+    run_and_kill_after(command(tiny_model_dir, arithmetic_files, resumed, "vllm"), resumed, step=2)
     # The killed run left a complete checkpoint 2 and possibly a half-written one, never a broken pointer.
     assert CheckpointManager(str(resumed)).latest().name == "global_step_2"
-    run(command(tiny_model_dir, arithmetic_files, resumed, rollout, engine))
+    run(command(tiny_model_dir, arithmetic_files, resumed, "vllm"))
+    assert_same_run(straight, resumed)
 
-    expected, got = step_metrics(straight), step_metrics(resumed)
-    assert sorted(got) == sorted(expected) == list(range(STEPS + 1))
-    for step in range(STEPS + 1):
-        assert got[step].keys() == expected[step].keys(), step
-        for key, value in expected[step].items():
-            assert got[step][key] == pytest.approx(value, rel=1e-6, abs=1e-6), (step, key)
-    a, b = final_weights(straight), final_weights(resumed)
-    assert a and a.keys() == b.keys()
+
+@pytest.mark.parametrize("rollout, engine", [("hf", "fsdp"), ("vllm", "megatron"), ("vllm", "lora")])
+def test_resume_is_exact(rollout, engine, straight_run, tiny_model_dir, arithmetic_files, tmp_path):
+    straight, resumed = straight_run(rollout, engine), tmp_path / "resumed"
+    copy_as_stopped_after(straight, resumed, step=2)
+    run(command(tiny_model_dir, arithmetic_files, resumed, rollout, engine))
+    a = assert_same_run(straight, resumed)
     if engine == "megatron":  # the offline export reads the dist-checkpoint to the same weights
         from safetensors.torch import load_file
 
@@ -113,7 +140,21 @@ def test_kill_and_resume_is_exact(rollout, engine, tiny_model_dir, arithmetic_fi
         assert exported.keys() == a.keys() and all(torch.equal(exported[k], a[k]) for k in a)
     if engine == "lora":
         assert_lora_exports_match(straight, a, tiny_model_dir, tmp_path)
+
+
+def assert_same_run(straight: Path, resumed: Path) -> dict[str, torch.Tensor]:
+    """The resumed run logged every step as the straight one did and ended with its weights
+    (returned)."""
+    expected, got = step_metrics(straight), step_metrics(resumed)
+    assert sorted(got) == sorted(expected) == list(range(STEPS + 1))
+    for step in range(STEPS + 1):
+        assert got[step].keys() == expected[step].keys(), step
+        for key, value in expected[step].items():
+            assert got[step][key] == pytest.approx(value, rel=1e-6, abs=1e-6), (step, key)
+    a, b = final_weights(straight), final_weights(resumed)
+    assert a and a.keys() == b.keys()
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+    return a
 
 
 def assert_lora_exports_match(run_dir: Path, final: dict, base_dir: str, tmp_path: Path) -> None:

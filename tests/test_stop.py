@@ -16,7 +16,8 @@ import pytest
 from hybrid_rl.checkpoint import CheckpointManager
 from hybrid_rl.export import export_checkpoint
 from hybrid_rl.main import REPO_ROOT
-from tests.test_resume import STEPS, command, final_weights, run, step_metrics
+from tests.test_resume import (  # noqa: F401 (straight_run: a fixture)
+    STEPS, command, final_weights, run, step_metrics, straight_run)
 
 pytestmark = pytest.mark.slow
 
@@ -73,9 +74,8 @@ def stop_run(proc: subprocess.Popen, log: Path, signals: list[int]) -> str:
     return log.read_text()
 
 
-def test_sigterm_finishes_the_step_saves_and_resumes_exactly(tiny_model_dir, arithmetic_files, tmp_path):
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    run(command(tiny_model_dir, arithmetic_files, straight, "vllm"))
+def test_sigterm_finishes_the_step_saves_and_resumes_exactly(straight_run, tiny_model_dir, arithmetic_files, tmp_path):
+    straight, stopped = straight_run("vllm", "fsdp"), tmp_path / "stopped"
     # Checkpoints every 100 steps: only the stop writes one.
     cmd = command(tiny_model_dir, arithmetic_files, stopped, "vllm") + ["trainer.save_freq=100"]
     proc, log = start(cmd, stopped)
