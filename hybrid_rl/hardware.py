@@ -182,14 +182,20 @@ def _glibc():
     return ctypes.CDLL("libc.so.6")
 
 
+# A container's memory limit: cgroup v2, then v1 (whose "no limit" is a huge number).
+CGROUP_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
 def host_memory_bytes() -> int:
     """This machine's memory, or the control group's limit where one is set lower (a container)."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    try:
-        with open("/sys/fs/cgroup/memory.max") as limit:
-            return min(total, int(limit.read()))
-    except (OSError, ValueError):  # no cgroup v2 file, or "max"
-        return total
+    for path in CGROUP_MEMORY_LIMITS:
+        try:
+            with open(path) as limit:
+                return min(total, int(limit.read()))
+        except (OSError, ValueError):  # no such file, or v2's "max"
+            continue
+    return total
 
 
 def peak_memory_gb(device: torch.device) -> float:

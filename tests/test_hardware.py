@@ -4,6 +4,7 @@ branch runs on any machine."""
 from __future__ import annotations
 
 import logging
+import os
 import platform
 import subprocess
 import sys
@@ -129,3 +130,17 @@ def test_freed_host_memory_is_reused_without_page_faults():
     assert kept and not default
     # The 160 MiB block alone is ~41,000 faults of 4 KiB pages when the kernel hands it out again.
     assert refaulted > 30_000 and reused < 1_000, (refaulted, reused)
+
+
+def test_host_memory_is_the_containers_limit_where_lower(tmp_path, monkeypatch):
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
+    monkeypatch.setattr(hardware, "CGROUP_MEMORY_LIMITS", (str(v2), str(v1)))
+    assert hardware.host_memory_bytes() == physical  # neither file
+    v1.write_text("9223372036854771712\n")  # v1 without a limit
+    assert hardware.host_memory_bytes() == physical
+    v2.write_text(f"{2**30}\n")
+    assert hardware.host_memory_bytes() == 2**30
+    v2.write_text("max\n")  # v2 without a limit: v1's file is read next
+    v1.write_text(f"{3 * 2**30}\n")
+    assert hardware.host_memory_bytes() == min(physical, 3 * 2**30)
