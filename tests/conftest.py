@@ -105,6 +105,24 @@ def arithmetic_files(tmp_path_factory) -> tuple[str, str]:
             write_jsonl(folder / "val.jsonl", make_arithmetic_rows(6, seed=1, split="test")))
 
 
+@pytest.fixture(scope="session")
+def straight_run(tiny_model_dir, arithmetic_files, tmp_path_factory):
+    """`straight_run(rollout, engine)`: the folder of test_resume's uninterrupted run for that
+    pair, run once per session (here, so that test_resume and test_stop share it)."""
+    from tests.test_resume import command, run
+
+    runs = {}
+
+    def get(rollout: str, engine: str):
+        if (rollout, engine) not in runs:
+            folder = tmp_path_factory.mktemp(f"straight_{rollout}_{engine}") / "run"
+            run(command(tiny_model_dir, arithmetic_files, folder, rollout, engine))
+            runs[rollout, engine] = folder
+        return runs[rollout, engine]
+
+    return get
+
+
 def run_overrides(model_dir, files, run_dir, max_prompt=200, response=16) -> list[str]:
     """Dotted overrides for a small CPU run of the tiny model on the arithmetic files."""
     return [

@@ -90,22 +90,6 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@pytest.fixture(scope="session")
-def straight_run(tiny_model_dir, arithmetic_files, tmp_path_factory):
-    """`straight_run(rollout, engine)`: the folder of run A for that pair, run once per session
-    (test_stop compares against it too)."""
-    runs = {}
-
-    def get(rollout: str, engine: str) -> Path:
-        if (rollout, engine) not in runs:
-            folder = tmp_path_factory.mktemp(f"straight_{rollout}_{engine}") / "run"
-            run(command(tiny_model_dir, arithmetic_files, folder, rollout, engine))
-            runs[rollout, engine] = folder
-        return runs[rollout, engine]
-
-    return get
-
-
 def copy_as_stopped_after(straight: Path, resumed: Path, step: int) -> None:
     """`straight`'s folder as it stood right after checkpoint `step`: no later checkpoint, metric
     or final model."""

@@ -16,8 +16,7 @@ import pytest
 from hybrid_rl.checkpoint import CheckpointManager
 from hybrid_rl.export import export_checkpoint
 from hybrid_rl.main import REPO_ROOT
-from tests.test_resume import (  # noqa: F401 (straight_run: a fixture)
-    STEPS, command, final_weights, run, step_metrics, straight_run)
+from tests.test_resume import STEPS, command, final_weights, run, step_metrics
 
 pytestmark = pytest.mark.slow
 
