@@ -110,10 +110,9 @@ def test_at_staleness_1_the_ratio_uses_the_engines_log_probs_and_resume_is_exact
     reward = tmp_path / "length_reward.py"
     reward.write_text(LENGTH_REWARD)  # scores that differ within groups: gradients from the start
     overrides = ["actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.actor.optim.lr=1e-3",
-                 f"custom_reward_function.path={reward}", "trainer.total_training_steps=4", "trainer.test_freq=-1",
-                 "trainer.val_before_train=false"]
+                 f"custom_reward_function.path={reward}", "trainer.test_freq=-1", "trainer.val_before_train=false"]
     lines = run(compose_config(async_overrides(tiny_model_dir, arithmetic_files, tmp_path / "full", *overrides,
-                                               "trainer.save_freq=2")))
+                                               "trainer.total_training_steps=4", "trainer.save_freq=2")))
     steps = {line["step"]: line for line in lines}
     assert [steps[k]["async/staleness"] for k in (1, 2, 3, 4)] == [0.0, 1.0, 1.0, 1.0]
     assert abs(steps[1]["actor/ppo_kl"]) < 1e-6  # sampled by the weights it updates
@@ -124,11 +123,15 @@ def test_at_staleness_1_the_ratio_uses_the_engines_log_probs_and_resume_is_exact
     assert all(steps[k]["rollout_corr/abs_logp_diff_mean"] > 100 * steps[1]["rollout_corr/abs_logp_diff_mean"]
                for k in (2, 3, 4))
     on_policy = run(compose_config(async_overrides(tiny_model_dir, arithmetic_files, tmp_path / "on", *overrides,
+                                                   "trainer.total_training_steps=2",
                                                    "algorithm.rollout_correction.bypass_mode=false")))
-    assert all(line["actor/ppo_kl"] == 0.0 for line in on_policy)  # the actor's own old log-probs
+    # Step 2 trains on a batch sampled one update ago, against the actor's own old log-probs.
+    assert [line["async/staleness"] for line in on_policy] == [0.0, 1.0]
+    assert all(line["actor/ppo_kl"] == 0.0 for line in on_policy)
 
     resumed = run(compose_config(async_overrides(
-        tiny_model_dir, arithmetic_files, tmp_path / "resumed", *overrides, "trainer.resume_mode=resume_path",
+        tiny_model_dir, arithmetic_files, tmp_path / "resumed", *overrides, "trainer.total_training_steps=4",
+        "trainer.resume_mode=resume_path",
         f"trainer.resume_from_path={tmp_path / 'full' / 'global_step_2'}")))
     for line in resumed:
         for key in COMPARED + ("actor/ppo_kl", "async/staleness"):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,33 +26,28 @@ from tests.engine_helpers import actor_config, make_engine, offloaded, rollout_b
 SMALL_HEAD_CHUNKS = ("actor_rollout_ref.model.head_chunk_size=4",)
 
 
-def _rank_main(rank, world, init_file, model_dir, out_dir, tp, pp):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def actor_part(inputs: dict, out_dir: str, tp: int, pp: int) -> dict:
     cfg = actor_config("megatron", tp, pp, extra=SMALL_HEAD_CHUNKS)
-    engine = make_engine(cfg, model_dir)
+    engine = make_engine(cfg, inputs["model"])
     infer = engine.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None)
     before = weights(engine)
     first = step(engine, cfg, 1)
     after = weights(engine)
     engine.save_checkpoint(os.path.join(out_dir, "ckpt"))
     second, second_weights = step(engine, cfg, 2), weights(engine)
-    resumed = make_engine(cfg, model_dir)
+    resumed = make_engine(cfg, inputs["model"])
     resumed.load_checkpoint(os.path.join(out_dir, "ckpt"))
     resumed_second, resumed_weights = step(resumed, cfg, 2), weights(resumed)
-    torch.save({"output": engine.is_output_rank, "dp": (engine.dp_rank, engine.dp_size), "infer": infer,
-                "before": before, "after": after, "first": first, "second": (second, second_weights),
-                "resumed": (resumed_second, resumed_weights)}, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    return {"output": engine.is_output_rank, "dp": (engine.dp_rank, engine.dp_size), "infer": infer,
+            "before": before, "after": after, "first": first, "second": (second, second_weights),
+            "resumed": (resumed_second, resumed_weights)}
 
 
-def _bf16_rank_main(rank, world, init_file, model_dir, out_dir, tp, pp):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def actor_bf16_part(inputs: dict, out_dir: str, tp: int, pp: int) -> dict:
     cfg = actor_config("megatron", tp, pp, extra=SMALL_HEAD_CHUNKS, dtype="bf16")
-    engine = make_engine(cfg, model_dir)
+    engine = make_engine(cfg, inputs["model"])
     infer = engine.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None)
-    torch.save({"infer": infer, "first": step(engine, cfg, 1), "dtype": engine.config.params_dtype},
-               os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    return {"infer": infer, "first": step(engine, cfg, 1), "dtype": engine.config.params_dtype}
 
 
 @pytest.fixture(scope="module")
@@ -58,20 +55,15 @@ def tiny_model_dir4(tmp_path_factory, tiny_tokenizer):
     return build_tiny_model(tmp_path_factory.mktemp("four_layers"), tiny_tokenizer, num_layers=4, rope_theta=1e5)
 
 
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
-def test_megatron_engine_matches_fsdp_and_resumes_exactly(tiny_model_dir4, tp, pp):
-    model_dir = tiny_model_dir4
+def test_megatron_engine_matches_fsdp_and_resumes_exactly(megatron_layout, tiny_model_dir4):
     cfg = actor_config("fsdp2")
-    fsdp = make_engine(cfg, model_dir)
+    fsdp = make_engine(cfg, tiny_model_dir4)
     expected_infer = fsdp.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None)
     expected = step(fsdp, cfg, 1)
     expected_after = weights(fsdp)
     mask = rollout_batch(1)["response_mask"].bool()
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_rank_main, args=(2, os.path.join(out_dir, "init"), model_dir, out_dir, tp, pp),
-                           nprocs=2, start_method="spawn")
-        results = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)]
-    assert [r["output"] for r in results] == ([True, False] if pp == 1 else [False, True])
+    results = megatron_layout.results("actor")
+    assert [r["output"] for r in results] == ([True, False] if megatron_layout.pp == 1 else [False, True])
     assert all(r["dp"] == (0, 1) for r in results)
     for result in results:
         for key in ("log_probs", "entropy"):  # every rank of the replica returns the outputs
@@ -90,8 +82,7 @@ def test_megatron_engine_matches_fsdp_and_resumes_exactly(tiny_model_dir4, tp, p
     assert loss == pytest.approx(expected["actor/loss"], rel=1e-4)
 
 
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
-def test_megatron_engine_trains_in_bf16(tiny_model_dir4, tp, pp):
+def test_megatron_engine_trains_in_bf16(megatron_layout, tiny_model_dir4):
     """Half precision as on GPUs and bf16 CPUs (megatron's Float16Module over fp32 optimizer
     masters): close to the fp32 FSDP engine within bf16's resolution; with PP the activations
     pass between stages in bf16."""
@@ -100,11 +91,7 @@ def test_megatron_engine_trains_in_bf16(tiny_model_dir4, tp, pp):
     expected_infer = fsdp.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None)
     expected = step(fsdp, cfg, 1)
     mask = rollout_batch(1)["response_mask"].bool()
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_bf16_rank_main, args=(2, os.path.join(out_dir, "init"), tiny_model_dir4, out_dir, tp, pp),
-                           nprocs=2, start_method="spawn")
-        results = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)]
-    for result in results:
+    for result in megatron_layout.results("actor_bf16"):
         assert result["dtype"] == torch.bfloat16
         diff = (result["infer"]["log_probs"] - expected_infer["log_probs"])[mask].abs().max()
         assert 0 < diff <= 0.1  # bf16 weights and activations, not fp32 ones
@@ -177,31 +164,37 @@ def reward_model_training(rm, batch, cfg) -> dict:
     return {"before": before, "metrics": metrics, "after": rm.infer(rows, Output.SCORES, 1.0, 2, None)["scores"]}
 
 
-def _reward_model_rank_main(rank, world, init_file, rm_dir, out_dir, tp, pp):
+def reward_model_part(inputs: dict, out_dir: str, tp: int, pp: int) -> dict:
     from hybrid_rl.workers.reward_model import training_optim
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     cfg = reward_model_config(tp, pp)
     role_cfg = OmegaConf.create({"strategy": "megatron", "megatron": cfg.reward_model.megatron, "grad_clip": 1.0})
     optim = training_optim(cfg.trainer.iterative.reward_model)
-    rm = build_engine(ModelSpec("reward_model", rm_dir, cfg.reward_model.model, head=Head.SCORE, optim_cfg=optim),
-                      role_cfg, torch.device("cpu"))
-    batch = torch.load(os.path.join(out_dir, "batch.pt"), weights_only=False)
-    torch.save({**reward_model_training(rm, batch, cfg), "output": rm.is_output_rank},
-               os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    rm = build_engine(ModelSpec("reward_model", inputs["reward_model"], cfg.reward_model.model, head=Head.SCORE,
+                                optim_cfg=optim), role_cfg, torch.device("cpu"))
+    batch = torch.load(inputs["reward_model_batch"], weights_only=False)
+    return {**reward_model_training(rm, batch, cfg), "output": rm.is_output_rank}
 
 
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
-def test_megatron_reward_model_scores_as_the_fsdp_one(tmp_path, tiny_tokenizer, tp, pp):
+@pytest.fixture(scope="module")
+def reward_model_case(tmp_path_factory, tiny_tokenizer) -> dict:
+    """A sequence classifier and six rows (mini-batches of 4 and 2) to score and train it on."""
+    from tests.rewards.test_reward_model import ANSWERS, CHATS, build_reward_model, rollouts
+
+    folder = tmp_path_factory.mktemp("reward_model")
+    batch_file = folder / "batch.pt"
+    torch.save(rollouts(tiny_tokenizer, CHATS * 2, ANSWERS[::-1] * 2), batch_file)
+    return {"reward_model": build_reward_model(folder / "model", tiny_tokenizer), "reward_model_batch": str(batch_file)}
+
+
+def test_megatron_reward_model_scores_as_the_fsdp_one(megatron_layout, reward_model_case):
     """`reward_model.strategy=megatron`: a sequence classifier's score at each row's last real
     token, over TP or PP ranks, equal to the FSDP engine's (fp32), before and after iterative
     RL's pointwise training, whose loss, accuracy and grad norm equal the FSDP engine's too."""
     from hybrid_rl.workers.reward_model import training_optim
-    from tests.rewards.test_reward_model import ANSWERS, CHATS, build_reward_model, rollouts
 
-    rm_dir = build_reward_model(tmp_path / "rm", tiny_tokenizer)
-    batch = rollouts(tiny_tokenizer, CHATS * 2, ANSWERS[::-1] * 2)  # six rows: mini-batches of 4 and 2
+    rm_dir = reward_model_case["reward_model"]
+    batch = torch.load(reward_model_case["reward_model_batch"], weights_only=False)
     cfg = reward_model_config()
     fsdp_role = OmegaConf.create({"strategy": "fsdp", "fsdp_config": cfg.reward_model.model.fsdp_config, "grad_clip": 1.0})
     model_cfg = OmegaConf.merge(cfg.reward_model.model, {"use_remove_padding": False})
@@ -210,10 +203,7 @@ def test_megatron_reward_model_scores_as_the_fsdp_one(tmp_path, tiny_tokenizer, 
                         fsdp_role, torch.device("cpu"))
     expected = reward_model_training(fsdp, batch, cfg)
     assert expected["metrics"]["reward_model/loss"] > 0 and not torch.allclose(expected["after"], expected["before"])
-    torch.save(batch, tmp_path / "batch.pt")
-    mp.start_processes(_reward_model_rank_main, args=(2, str(tmp_path / "init"), rm_dir, str(tmp_path), tp, pp),
-                       nprocs=2, start_method="spawn")
-    results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    results = megatron_layout.results("reward_model")
     assert sum(result["output"] for result in results) == 1  # one data-parallel replica
     for result in results:
         assert result["before"].shape == (len(batch),)
@@ -248,10 +238,8 @@ def critic_run(cfg, model_dir) -> dict:
     return {"values": values, "metrics": metrics, "before": before, "after": weights(critic)}
 
 
-def _critic_rank_main(rank, world, init_file, model_dir, out_dir, tp, pp):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    torch.save(critic_run(critic_config("megatron", tp, pp), model_dir), os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+def critic_part(inputs: dict, out_dir: str, tp: int, pp: int) -> dict:
+    return critic_run(critic_config("megatron", tp, pp), inputs["value_model"])
 
 
 @pytest.fixture(scope="module")
@@ -268,15 +256,43 @@ def value_model_dir(tiny_model_dir4, tmp_path_factory):
     return str(folder)
 
 
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
-def test_megatron_critic_matches_fsdp(value_model_dir, tp, pp):
+PARTS = {"actor": actor_part, "actor_bf16": actor_bf16_part, "critic": critic_part, "reward_model": reward_model_part}
+
+
+def _layout_rank_main(rank, world, init_file, inputs, out_dir, tp, pp):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    for name, part in PARTS.items():
+        torch.save(part(inputs, out_dir, tp, pp), os.path.join(out_dir, f"{name}_rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@dataclass
+class LayoutRun:
+    tp: int
+    pp: int
+    out_dir: Path
+
+    def results(self, part: str) -> list[dict]:
+        return [torch.load(self.out_dir / f"{part}_rank{rank}.pt") for rank in range(2)]
+
+
+@pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["2-1", "1-2"])
+def megatron_layout(request, tiny_model_dir4, value_model_dir, reward_model_case, tmp_path_factory) -> LayoutRun:
+    """The Megatron side of the comparisons with FSDP (actor in fp32 and bf16, critic, reward
+    model) on one TP x PP layout, in one spawn of two gloo ranks: a spawn costs each rank ~10 s of
+    imports."""
+    tp, pp = request.param
+    out_dir = tmp_path_factory.mktemp(f"megatron_tp{tp}_pp{pp}")
+    inputs = {"model": tiny_model_dir4, "value_model": value_model_dir, **reward_model_case}
+    mp.start_processes(_layout_rank_main, args=(2, str(out_dir / "init"), inputs, str(out_dir), tp, pp), nprocs=2,
+                       start_method="spawn")
+    return LayoutRun(tp, pp, out_dir)
+
+
+def test_megatron_critic_matches_fsdp(megatron_layout, value_model_dir):
     expected = critic_run(critic_config("fsdp2"), value_model_dir)
     mask = rollout_batch(1)["response_mask"].bool()
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_critic_rank_main, args=(2, os.path.join(out_dir, "init"), value_model_dir, out_dir, tp, pp),
-                           nprocs=2, start_method="spawn")
-        results = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)]
-    for result in results:
+    for result in megatron_layout.results("critic"):
         assert (result["values"] - expected["values"])[mask].abs().max() <= 1e-5
         assert result["metrics"]["critic/grad_norm"] == pytest.approx(expected["metrics"]["critic/grad_norm"], rel=1e-4)
         assert set(result["after"]) == set(expected["after"])  # score.weight and score.bias, no lm_head
