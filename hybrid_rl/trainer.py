@@ -429,9 +429,11 @@ class Trainer:
             if self.iteration is not None and self.iteration.due(step):
                 metrics.update(self.end_iteration())
             is_last = step == self.total_steps
+            # As in verl: every test_freq steps and at the last one; test_freq <= 0 never validates
+            # after val_before_train (a final validation nobody asked for costs a whole pass).
             test_freq = cfg.trainer.test_freq
-            if (self.val_dataset is not None and not self.stop_requested
-                    and (is_last or (test_freq > 0 and step % test_freq == 0))):
+            if (self.val_dataset is not None and not self.stop_requested and test_freq > 0
+                    and (is_last or step % test_freq == 0)):
                 val_metrics = self.validate()
                 self.summary.add_validation(step, val_metrics)
                 metrics.update(val_metrics)

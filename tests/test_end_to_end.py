@@ -52,7 +52,7 @@ def test_two_ranks_vllm_grpo(eager, rollout_tp, lora_rank, ray_session, tiny_mod
         f"actor_rollout_ref.rollout.enforce_eager={eager}", f"actor_rollout_ref.model.lora_rank={lora_rank}",
         f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp}",
         "trainer.n_gpus_per_node=2", "trainer.cpus_per_worker=1", "trainer.total_training_steps=2",
-        "trainer.test_freq=-1", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4",
+        "trainer.test_freq=2", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.rollout.name=vllm",
         # The random model earns no reward: the entropy bonus gives the adapter a gradient (weight

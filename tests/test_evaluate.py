@@ -45,6 +45,9 @@ def test_evaluates_a_model_and_a_run_checkpoint_the_same(ray_session, tiny_model
         trainer.fit()
     finally:
         trainer.shutdown()
+    # trainer.test_freq=-1: no validation after val_before_train, not even at the last step (as in verl).
+    (line,) = [json.loads(text) for text in open(run_dir / "metrics.jsonl")]
+    assert line["step"] == 1 and not [key for key in line if key.startswith("val")]
 
     results = {}
     for name, model in (("final", tmp_path / "final"), ("checkpoint", run_dir)):
