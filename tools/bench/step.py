@@ -71,7 +71,6 @@ def run_steps(steps: int, overrides: list[str], config_name: str = "ppo_trainer"
                           f"trainer.default_local_dir={run_dir}", "trainer.progress_bar=false", *overrides],
                          config_name=config_name)
     trainer = build_trainer(cfg)
-    trainer.val_dataset = None  # the built-in data set brings a validation split: keep it out
     try:
         trainer.fit()
     finally:

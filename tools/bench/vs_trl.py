@@ -128,8 +128,8 @@ def ours_overrides(model_path: str, train_file: str, run_dir: str, steps: int, p
     compute_dtype, engine_dtype = OURS_DTYPES[precision]
     return [
         f"trainer.total_training_steps={steps}",
-        # No validation: with the built-in data the validation split would still run after the
-        # last step, so the data files are named and no validation file is given.
+        # No validation: none before training, and test_freq=-1 means none after any step (verl's
+        # rule); no validation file is given either, so none is loaded.
         "trainer.val_before_train=false", "trainer.test_freq=-1",
         f"data.train_files={train_file}", "data.val_files=null",
         "trainer.logger=[jsonl]", f"trainer.default_local_dir={run_dir}", "trainer.progress_bar=false",
