@@ -91,7 +91,8 @@ def bf16_engine_samples(model_dir: str, in_place: bool, lora_adapters: bool) -> 
             # (vLLM's reload frees the weights it packs: nothing to compare with there.)
             "packed_error": max(rollout.llm.apply_model(packed_layer_error)) if in_place else 0.0,
             "in_place": in_place, "kept_bytes": rollout.kept_linear_bytes,
-            "logged": rollout.settings()["cpu_in_place_sync"]}
+            "logged": rollout.settings()["cpu_in_place_sync"],
+            "compiled_frames": torch._dynamo.utils.counters["frames"]["total"]}
 
 
 def packed_layer_error(model) -> float:
@@ -126,6 +127,7 @@ def test_float32_pushes_land_as_their_bf16_cast(tiny_model_dir, in_place, lora_a
     if in_place:  # vLLM's reload leaves a tied head that is not named at its old values
         assert runs["head_unnamed"] == runs["full_scaled"]
     assert runs["packed_error"] < 0.02  # bf16 rounding; a layer left with other weights is off by ~1
+    assert runs["compiled_frames"] == 0  # an eager engine compiles none of vLLM's sampling helpers
     # What keeping the weights costs, in bf16: each layer's q, k, v, o, gate, up and down
     # projections (the tied LM head is the embedding, kept anyway).
     config = AutoConfig.from_pretrained(tiny_model_dir)
