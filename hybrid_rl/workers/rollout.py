@@ -277,10 +277,10 @@ class VLLMRollout:
                 **({"cpu_in_place_sync": self.load_in_place} if self.on_cpu else {})}
 
     def sampling_context(self):
-        """Where the engine samples. An eager CPU engine still compiled two small helpers of
-        vLLM's with torch.compile at its first rollout (the rank of each sampled token's log-prob;
-        with a split vocabulary, the embedding's input mask): 2.7 s with inductor's cache warm,
-        5.3 s cold, for the same integers that eager ops give. Eager here means eager for them too."""
+        """Where the engine samples. An eager CPU engine still compiled vLLM's small
+        torch.compile'd helpers at its first rollout (on this path, the one that ranks each sampled
+        token's log-prob): 2-2.8 s with inductor's cache warm, 3.5 s cold, for the same integers
+        that eager ops give. Eager here means eager for them too."""
         return torch.compiler.set_stance("force_eager") if self.eager_helpers else contextlib.nullcontext()
 
     def generate(self, batch: Batch, settings: dict, response_length: int) -> tuple[list, list]:
