@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,19 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
         del model.config.quantization_config
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    tmp.rename(out_dir)  # atomic: a crash mid-conversion never leaves a half-written cache entry
+    return publish_folder(tmp, out_dir)
+
+
+def publish_folder(tmp: Path, out_dir: Path) -> Path:
+    """Move the finished folder `tmp` to `out_dir` in one rename, so a crash never leaves a
+    half-written cache entry; when another process (two jobs starting at once) published first,
+    keep its copy."""
+    try:
+        tmp.rename(out_dir)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out_dir / "config.json").is_file():
+            raise
     return out_dir
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybrid_rl.models import ModelPathError, default_gguf_path, resolve_model_path
+from hybrid_rl.models import ModelPathError, default_gguf_path, publish_folder, resolve_model_path
 
 
 def test_default_gguf_is_found_without_importing_the_llm_plugin():
@@ -35,6 +35,21 @@ def test_converted_default_model_needs_no_package(tmp_path, monkeypatch):
     converted.mkdir(parents=True)
     (converted / "config.json").write_text("{}")
     assert resolve_model_path(None) == str(converted)
+
+
+def test_a_conversion_finished_by_another_process_first_is_kept(tmp_path):
+    def converted(name: str, text: str):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(text)
+        return tmp_path / name
+
+    out = tmp_path / "model"
+    assert publish_folder(converted("model.tmp1", "first"), out) == out
+    assert publish_folder(converted("model.tmp2", "second"), out) == out
+    assert (out / "config.json").read_text() == "first" and sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    (tmp_path / "file").write_text("not a folder")  # a failed move that left nothing usable still raises
+    with pytest.raises(OSError):
+        publish_folder(converted("model.tmp3", "third"), tmp_path / "file")
 
 
 def test_local_folder_is_used_as_is(tiny_model_dir):
