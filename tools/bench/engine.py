@@ -25,7 +25,9 @@ depend on the values).
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -42,7 +44,9 @@ def init_process_group(device_type: str) -> None:
 
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-        init_method = f"file://{os.path.join(tempfile.mkdtemp(prefix='bench_engine_pg_'), 'init')}"
+        folder = tempfile.mkdtemp(prefix="bench_engine_pg_")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        init_method = f"file://{os.path.join(folder, 'init')}"
     else:
         init_method = "env://"
     backend = "gloo"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 
@@ -73,9 +74,10 @@ def run_steps(steps: int, overrides: list[str], config_name: str = "ppo_trainer"
     trainer = build_trainer(cfg)
     try:
         trainer.fit()
+        rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     finally:
         trainer.shutdown()
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+        shutil.rmtree(run_dir, ignore_errors=True)
     return {"cfg": cfg, "model_path": trainer.model_path}, rows[1:] if len(rows) > 1 else rows
 
 
