@@ -4,8 +4,12 @@ causal LM built from a config, so no test needs a model hub or network."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+from pathlib import Path
 
 import pytest
+from filelock import FileLock
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -14,6 +18,17 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 SPECIALS = ["<pad>", "<eos>", "<|user|>", "<|assistant|>", "<|system|>"]
+
+
+# Memory one test process may need at its peak (a two-rank job with two vLLM engines and Megatron).
+GIB_PER_TEST_PROCESS = 6
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: a test process per core, as many as memory allows."""
+    cores = len(os.sched_getaffinity(0))
+    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return max(1, min(cores, int(memory_gib // GIB_PER_TEST_PROCESS)))
 
 
 def build_tokenizer(chat_template=CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
@@ -71,9 +86,24 @@ def make_tokenizer():
     return build_tokenizer
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """The folder `name`, made by `build(folder)` once per test session and shared by the
+    pytest-xdist workers (the first to ask builds it while the others wait)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # this session's folder, above each worker's own
+    folder, done = root / name, root / f"{name}.done"
+    with FileLock(root / f"{name}.lock"):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            build(folder)
+            done.touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tiny_tokenizer) -> str:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_model"), tiny_tokenizer)
+    return str(built_once(tmp_path_factory, "tiny_model", lambda folder: build_tiny_model(folder, tiny_tokenizer)))
 
 
 @pytest.fixture(scope="module")
@@ -111,14 +141,9 @@ def straight_run(tiny_model_dir, arithmetic_files, tmp_path_factory):
     pair, run once per session (here, so that test_resume and test_stop share it)."""
     from tests.test_resume import command, run
 
-    runs = {}
-
-    def get(rollout: str, engine: str):
-        if (rollout, engine) not in runs:
-            folder = tmp_path_factory.mktemp(f"straight_{rollout}_{engine}") / "run"
-            run(command(tiny_model_dir, arithmetic_files, folder, rollout, engine))
-            runs[rollout, engine] = folder
-        return runs[rollout, engine]
+    def get(rollout: str, engine: str) -> Path:
+        return built_once(tmp_path_factory, f"straight_{rollout}_{engine}",
+                          lambda folder: run(command(tiny_model_dir, arithmetic_files, folder, rollout, engine)))
 
     return get
 

@@ -15,7 +15,9 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -34,39 +36,52 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def two_node_cluster(tmp_path_factory):
+def two_node_cluster():
     """Head + one more node; `ray start --block` stops what it started when terminated, so other
     Ray instances on the machine are left alone."""
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    temp = tmp_path_factory.mktemp("ray")
+    # Ray's own folder, short: its socket paths must stay under AF_UNIX's 107 bytes, which a
+    # pytest-xdist worker's temporary folder exceeds.
+    temp = Path(tempfile.mkdtemp(prefix="ray-"))
     port, dashboard = free_port(), free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
     env.pop("RAY_ADDRESS", None)
     common = ["--num-cpus=2", "--num-gpus=0", "--disable-usage-stats", "--block"]
-    nodes = [subprocess.Popen([ray_bin, "start", "--head", f"--port={port}", f"--temp-dir={temp}",
-                               "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", *common],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    nodes = []
+
+    def start(name: str, *args: str) -> None:
+        with open(temp / f"{name}.log", "w") as log:  # read back when the node does not come up
+            nodes.append((subprocess.Popen([ray_bin, "start", *args, *common], env=env, stdout=log,
+                                           stderr=subprocess.STDOUT), log.name))
+
     try:
-        wait_for_nodes(ray_bin, f"127.0.0.1:{port}", 1, env)
-        nodes.append(subprocess.Popen([ray_bin, "start", f"--address=127.0.0.1:{port}", *common], env=env,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        wait_for_nodes(ray_bin, f"127.0.0.1:{port}", 2, env)
+        start("head", "--head", f"--port={port}", f"--temp-dir={temp}", "--dashboard-host=127.0.0.1",
+              f"--dashboard-port={dashboard}")
+        wait_for_nodes(ray_bin, f"127.0.0.1:{port}", nodes, env)
+        start("second", f"--address=127.0.0.1:{port}")
+        wait_for_nodes(ray_bin, f"127.0.0.1:{port}", nodes, env)
         yield {"env": env, "dashboard": f"http://127.0.0.1:{dashboard}", "address": f"127.0.0.1:{port}"}
     finally:
-        for node in reversed(nodes):
+        for node, _ in reversed(nodes):
             node.terminate()
             node.wait(timeout=60)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
-def wait_for_nodes(ray_bin: str, address: str, count: int, env: dict, timeout_s: float = 120) -> None:
+def wait_for_nodes(ray_bin: str, address: str, nodes: list, env: dict, timeout_s: float = 120) -> None:
+    """Until Ray at `address` lists every node started; a node whose `ray start` exits fails at once,
+    with its output."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        for node, log in nodes:
+            if node.poll() is not None:
+                raise RuntimeError(f"`ray start` exited with {node.returncode}:\n{open(log).read()[-3000:]}")
         done = subprocess.run([ray_bin, "status", f"--address={address}"], env=env, capture_output=True, text=True)
-        if done.returncode == 0 and len(re.findall(r"^ 1 node_", done.stdout, re.M)) >= count:
+        if done.returncode == 0 and len(re.findall(r"^ 1 node_", done.stdout, re.M)) >= len(nodes):
             return
         time.sleep(2)
-    raise TimeoutError(f"{count} Ray node(s) did not come up within {timeout_s} s: {done.stdout}{done.stderr}")
+    raise TimeoutError(f"{len(nodes)} Ray node(s) did not come up within {timeout_s} s: {done.stdout}{done.stderr}")
 
 
 SPREAD_CHECK = """

@@ -124,15 +124,24 @@ def wait_for(condition, timeout_s: float, what: str):
     raise TimeoutError(what)
 
 
-def ray_processes() -> set[int]:
+def ray_processes(job: str) -> set[int]:
+    """The Ray processes of SLURM job `job` (by the job id in their environment): other Ray
+    instances on the machine, a test running beside this one, are not the job's."""
     found = subprocess.run(["pgrep", "-f", "raylet|gcs_server|ray start"], capture_output=True, text=True).stdout
-    return {int(pid) for pid in found.split()}
+    pids = set()
+    for pid in found.split():
+        try:
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:  # ended meanwhile
+            continue
+        if f"SLURM_JOB_ID={job}".encode() in environ:
+            pids.add(int(pid))
+    return pids
 
 
 @needs_slurm
 def test_the_sbatch_script_trains_on_two_nodes_and_scancel_stops_ray(slurm, tiny_model_dir, arithmetic_files,
                                                                     tmp_path):
-    before = ray_processes()
     overrides = run_overrides(tiny_model_dir, arithmetic_files, tmp_path / "run", 64, 8) + [
         "trainer.n_gpus_per_node=1", "trainer.test_freq=-1", "trainer.val_before_train=false",
         "trainer.logger=[console,jsonl]", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
@@ -147,7 +156,7 @@ def test_the_sbatch_script_trains_on_two_nodes_and_scancel_stops_ray(slurm, tiny
     placed = re.search(r"Ranks on Ray nodes: 0 on (\w+) .*, 1 on (\w+) ", log)
     assert placed and placed[1] != placed[2], log[-4000:]
     assert [json.loads(line)["step"] for line in open(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
-    wait_for(lambda: ray_processes() <= before, 60, "Ray processes left after the job")
+    wait_for(lambda: not ray_processes(job), 60, "Ray processes left after the job")
 
     # The driver's exit code is the job's (2: bad input).
     job = submit(slurm, tmp_path / "bad.out", overrides + ["data.train_batch_size=3"])
@@ -161,9 +170,10 @@ def test_the_sbatch_script_trains_on_two_nodes_and_scancel_stops_ray(slurm, tiny
     job = submit(slurm, out2, [o.replace(str(tmp_path / "run"), str(run2)) for o in overrides]
                  + ["trainer.total_training_steps=50", "trainer.save_freq=1"])
     wait_for(lambda: out2.exists() and "step 1:" in out2.read_text(), 600, "step 1 of the second job")
+    assert ray_processes(job), "the running job's Ray processes are not found"
     subprocess.run(["scancel", job], env=slurm, check=True)
     wait_for(lambda: job_state(slurm, job)[0] in ("CANCELLED", "GONE"), 120, f"job {job} cancelled")
-    wait_for(lambda: ray_processes() <= before, 90, "Ray processes left after scancel")
+    wait_for(lambda: not ray_processes(job), 90, "Ray processes left after scancel")
     steps = sorted(int(p.name.split("_")[-1]) for p in run2.glob("global_step_*"))
     assert steps and steps[0] == 1
     latest = int((run2 / "latest_checkpointed_iteration.txt").read_text())
