@@ -20,7 +20,7 @@ CHAT_TEMPLATE = (
 SPECIALS = ["<pad>", "<eos>", "<|user|>", "<|assistant|>", "<|system|>"]
 
 
-# Memory one test process may need at its peak (a two-rank job with two vLLM engines and Megatron).
+# Memory one test process may need: two of them peaked at 11.8 GiB used on the machine (docs/benchmarks.md).
 GIB_PER_TEST_PROCESS = 6
 
 
