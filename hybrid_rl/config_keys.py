@@ -50,8 +50,6 @@ def compose_config(overrides=(), config_name: str = "ppo_trainer") -> DictConfig
     return cfg
 
 
-
-
 @dataclass(frozen=True)
 class Rule:
     pattern: str
