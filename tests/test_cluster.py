@@ -12,7 +12,6 @@ import os
 import re
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,17 +21,11 @@ from pathlib import Path
 import pytest
 
 from hybrid_rl.main import REPO_ROOT
-from tests.conftest import run_overrides
+from tests.conftest import free_port, run_overrides
 
 pytestmark = pytest.mark.slow
 needs_dashboard = pytest.mark.skipif(importlib.util.find_spec("aiohttp_cors") is None,
                                      reason="ray[default] (the cluster extra) is not installed")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import time
 import pytest
 
 from hybrid_rl.main import REPO_ROOT
-from tests.conftest import run_overrides
+from tests.conftest import free_port, run_overrides
 
 DAEMONS = ("slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "munged")
 pytestmark = pytest.mark.slow
@@ -30,12 +30,6 @@ needs_slurm = pytest.mark.skipif(
     reason="needs root and SLURM + munge (apt-get install slurmctld slurmd slurm-client munge)")
 
 SCRIPT = os.path.join(REPO_ROOT, "tools", "cluster", "slurm_ray.sbatch")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def binary(name: str) -> str:
