@@ -15,6 +15,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from importlib import metadata
+from pathlib import Path
 
 REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 # The scripts must import hybrid_rl from this checkout even when it is not installed.
@@ -195,7 +196,7 @@ def random_model(shape: str, seed: int = 0, stored_dtype: str = "float32") -> st
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from hybrid_rl.models import cache_dir, resolve_model_path
+    from hybrid_rl.models import cache_dir, publish_folder, resolve_model_path
 
     suffix = "" if stored_dtype == "float32" else "-bf16" if stored_dtype == "bfloat16" else None
     if suffix is None:
@@ -217,5 +218,4 @@ def random_model(shape: str, seed: int = 0, stored_dtype: str = "float32") -> st
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.to(getattr(torch, stored_dtype)).save_pretrained(partial)
     tokenizer.save_pretrained(partial)
-    os.replace(partial, folder)
-    return folder
+    return str(publish_folder(Path(partial), Path(folder)))

@@ -84,7 +84,7 @@ def smollm2_path() -> str:
 def random_model_path() -> str:
     """Build the random model once (seeded, so every machine gets the same weights) next to
     hybrid-rl's other cached models; the folder name changes with the config."""
-    from hybrid_rl.models import cache_dir
+    from hybrid_rl.models import cache_dir, publish_folder
 
     base = smollm2_path()
     digest = hashlib.sha1(json.dumps([RANDOM_MODEL_CONFIG, RANDOM_MODEL_SEED], sort_keys=True).encode())
@@ -103,8 +103,7 @@ def random_model_path() -> str:
     tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
     model.save_pretrained(tmp)  # also writes generation_config.json (bos/eos/pad from the config)
     AutoTokenizer.from_pretrained(base).save_pretrained(tmp)
-    tmp.rename(folder)  # atomic: an interrupted build leaves no half-written model behind
-    return str(folder)
+    return str(publish_folder(tmp, folder))
 
 
 def count_parameters(model_path: str) -> int:
