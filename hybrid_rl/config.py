@@ -18,6 +18,7 @@ from hybrid_rl.controller.worker_group import PLACEMENT_STRATEGIES
 from hybrid_rl.engines import ENGINES, lora
 from hybrid_rl.engines.megatron.checks import check_roles as check_megatron_roles
 from hybrid_rl.hardware import TORCH_DTYPES, resolve_dtype
+from hybrid_rl.profiler import ROLE_PROFILER_KEYS, TORCH_CONTENTS
 from hybrid_rl.tracking import LOGGERS, OPTIONAL_LOGGERS, VERL_ONLY_LOGGERS
 from hybrid_rl.workers.rollout import context_length, resolve_enforce_eager
 
@@ -292,6 +293,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
         rollout.enforce_eager = resolve_enforce_eager(rollout.enforce_eager, trainer.device)
     _check_served_reward_model(cfg)
     refuse_unsupported_keys(cfg)
+    check_profiler(cfg)  # after the key-level refusals, which name every such key at once
     return cfg
 
 
@@ -514,6 +516,53 @@ def check_lora(cfg: DictConfig) -> None:
         raise ConfigError("trainer.iterative.reset_reference=true with LoRA: the reference policy is the base model "
                           "with the adapter off and cannot move to the actor; set "
                           "trainer.iterative.reset_reference=false or actor_rollout_ref.model.lora_rank=0.")
+
+
+def _profiled_roles(cfg: DictConfig) -> dict[str, int]:
+    """{role: processes of its pool} for the roles this run has (hybrid_rl/profiler.py)."""
+    world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    roles = {"actor_rollout_ref": world}
+    if needs_critic(cfg):
+        roles["critic"] = world
+    if cfg.reward_model.enable:
+        rm = cfg.reward_model
+        roles["reward_model"] = rm.nnodes * rm.n_gpus_per_node if rm.enable_resource_pool else world
+    if not cfg.actor_rollout_ref.hybrid_engine:
+        roles["rollout"] = cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node
+    return roles
+
+
+def check_profiler(cfg: DictConfig) -> None:
+    """global_profiler.tool=torch over global_profiler.steps, and the roles' profiler settings."""
+    prof = cfg.global_profiler
+    _choice(prof.tool, (None, "torch"), "global_profiler.tool",
+            {name: "use torch, PyTorch's profiler" for name in ("nsys", "npu", "torch_memory")})
+    enabled = {role: key for role, key in ROLE_PROFILER_KEYS.items()
+               if role in _profiled_roles(cfg) and OmegaConf.select(cfg, f"{key}.enable")}
+    if prof.tool is None:
+        if enabled:
+            raise ConfigError(f"{next(iter(enabled.values()))}.enable=true records nothing without "
+                              "global_profiler.tool=torch and global_profiler.steps=[...] (the steps to profile).")
+        return
+    steps = prof.steps
+    if not steps or not all(isinstance(s, int) and s > 0 for s in steps):
+        raise ConfigError(f"global_profiler.tool=torch profiles the steps listed in global_profiler.steps, which must "
+                          f"be a list of step numbers >= 1 (got {steps}); e.g. global_profiler.steps=[2,3].")
+    if not enabled:
+        raise ConfigError("global_profiler.tool=torch, but no role's profiler is enabled: set "
+                          "actor_rollout_ref.actor.profiler.enable=true (or critic.profiler.enable=true, ...).")
+    roles = _profiled_roles(cfg)
+    for role, key in enabled.items():
+        node = OmegaConf.select(cfg, key)
+        contents = OmegaConf.select(node, "tool_config.torch.contents") or []
+        unknown = sorted(set(contents) - set(TORCH_CONTENTS))
+        if unknown:
+            raise ConfigError(f"{key}.tool_config.torch.contents lists {unknown}; it may list "
+                              f"{', '.join(TORCH_CONTENTS)}.")
+        bad = [r for r in node.ranks or () if not (isinstance(r, int) and 0 <= r < roles[role])]
+        if not node.all_ranks and bad:
+            raise ConfigError(f"{key}.ranks={list(node.ranks)}: {bad} are not ranks of its {roles[role]} processes "
+                              f"(0 to {roles[role] - 1}).")
 
 
 def check_lengths(cfg: DictConfig) -> None:

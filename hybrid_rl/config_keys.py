@@ -336,9 +336,20 @@ RULES: tuple[Rule, ...] = tuple([
             "trainer.ray_wait_register_center_timeout"),
     *_rules(NO_EFFECT, "read only by verl's asynchronous trainer modes, which are not supported yet", "trainer.v1.*"),
     # --- verl subsystems not built here
-    *_rules(NOT_YET, "profiling is not built yet", "global_profiler.tool", "*.profiler.enable", "*.profiler.tool",
-            "global_profiler.steps", "*.profiler.all_ranks", "*.profiler.ranks"),
-    *_rules(NO_EFFECT, "read only by a profiler, which is not supported yet", "global_profiler.*", "*.profiler.*"),
+    # --- profiling (hybrid_rl/profiler.py): torch.profiler over global_profiler.steps
+    *_rules(NO_EFFECT, "the reference model runs in the actor's worker process, which "
+            "actor_rollout_ref.actor.profiler profiles", "actor_rollout_ref.ref.profiler.*"),
+    *_rules(WORKS, "", "global_profiler.tool", "global_profiler.steps", "global_profiler.profile_continuous_steps",
+            "global_profiler.save_path", "*.profiler.enable", "*.profiler.all_ranks", "*.profiler.ranks",
+            "*.profiler.save_path", "*.profiler.tool_config.torch.contents", "*.profiler.tool_config.torch.discrete",
+            "reward_model.profiler.tool_config"),
+    *_rules(NOT_YET, "every role follows global_profiler.tool here; set that instead", "*.profiler.tool"),
+    *_rules(NOT_YET, "not built yet", "*.profiler.relocate_results", "*.profiler.finish_hook_*",
+            "global_profiler.relocate_results", "global_profiler.finish_hook_*"),
+    *_rules(NO_EFFECT, "the torch profiler records whole steps (global_profiler.steps) and whole rollouts",
+            "*.profiler.tool_config.torch.*"),
+    *_rules(NO_EFFECT, "read only by a profiler tool other than torch, which is not supported yet",
+            "global_profiler.*", "*.profiler.*"),
     *_rules(NOT_YET, "distillation is not built yet", "distillation.enabled"),
     *_rules(NO_EFFECT, "read only with distillation.enabled, which is not supported yet", "distillation.*"),
     *_rules(NOT_YET, "verl's transfer queue is not built", "transfer_queue.enable"),

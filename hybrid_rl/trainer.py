@@ -41,6 +41,7 @@ from hybrid_rl.data import EpochSampler, RLDataset, collate_prompts
 from hybrid_rl.iterative import IterationSamples, load_step_scorer
 from hybrid_rl.metrics import (Timer, compute_data_metrics, multi_turn_metrics, per_source_means,
                                reduce_worker_metrics, reward_source_metrics, throughput_metrics)
+from hybrid_rl.profiler import StepWindows
 from hybrid_rl.protocol import Batch, BatchMeta, Sampling
 from hybrid_rl.rewards import RewardManager
 from hybrid_rl.tracking import Tracker
@@ -423,8 +424,14 @@ class Trainer:
                 return
         self.summary.first_step = self.global_step + 1
         self.batches = iter(self.sampler)
+        profiled = StepWindows(cfg.global_profiler.steps if cfg.global_profiler.tool == "torch" else (),
+                               cfg.global_profiler.profile_continuous_steps)
+        profiling = False
         for step in range(self.global_step + 1, self.total_steps + 1):
             self.global_step = step
+            if step in profiled.steps and not profiling:
+                self.toggle_profilers("start_profile", step)
+                profiling = True
             metrics = self.train_step(None if self.async_rollout else next(self.batches))
             if self.iteration is not None and self.iteration.due(step):
                 metrics.update(self.end_iteration())
@@ -454,6 +461,9 @@ class Trainer:
             else:
                 log_step()
             tracker.advance(metrics["critic/score/mean"])
+            if profiling and (profiled.ends(step) or is_last or self.stop_requested):
+                self.toggle_profilers("stop_profile", step)
+                profiling = False
             if self.stop_requested:
                 if save_freq > 0 and not saved:  # the signal came while this step was being logged
                     self.save_checkpoint()
@@ -461,6 +471,13 @@ class Trainer:
                 return
         if cfg.trainer.final_model_dir:
             self.summary.final_model = self.save_final_model(cfg.trainer.final_model_dir)
+
+    def toggle_profilers(self, method: str, step: int) -> None:
+        """`start_profile` or `stop_profile` on every worker group; each process's own settings
+        say whether it records (hybrid_rl/profiler.py)."""
+        for group in (self.workers, self.critic, self.reward_model, getattr(self, "rollout_group", None)):
+            if group is not None:
+                getattr(group, method)(step)
 
     # ------------------------------------------------------------------ checkpoints
     def write_hf_files(self, folder: str) -> None:

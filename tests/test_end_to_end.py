@@ -4,6 +4,7 @@ vLLM engine, through the real driver, Ray worker group, rewards and trainer loop
 from __future__ import annotations
 
 import glob
+import gzip
 import json
 import math
 import os
@@ -106,16 +107,27 @@ def test_two_ranks_vllm_grpo(eager, rollout_tp, lora_rank, ray_session, tiny_mod
 
 
 def test_two_ranks_hf_rollout(ray_session, tiny_model_dir, arithmetic_files, tmp_path):
-    """rollout.name=hf: transformers generate on the sharded actor, ranks kept in lock-step."""
+    """rollout.name=hf: transformers generate on the sharded actor, ranks kept in lock-step. With
+    verl's profiler keys: torch.profiler traces the second step of rank 1 only."""
+    profile = tmp_path / "profile"
     cfg = compose_config(run_overrides(tiny_model_dir, arithmetic_files, tmp_path, MAX_PROMPT, RESPONSE) + [
-        "trainer.n_gpus_per_node=2", "trainer.cpus_per_worker=1", "trainer.total_training_steps=1",
-        "trainer.val_before_train=false", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-        "actor_rollout_ref.rollout.name=hf",
+        "trainer.n_gpus_per_node=2", "trainer.cpus_per_worker=1", "trainer.total_training_steps=2",
+        "trainer.val_before_train=false", "trainer.test_freq=2", "data.train_batch_size=2",
+        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.rollout.name=hf",
+        "global_profiler.tool=torch", "global_profiler.steps=[2]", f"global_profiler.save_path={profile}",
+        "actor_rollout_ref.actor.profiler.enable=true", "actor_rollout_ref.actor.profiler.ranks=[1]",
     ])
     trainer = build_trainer(cfg)
     summary = trainer.fit()
     trainer.shutdown()
     steps = [json.loads(line) for line in open(os.path.join(tmp_path, "metrics.jsonl"))]
-    assert steps[-1]["step"] == 1 and math.isfinite(steps[-1]["actor/pg_loss"])
-    assert summary.val_scores[-1][0] == 1 and 0.0 <= summary.val_scores[-1][1] <= 1.0
+    assert steps[-1]["step"] == 2 and math.isfinite(steps[-1]["actor/pg_loss"])
+    assert summary.val_scores[-1][0] == 2 and 0.0 <= summary.val_scores[-1][1] <= 1.0
+    assert sorted(p.relative_to(profile).as_posix() for p in profile.rglob("*")) == [
+        "step2", "step2/actor_rollout_ref_rank1.json.gz", "step2/actor_rollout_ref_rank1.txt"]
+    with gzip.open(profile / "step2" / "actor_rollout_ref_rank1.json.gz", "rt") as f:
+        names = {event.get("name") for event in json.load(f)["traceEvents"]}
+    # The step's worker calls, validation's generation among them, and the update's matmuls.
+    assert {"generate_sequences", "update_actor", "aten::mm"} <= names
+    assert "aten::mm" in (profile / "step2" / "actor_rollout_ref_rank1.txt").read_text()

@@ -17,6 +17,8 @@ import inspect
 from enum import Enum
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from hybrid_rl.profiler import profiled_method
+
 __all__ = [
     "Dispatch",
     "DispatchInfo",
@@ -71,9 +73,9 @@ class RankLayout:
 def register(dispatch: Dispatch = Dispatch.ALL_TO_ALL, blocking: bool = True, mesh: Optional[str] = None) -> Callable:
     """Tag a worker method with its dispatch mode.
 
-    The function object is returned unchanged (only an attribute is added), so
-    calling the method directly inside the worker behaves exactly as before.
-    ``blocking=False`` makes the worker-group call return Ray ``ObjectRef``s
+    Calling the method directly inside the worker behaves as before; while the
+    process is being profiled (`hybrid_rl.profiler`) each call is a named range
+    in the trace.  ``blocking=False`` makes the worker-group call return Ray ``ObjectRef``s
     instead of results.  ``mesh`` (DP_COMPUTE only) names the model whose
     data-parallel layout splits the batch.
     """
@@ -85,8 +87,9 @@ def register(dispatch: Dispatch = Dispatch.ALL_TO_ALL, blocking: bool = True, me
     def decorator(fn: Callable) -> Callable:
         if isinstance(fn, (staticmethod, classmethod)):
             raise TypeError("@register can only decorate plain instance methods")
-        setattr(fn, DISPATCH_ATTR, DispatchInfo(dispatch=dispatch, blocking=bool(blocking), mesh=mesh))
-        return fn
+        method = profiled_method(fn)
+        setattr(method, DISPATCH_ATTR, DispatchInfo(dispatch=dispatch, blocking=bool(blocking), mesh=mesh))
+        return method
 
     return decorator
 

@@ -32,6 +32,8 @@ from hybrid_rl.workers.weight_sync import WeightChannel, sync_weights
 
 
 class ActorRolloutRefWorker(ModelWorker):
+    role = "actor_rollout_ref"
+
     # ------------------------------------------------------------------ set-up
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict:

@@ -9,12 +9,15 @@ from omegaconf import OmegaConf
 
 from hybrid_rl.controller import Dispatch, RankLayout, Worker, register
 from hybrid_rl.hardware import keep_freed_host_memory
+from hybrid_rl.profiler import PROCESS_PROFILER, role_settings
 
 
 class ModelWorker(Worker):
     """A worker role that trains or evaluates models through engines (`hybrid_rl.engines`): it
     keeps the resolved config (an OmegaConf copy of the driver's plain dict), the local model
     folder and the run length."""
+
+    role = ""  # the key of hybrid_rl.profiler.ROLE_PROFILER_KEYS whose profiler settings it follows
 
     def __init__(self, config: dict, model_path: str, total_steps: int):
         super().__init__()
@@ -24,6 +27,17 @@ class ModelWorker(Worker):
         self.cfg = OmegaConf.create(config)
         self.model_path = model_path
         self.total_steps = total_steps
+        self.profile_settings = role_settings(self.cfg, self.role)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def start_profile(self, step: int) -> None:
+        """Open this process's profiler for a window from `step` on, if this role profiles this rank."""
+        PROCESS_PROFILER.start(self.role, self.profile_settings, self.rank, step)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def stop_profile(self, step: int) -> None:
+        """Close the window this role opened (its trace is written once no colocated role has it open)."""
+        PROCESS_PROFILER.stop(self.role, step)
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def dispatch_layout(self, mesh: str) -> RankLayout:

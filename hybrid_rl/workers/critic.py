@@ -12,6 +12,8 @@ from hybrid_rl.workers.base import ModelWorker
 
 
 class CriticWorker(ModelWorker):
+    role = "critic"
+
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict:
         self.device = self.setup_device()

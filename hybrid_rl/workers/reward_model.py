@@ -21,6 +21,8 @@ from hybrid_rl.workers.base import ModelWorker
 
 
 class RewardModelWorker(ModelWorker):
+    role = "reward_model"
+
     def __init__(self, config: dict, model_path: str, total_steps: int, policy_path: str):
         super().__init__(config, model_path, total_steps)
         self.policy_path = policy_path

@@ -17,6 +17,8 @@ from hybrid_rl.workers.weight_sync import WeightChannel
 
 
 class RolloutWorker(ModelWorker):
+    role = "rollout"
+
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict:
         self.device = self.setup_device()

@@ -1,0 +1,192 @@
+"""Profiling worker processes with `torch.profiler` over chosen training steps, with verl's keys.
+
+`global_profiler.tool=torch` and `global_profiler.steps=[...]` choose the steps; each role's
+`profiler.enable`, `all_ranks` / `ranks` and `tool_config.torch.{contents, discrete}` choose its
+processes and what they record. The driver starts and stops the profiler of every worker process
+around those steps (`Trainer.fit`), and every `@register`-ed worker method is a named range in
+the trace (`controller.decorator.register`). torch.profiler is one per process, so the roles
+colocated in one process share one trace.
+
+Per profiled process, under `global_profiler.save_path`: `step<N>/<roles>_rank<r>.json.gz` (a
+Chrome trace for Perfetto or chrome://tracing; `steps<A>-<B>/` when
+`profile_continuous_steps=true` joins consecutive steps) and `.txt` beside it: the operator
+table, most self time first. In discrete mode each worker call gets its own pair of files,
+`<roles>_rank<r>_<method>[_<k>]` (the k-th call of that method in the window), written as the
+call returns, so all of a window's go under its first step's folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import logging
+import os
+from collections import Counter
+
+logger = logging.getLogger(__name__)
+
+# What tool_config.torch.contents may list (verl's names).
+TORCH_CONTENTS = ("cpu", "cuda", "memory", "shapes", "stack")
+# Worker role -> the profiler config it follows. The colocated worker follows the actor's, as in
+# verl; its reference model and rollout engine run inside it.
+ROLE_PROFILER_KEYS = {
+    "actor_rollout_ref": "actor_rollout_ref.actor.profiler",
+    "critic": "critic.profiler",
+    "reward_model": "reward_model.profiler",
+    "rollout": "actor_rollout_ref.rollout.profiler",  # the rollout pool of asynchronous training
+}
+OPERATOR_ROWS = 60
+# The driver's calls that open and close a window are not ranges in it.
+UNTRACED_METHODS = frozenset({"start_profile", "stop_profile"})
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileSettings:
+    ranks: frozenset[int] | None  # None: every rank
+    contents: frozenset[str]
+    discrete: bool  # one trace per worker call instead of one per step
+    save_path: str
+
+    def covers(self, rank: int) -> bool:
+        return self.ranks is None or rank in self.ranks
+
+
+def role_settings(cfg, role: str) -> ProfileSettings | None:
+    """How `role`'s processes are profiled, or None when they are not (`cfg` is resolved)."""
+    from omegaconf import OmegaConf
+
+    key = ROLE_PROFILER_KEYS.get(role)
+    node = OmegaConf.select(cfg, key) if key else None
+    if (OmegaConf.select(cfg, "global_profiler.tool") != "torch" or not OmegaConf.select(cfg, "global_profiler.steps")
+            or node is None or not node.enable):
+        return None
+    torch_cfg = OmegaConf.select(node, "tool_config.torch") or {}
+    return ProfileSettings(ranks=None if node.all_ranks else frozenset(node.ranks or [0]),
+                           contents=frozenset(torch_cfg.get("contents") or ()),
+                           discrete=bool(torch_cfg.get("discrete", False)),
+                           save_path=str(node.save_path or cfg.global_profiler.save_path))
+
+
+class StepWindows:
+    """The profiled steps, each a window of its own, or runs of consecutive ones as one window
+    (`profile_continuous_steps`). A window opens at a listed step when none is open (so also at
+    a resumed run's first step inside a run)."""
+
+    def __init__(self, steps, continuous: bool):
+        self.steps = frozenset(int(s) for s in steps or ())
+        self.continuous = continuous
+
+    def ends(self, step: int) -> bool:
+        return step in self.steps and not (self.continuous and step + 1 in self.steps)
+
+
+def _torch_profile(contents: frozenset[str]):
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] if not contents or "cpu" in contents else []
+    if (not contents or "cuda" in contents) and torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    if not activities:  # contents=[cuda] in a process without a GPU
+        activities = [ProfilerActivity.CPU]
+    return profile(activities=activities, record_shapes="shapes" in contents, profile_memory="memory" in contents,
+                   with_stack="stack" in contents)
+
+
+class ProcessProfiler:
+    """The profiler of this process: started by the first role whose settings cover the rank,
+    written when the last of those roles stops it."""
+
+    def __init__(self):
+        self.roles: list[str] = []  # the roles whose window is open
+        self.joined: list[str] = []  # every role of this window, for the file names
+        self.settings: ProfileSettings | None = None
+        self.rank = 0
+        self.first_step = self.step = 0
+        self.window = None  # the running torch profiler of a whole window
+        self.in_call = False  # a worker method's range is open (calls nest when one calls another)
+        self.calls: Counter[str] = Counter()  # discrete mode: calls per method in this step
+
+    def start(self, role: str, settings: ProfileSettings | None, rank: int, step: int) -> None:
+        if settings is None or not settings.covers(rank) or role in self.roles:
+            return
+        self.roles.append(role)
+        if len(self.roles) > 1:  # a colocated role started it
+            self.joined.append(role)
+            return
+        self.joined = [role]
+        self.settings, self.rank, self.first_step, self.step = settings, rank, step, step
+        self.calls.clear()
+        if not settings.discrete:
+            self.window = _torch_profile(settings.contents)
+            self.window.start()
+
+    def stop(self, role: str, step: int) -> None:
+        if role not in self.roles:
+            return
+        self.roles.remove(role)
+        self.step = step
+        if self.roles or self.window is None:
+            return
+        self.window.stop()
+        self.write(self.window, "")
+        self.window = None
+
+    @property
+    def active(self) -> bool:
+        return bool(self.roles)
+
+    @contextlib.contextmanager
+    def call(self, name: str):
+        """A named range for one worker method; in discrete mode, its own trace."""
+        from torch.profiler import record_function
+
+        if not self.active or self.in_call:
+            with record_function(name) if self.active else contextlib.nullcontext():
+                yield
+            return
+        own = _torch_profile(self.settings.contents) if self.settings.discrete else None
+        self.in_call = True
+        try:
+            with own if own is not None else contextlib.nullcontext(), record_function(name):
+                yield
+        finally:
+            self.in_call = False
+        if own is not None:
+            self.calls[name] += 1
+            count = self.calls[name]
+            self.write(own, f"_{name}" + (f"_{count}" if count > 1 else ""))
+
+    def write(self, prof, suffix: str) -> None:
+        steps = f"step{self.step}" if self.step == self.first_step else f"steps{self.first_step}-{self.step}"
+        folder = os.path.join(self.settings.save_path, steps)
+        os.makedirs(folder, exist_ok=True)
+        stem = os.path.join(folder, f"{'+'.join(sorted(self.joined))}_rank{self.rank}{suffix}")
+        prof.export_chrome_trace(stem + ".json.gz")
+        sort_by = "self_cuda_time_total" if any(a.name == "CUDA" for a in prof.activities) else "self_cpu_time_total"
+        with open(stem + ".txt", "w") as f:
+            f.write(prof.key_averages().table(sort_by=sort_by, row_limit=OPERATOR_ROWS) + "\n")
+        logger.info("profile of rank %d written to %s.json.gz (operator table: .txt)", self.rank, stem)
+
+
+PROCESS_PROFILER = ProcessProfiler()
+
+
+def profiled_method(fn):
+    """`fn` (a worker method) as a named range of this process's profiler while it runs."""
+    name = fn.__name__
+    if name in UNTRACED_METHODS:
+        return fn
+    if inspect.iscoroutinefunction(fn):
+        @functools.wraps(fn)
+        async def wrapper(*args, **kwargs):
+            with PROCESS_PROFILER.call(name):
+                return await fn(*args, **kwargs)
+    else:
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with PROCESS_PROFILER.call(name):
+                return fn(*args, **kwargs)
+    return wrapper
