@@ -133,6 +133,13 @@ def matmul_peaks(device: str, compute_dtype: str, size: int | None = None) -> tu
     return {dtype: matmul_peak_tflops(device, dtype, size) for dtype in dict.fromkeys(("float32", compute_dtype))}, size
 
 
+def higher_peaks(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Per dtype, the higher of the peaks measured before and after a run. A shared machine's
+    speed drifts within minutes (the 2048 x 2048 bf16 peak of one 2-core VM measured 0.36 and
+    0.41 TFLOP/s in two runs), and the higher peak gives the lower, safer fraction."""
+    return {dtype: max(before[dtype], after[dtype]) for dtype in before}
+
+
 def update_dtype(cfg, device: str) -> str:
     """The actor's compute dtype as its engine resolves it (`auto` follows this CPU or GPU)."""
     import torch

@@ -6,7 +6,7 @@ gets to this machine's matmul peak, and peak memory.
 
 Runs the default job (or the one the overrides describe) for a few steps without validation and
 reports the mean of each phase over the steps after the first (warm-up). The matmul peak is
-measured in the same run, in the update's compute dtype. The update's FLOP count is the usual
+measured before and after the steps, in the update's compute dtype; the higher counts. The update's FLOP count is the usual
 6 x parameters x tokens of forward + backward: the non-embedding parameters over every token the
 padding-free forward computes (`actor/update_tokens`) plus the LM head over the response tokens
 only (the head runs nowhere else); attention score FLOPs are left out, so the fraction is a
@@ -98,9 +98,11 @@ def main(argv=None) -> int:
     from hybrid_rl.main import compose_config
 
     compute_dtype = common.update_dtype(compose_config(args.overrides, args.config_name), device)
-    peaks, size = common.matmul_peaks(device, compute_dtype, args.matmul_size)
+    peaks_before, size = common.matmul_peaks(device, compute_dtype, args.matmul_size)
 
     run, measured = run_steps(args.steps, args.overrides, args.config_name)
+    peaks_after, _ = common.matmul_peaks(device, compute_dtype, size)
+    peaks = common.higher_peaks(peaks_before, peaks_after)
     cfg = run["cfg"]
     mean = lambda key: sum(r.get(key, 0.0) for r in measured) / len(measured)  # noqa: E731
     phases = {p: mean(f"timing_s/{p}") for p in PHASES
@@ -124,8 +126,12 @@ def main(argv=None) -> int:
                    "achieved_tflops": achieved, "compute_dtype": compute_dtype,
                    "fraction_of_matmul_peak": achieved / peaks[compute_dtype]},
         "matmul_peak_tflops": peaks,
+        "matmul_peak_tflops_before_after": [peaks_before, peaks_after],
         "peak_memory_gb_per_rank": max(r.get("perf/max_memory_gb", 0.0) for r in measured),
         "sync_gb_per_rank": mean("perf/sync_gb_per_rank"),
+        "per_step": [{"step": r["step"], "update_actor_s": r.get("timing_s/update_actor"),
+                      "step_s": r.get("timing_s/step"), "update_tokens": r.get("actor/update_tokens")}
+                     for r in measured],
     })
     print(f"{'phase':<16}{'seconds':>10}{'share':>8}")
     for phase, seconds in phases.items():
