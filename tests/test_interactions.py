@@ -187,7 +187,7 @@ def test_the_default_model_answers_again_through_the_driver(ray_session, tmp_pat
     cfg = compose_config([
         f"data.train_files={data}", "data.val_files=null", "data.max_response_length=64",
         "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "trainer.total_training_steps=1",
+        "trainer.total_training_steps=1", "actor_rollout_ref.actor.use_kl_loss=false",  # no reference model
         f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.logger=[jsonl]", "trainer.progress_bar=false",
         "trainer.final_model_dir=null", "actor_rollout_ref.actor.fsdp_config.dtype=fp32",
         "actor_rollout_ref.rollout.dtype=float32", "actor_rollout_ref.rollout.multi_turn.enable=true",

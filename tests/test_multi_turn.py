@@ -518,8 +518,9 @@ def test_default_model_calls_the_calculator_through_the_driver(ray_session, tmp_
     tools = write_tool_config(tmp_path / "tools.yaml", {"class_name": "calculator"})
     cfg = compose_config([
         f"data.train_files={data}", f"data.val_files={data}", "data.max_prompt_length=384",
-        "data.max_response_length=64", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.total_training_steps=1", "trainer.test_freq=-1",
+        "data.max_response_length=64", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.total_training_steps=1", "trainer.test_freq=-1",
+        "actor_rollout_ref.actor.use_kl_loss=false",  # no reference model: the tool turns are what is tested
         f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.logger=[jsonl]", "trainer.progress_bar=false",
         f"trainer.validation_data_dir={tmp_path / 'val'}", "trainer.final_model_dir=null",
         "actor_rollout_ref.actor.fsdp_config.dtype=fp32", "actor_rollout_ref.rollout.dtype=float32",
