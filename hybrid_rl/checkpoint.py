@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 POINTER = "latest_checkpointed_iteration.txt"
 STATE = "trainer_state.json"
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
+CRITIC = "critic"
 
 
 class CheckpointError(ValueError):
@@ -54,9 +55,14 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 class CheckpointManager:
-    def __init__(self, root: str, max_to_keep: int | None = None):
+    """`max_to_keep` (trainer.max_actor_ckpt_to_keep): the newest checkpoints kept whole;
+    `max_critic_to_keep` (trainer.max_critic_ckpt_to_keep): of those, the newest that keep their
+    `critic/` part (the others can still be exported, not resumed by PPO). None or <= 0: all."""
+
+    def __init__(self, root: str, max_to_keep: int | None = None, max_critic_to_keep: int | None = None):
         self.root = Path(os.path.expanduser(root))
         self.max_to_keep = max_to_keep
+        self.max_critic_to_keep = max_critic_to_keep
 
     def save(self, step: int, write_parts: Callable[[str], None], trainer_state: dict,
              before_commit: Callable[[], None] | None = None) -> Path:
@@ -85,6 +91,9 @@ class CheckpointManager:
         return final
 
     def _rotate(self) -> None:
+        if self.max_critic_to_keep and self.max_critic_to_keep > 0:
+            for old in self.completed()[:-self.max_critic_to_keep]:
+                shutil.rmtree(old / CRITIC, ignore_errors=True)
         if not self.max_to_keep or self.max_to_keep <= 0:
             return
         for old in self.completed()[:-self.max_to_keep]:
@@ -92,6 +101,18 @@ class CheckpointManager:
         # Leftovers of saves interrupted by a crash.
         for tmp in self.root.glob(".tmp_global_step_*"):
             shutil.rmtree(tmp, ignore_errors=True)
+
+    def critic_folder(self, folder: Path) -> Path:
+        """The critic's part of checkpoint `folder`, which a PPO run resumes from."""
+        critic = Path(folder) / CRITIC
+        if not critic.is_dir():
+            with_critic = [p.name for p in self.completed() if (p / CRITIC).is_dir()]
+            raise CheckpointError(
+                f"{folder} holds no critic (trainer.max_critic_ckpt_to_keep removes it from older checkpoints, "
+                f"and a run without a critic saves none), so a run with a critic cannot resume from it. Resume from "
+                f"one that has it with trainer.resume_mode=resume_path trainer.resume_from_path=<folder> (here: "
+                f"{with_critic or 'none'}), or start over with trainer.resume_mode=disable.")
+        return critic
 
     def completed(self) -> list[Path]:
         steps = [(int(m.group(1)), p) for p in self.root.glob("global_step_*")

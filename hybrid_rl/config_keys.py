@@ -330,7 +330,7 @@ RULES: tuple[Rule, ...] = tuple([
             "algorithm.filter_groups.max_inflight_gen_batches"),
     # --- trainer
     *_rules(NOT_YET, "not built yet", "trainer.checkpoint_callback_class", "trainer.default_hdfs_dir",
-            "trainer.del_local_ckpt_after_load", "trainer.max_critic_ckpt_to_keep", "trainer.esi_redundant_time",
+            "trainer.del_local_ckpt_after_load", "trainer.esi_redundant_time",
             "trainer.v1.trainer_mode", "trainer.v1.sampler.custom_sampler.path"),
     *_rules(NO_EFFECT, "verl's choice between its own trainer implementations", "trainer.use_v1",
             "trainer.ray_wait_register_center_timeout"),

@@ -31,7 +31,7 @@ from hybrid_rl.algorithms import (
     groups_with_variance, mismatch_metrics, overlong_penalty, shape_advantages, shape_scores,
 )
 from hybrid_rl import seqlen_balancing
-from hybrid_rl.checkpoint import CheckpointManager, read_trainer_state
+from hybrid_rl.checkpoint import CRITIC, CheckpointManager, read_trainer_state
 from hybrid_rl.config import FILTER_METRICS_OF_BATCH, needs_critic, needs_reference, to_container
 from hybrid_rl.console import RunSummary, quiet_env
 from hybrid_rl.controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool, WorkerError, create_colocated_worker_cls
@@ -214,7 +214,8 @@ class Trainer:
         self.stop_requested: str | None = None  # the signal's name, once one asked to stop
         self.summary = RunSummary()
         self.reset_run_state()
-        self.checkpoints = CheckpointManager(cfg.trainer.default_local_dir, cfg.trainer.max_actor_ckpt_to_keep)
+        self.checkpoints = CheckpointManager(cfg.trainer.default_local_dir, cfg.trainer.max_actor_ckpt_to_keep,
+                                             cfg.trainer.max_critic_ckpt_to_keep)
         # Resolved now, before any worker starts, so a bad resume path fails fast.
         self.resume_from = self.checkpoints.resume_folder(cfg.trainer.resume_mode, cfg.trainer.resume_from_path)
 
@@ -512,7 +513,7 @@ class Trainer:
                 self.workers.save_hf_model(hf_dir)  # the weights too: a folder transformers and vLLM load
             self.workers.save_checkpoint(os.path.join(folder, "actor"), self.moving_reference_folder(folder))
             if self.critic is not None:
-                self.critic.save_checkpoint(os.path.join(folder, "critic"))
+                self.critic.save_checkpoint(os.path.join(folder, CRITIC))
             if self.iteration is not None:  # iterative RL trains the reward model
                 self.iteration.save(folder)
                 if self.reward_model is not None:
@@ -535,7 +536,7 @@ class Trainer:
         state = read_trainer_state(folder)
         self.workers.load_checkpoint(os.path.join(folder, "actor"), self.moving_reference_folder(folder))
         if self.critic is not None:
-            self.critic.load_checkpoint(os.path.join(folder, "critic"))
+            self.critic.load_checkpoint(str(self.checkpoints.critic_folder(folder)))
         if self.iteration is not None:
             self.iteration.load(folder)
             if self.reward_model is not None:

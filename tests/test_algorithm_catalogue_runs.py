@@ -112,15 +112,17 @@ def test_one_step(case, ray_session, tiny_model_dir, arithmetic_files, tmp_path)
 def test_cli_runs_ppo_with_critic_and_verl_trainer_keys(tiny_model_dir, arithmetic_files, tmp_path):
     """The real command line: PPO (GAE + critic) on the tiny model, two steps, vLLM rollout, with
     verl's trainer keys that change what a run does: the critic warm-up skips the actor's first
-    update, generations are dumped, the checkpoint holds a Hugging Face copy, Ray's timeline is
-    written and the engine gets max_model_len and chunked prefill as given."""
+    update, generations are dumped, the checkpoint holds a Hugging Face copy, only the newest
+    checkpoint keeps the critic's part, Ray's timeline is written and the engine gets
+    max_model_len and chunked prefill as given."""
     out = tmp_path / "out"
     overrides = run_overrides(tiny_model_dir, arithmetic_files, tmp_path, response=12) + [
         "algorithm.adv_estimator=gae", "trainer.total_training_steps=2", "trainer.val_before_train=false",
         "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", f"{A}ppo_mini_batch_size=4",
         f"{A}ppo_micro_batch_size_per_gpu=4", "trainer.cpus_per_worker=1", "trainer.critic_warmup=2",
         f"trainer.rollout_data_dir={out}/rollouts", f"trainer.validation_data_dir={out}/val",
-        "trainer.save_freq=2", f"{A}checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+        "trainer.save_freq=1", "trainer.max_critic_ckpt_to_keep=1",
+        f"{A}checkpoint.save_contents=[model,optimizer,extra,hf_model]",
         "ray_kwargs.ray_init.num_cpus=2", f"ray_kwargs.timeline_json_file={out}/timeline.json",
         "actor_rollout_ref.rollout.max_model_len=300", "actor_rollout_ref.rollout.enable_chunked_prefill=false"]
     done = subprocess.run([sys.executable, "-m", "hybrid_rl.main", *overrides], cwd=REPO_ROOT,
@@ -140,6 +142,8 @@ def test_cli_runs_ppo_with_critic_and_verl_trainer_keys(tiny_model_dir, arithmet
 
     from transformers import AutoModelForCausalLM
 
+    assert [(tmp_path / f"global_step_{step}" / part).is_dir() for step in (1, 2) for part in ("actor", "critic")] \
+        == [True, False, True, True]
     hf_copy = tmp_path / "global_step_2" / "huggingface"
     assert AutoModelForCausalLM.from_pretrained(hf_copy).num_parameters() > 0
     assert isinstance(json.loads((out / "timeline.json").read_text()), list)

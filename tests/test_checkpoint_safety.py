@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
-from hybrid_rl.checkpoint import CheckpointManager, read_trainer_state
+from hybrid_rl.checkpoint import CheckpointError, CheckpointManager, read_trainer_state
 from hybrid_rl.engines import ModelSpec, Output, build_engine
 from hybrid_rl.main import REPO_ROOT, compose_config
 from hybrid_rl.protocol import Batch
@@ -55,6 +57,23 @@ def test_rotation_keeps_the_newest(tmp_path):
     for step in range(1, 5):
         manager.save(step, lambda folder: None, {"global_step": step})
     assert [p.name for p in manager.completed()] == ["global_step_3", "global_step_4"]
+
+
+def test_older_checkpoints_lose_the_critic_beyond_max_critic_to_keep(tmp_path):
+    def write_parts(folder):
+        for part in ("actor", "critic"):
+            os.makedirs(os.path.join(folder, part))
+
+    manager = CheckpointManager(str(tmp_path), max_to_keep=3, max_critic_to_keep=2)
+    for step in range(1, 5):
+        manager.save(step, write_parts, {"global_step": step})
+    kept = manager.completed()
+    assert [p.name for p in kept] == ["global_step_2", "global_step_3", "global_step_4"]
+    assert [(p / "actor").is_dir() for p in kept] == [True, True, True]
+    assert [(p / "critic").is_dir() for p in kept] == [False, True, True]
+    assert manager.critic_folder(kept[-1]) == kept[-1] / "critic"
+    with pytest.raises(CheckpointError, match=r"global_step_2 holds no critic.*\['global_step_3', 'global_step_4'\]"):
+        manager.critic_folder(kept[0])
 
 
 def test_the_step_is_logged_before_its_checkpoint_becomes_the_latest(tmp_path):
