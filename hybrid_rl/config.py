@@ -167,6 +167,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     check_dynamic_sampling(cfg)
     check_iterative_config(cfg)
     check_lora(cfg)
+    check_fsdp_size(cfg)
     if cfg.actor_rollout_ref.model.compile_layers and cfg.actor_rollout_ref.actor.strategy == "megatron":
         raise ConfigError("actor_rollout_ref.model.compile_layers=true compiles the FSDP engine's decoder layers, "
                           "which the Megatron engine does not have; set it to false, or "
@@ -518,8 +519,9 @@ def check_lora(cfg: DictConfig) -> None:
                           "trainer.iterative.reset_reference=false or actor_rollout_ref.model.lora_rank=0.")
 
 
-def _profiled_roles(cfg: DictConfig) -> dict[str, int]:
-    """{role: processes of its pool} for the roles this run has (hybrid_rl/profiler.py)."""
+def _role_processes(cfg: DictConfig) -> dict[str, int]:
+    """{role: processes of its pool} for the roles this run has (the keys of
+    hybrid_rl/profiler.py's ROLE_PROFILER_KEYS)."""
     world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     roles = {"actor_rollout_ref": world}
     if needs_critic(cfg):
@@ -532,13 +534,28 @@ def _profiled_roles(cfg: DictConfig) -> dict[str, int]:
     return roles
 
 
+def check_fsdp_size(cfg: DictConfig) -> None:
+    """fsdp_config.fsdp_size: -1 (shard over all of the pool's ranks) or a divisor of their number."""
+    processes = _role_processes(cfg)
+    for key, role in (("actor_rollout_ref.actor", "actor_rollout_ref"), ("actor_rollout_ref.ref", "actor_rollout_ref"),
+                      ("critic", "critic"), ("reward_model.model", "reward_model")):
+        size, world = OmegaConf.select(cfg, f"{key}.fsdp_config.fsdp_size"), processes.get(role)
+        if world is None or size in (None, -1):  # None: a role config without the key
+            continue
+        if not (isinstance(size, int) and size > 0 and world % size == 0):
+            divisors = [d for d in range(1, world + 1) if world % d == 0]
+            also = " (verl 0.9's critic.fsdp.fsdp_size)" if key == "critic" else ""
+            raise ConfigError(f"{key}.fsdp_config.fsdp_size={size}{also} must be -1 (shard over all {world} ranks) "
+                              f"or a divisor of {world}: {', '.join(map(str, divisors))}.")
+
+
 def check_profiler(cfg: DictConfig) -> None:
     """global_profiler.tool=torch over global_profiler.steps, and the roles' profiler settings."""
     prof = cfg.global_profiler
     _choice(prof.tool, (None, "torch"), "global_profiler.tool",
             {name: "use torch, PyTorch's profiler" for name in ("nsys", "npu", "torch_memory")})
     enabled = {role: key for role, key in ROLE_PROFILER_KEYS.items()
-               if role in _profiled_roles(cfg) and OmegaConf.select(cfg, f"{key}.enable")}
+               if role in _role_processes(cfg) and OmegaConf.select(cfg, f"{key}.enable")}
     if prof.tool is None:
         if enabled:
             raise ConfigError(f"{next(iter(enabled.values()))}.enable=true records nothing without "
@@ -551,7 +568,7 @@ def check_profiler(cfg: DictConfig) -> None:
     if not enabled:
         raise ConfigError("global_profiler.tool=torch, but no role's profiler is enabled: set "
                           "actor_rollout_ref.actor.profiler.enable=true (or critic.profiler.enable=true, ...).")
-    roles = _profiled_roles(cfg)
+    roles = _role_processes(cfg)
     for role, key in enabled.items():
         node = OmegaConf.select(cfg, key)
         contents = OmegaConf.select(node, "tool_config.torch.contents") or []

@@ -25,9 +25,15 @@ from hybrid_rl.engines.base import Head, ModelSpec, Output, TrainEngine, lr_lamb
 
 
 @functools.cache
-def data_parallel_mesh(device_type: str) -> DeviceMesh:
-    """One 1-D mesh over all ranks per process, shared by the actor, reference and critic."""
-    return init_device_mesh(device_type, (dist.get_world_size(),))
+def data_parallel_mesh(device_type: str, fsdp_size: int = -1) -> DeviceMesh:
+    """The mesh the model is sharded over, one per layout and process (the actor, reference and
+    critic share it): all ranks (`fsdp_size` -1 or the world size), or verl's hybrid sharding,
+    where groups of `fsdp_size` ranks each shard the model and the groups replicate it (FSDP2 over
+    a 2-D mesh: gradients reduce-scattered within a group, then all-reduced across groups)."""
+    world = dist.get_world_size()
+    if fsdp_size <= 0 or fsdp_size >= world:
+        return init_device_mesh(device_type, (world,))
+    return init_device_mesh(device_type, (world // fsdp_size, fsdp_size), mesh_dim_names=("replicate", "shard"))
 
 
 def shard_model(model: torch.nn.Module, mesh: DeviceMesh | None, param_dtype: torch.dtype | None,
@@ -119,7 +125,7 @@ class FSDPEngine(TrainEngine):
         if spec.model_cfg.get("compile_layers", False):
             compile_layers(model)
         self.share_prompts = self.options.share_prompts
-        mesh = data_parallel_mesh(device.type) if dist.is_initialized() else None
+        mesh = data_parallel_mesh(device.type, int(fsdp_cfg.get("fsdp_size", -1))) if dist.is_initialized() else None
         # On GPU FSDP2 casts the weights to the compute dtype; on CPU the forward is autocast.
         param_dtype = dtype if device.type == "cuda" else None
         # verl's switches; on CPU the weights are in host memory already. FSDP2's offload_policy
