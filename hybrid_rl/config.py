@@ -554,8 +554,9 @@ def check_profiler(cfg: DictConfig) -> None:
     prof = cfg.global_profiler
     _choice(prof.tool, (None, "torch"), "global_profiler.tool",
             {name: "use torch, PyTorch's profiler" for name in ("nsys", "npu", "torch_memory")})
+    roles = _role_processes(cfg)
     enabled = {role: key for role, key in ROLE_PROFILER_KEYS.items()
-               if role in _role_processes(cfg) and OmegaConf.select(cfg, f"{key}.enable")}
+               if role in roles and OmegaConf.select(cfg, f"{key}.enable")}
     if prof.tool is None:
         if enabled:
             raise ConfigError(f"{next(iter(enabled.values()))}.enable=true records nothing without "
@@ -568,7 +569,6 @@ def check_profiler(cfg: DictConfig) -> None:
     if not enabled:
         raise ConfigError("global_profiler.tool=torch, but no role's profiler is enabled: set "
                           "actor_rollout_ref.actor.profiler.enable=true (or critic.profiler.enable=true, ...).")
-    roles = _role_processes(cfg)
     for role, key in enabled.items():
         node = OmegaConf.select(cfg, key)
         contents = OmegaConf.select(node, "tool_config.torch.contents") or []

@@ -106,7 +106,7 @@ class ProcessProfiler:
         self.rank = 0
         self.first_step = self.step = 0
         self.window = None  # the running torch profiler of a whole window
-        self.in_call = False  # a worker method's range is open (calls nest when one calls another)
+        self.in_call = False  # discrete mode: a call's own trace is open (calls nest when one calls another)
         self.calls: Counter[str] = Counter()  # discrete mode: calls per method in this step
 
     def start(self, role: str, settings: ProfileSettings | None, rank: int, step: int) -> None:
@@ -143,21 +143,23 @@ class ProcessProfiler:
         """A named range for one worker method; in discrete mode, its own trace."""
         from torch.profiler import record_function
 
-        if not self.active or self.in_call:
-            with record_function(name) if self.active else contextlib.nullcontext():
+        if not self.active:
+            yield
+            return
+        if not self.settings.discrete or self.in_call:  # a range in the open trace
+            with record_function(name):
                 yield
             return
-        own = _torch_profile(self.settings.contents) if self.settings.discrete else None
+        own = _torch_profile(self.settings.contents)
         self.in_call = True
         try:
-            with own if own is not None else contextlib.nullcontext(), record_function(name):
+            with own, record_function(name):
                 yield
         finally:
             self.in_call = False
-        if own is not None:
-            self.calls[name] += 1
-            count = self.calls[name]
-            self.write(own, f"_{name}" + (f"_{count}" if count > 1 else ""))
+        self.calls[name] += 1
+        count = self.calls[name]
+        self.write(own, f"_{name}" + (f"_{count}" if count > 1 else ""))
 
     def write(self, prof, suffix: str) -> None:
         steps = f"step{self.step}" if self.step == self.first_step else f"steps{self.first_step}-{self.step}"
