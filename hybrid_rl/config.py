@@ -15,7 +15,7 @@ from hybrid_rl.agent.formats import FORMATS
 from hybrid_rl.algorithms import ADV_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_RS_MODES
 from hybrid_rl.config_keys import check_verl_keys
 from hybrid_rl.controller.worker_group import PLACEMENT_STRATEGIES
-from hybrid_rl.engines import ENGINES, lora
+from hybrid_rl.engines import ENGINES, lora, ulysses
 from hybrid_rl.engines.megatron.checks import check_roles as check_megatron_roles
 from hybrid_rl.hardware import TORCH_DTYPES, resolve_dtype
 from hybrid_rl.profiler import ROLE_PROFILER_KEYS, TORCH_CONTENTS
@@ -131,6 +131,9 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     data = cfg.data
     trainer = cfg.trainer
 
+    # First: the role checks below divide these.
+    _positive(trainer.nnodes, "trainer.nnodes")
+    _positive(trainer.n_gpus_per_node, "trainer.n_gpus_per_node")
     _choice(cfg.algorithm.adv_estimator, ADV_ESTIMATORS.names(), "algorithm.adv_estimator", VERL_ONLY_ADV_ESTIMATORS)
     _choice(actor.policy_loss.loss_mode, POLICY_LOSSES.names(), "actor_rollout_ref.actor.policy_loss.loss_mode")
     _choice(actor.kl_loss_type, KL_ESTIMATORS.names(), "actor_rollout_ref.actor.kl_loss_type")
@@ -168,6 +171,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     check_iterative_config(cfg)
     check_lora(cfg)
     check_fsdp_size(cfg)
+    check_sequence_parallel(cfg)
     if cfg.actor_rollout_ref.model.compile_layers and cfg.actor_rollout_ref.actor.strategy == "megatron":
         raise ConfigError("actor_rollout_ref.model.compile_layers=true compiles the FSDP engine's decoder layers, "
                           "which the Megatron engine does not have; set it to false, or "
@@ -192,8 +196,6 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     if not cfg.actor_rollout_ref.hybrid_engine:
         _check_rollout_pool(cfg)
 
-    _positive(trainer.nnodes, "trainer.nnodes")
-    _positive(trainer.n_gpus_per_node, "trainer.n_gpus_per_node")
     world = trainer.nnodes * trainer.n_gpus_per_node
     _positive(data.train_batch_size, "data.train_batch_size")
     _positive(rollout.n, "actor_rollout_ref.rollout.n")
@@ -547,6 +549,33 @@ def check_fsdp_size(cfg: DictConfig) -> None:
             also = " (verl 0.9's critic.fsdp.fsdp_size)" if key == "critic" else ""
             raise ConfigError(f"{key}.fsdp_config.fsdp_size={size}{also} must be -1 (shard over all {world} ranks) "
                               f"or a divisor of {world}: {', '.join(map(str, divisors))}.")
+
+
+def check_sequence_parallel(cfg: DictConfig) -> None:
+    """ulysses_sequence_parallel_size: 1, or on the FSDP engine with padding-free rows a divisor of
+    the role's ranks (the engine checks the model's heads)."""
+    processes = _role_processes(cfg)
+    roles = (("actor_rollout_ref.actor", "actor_rollout_ref", "actor_rollout_ref.model"),
+             ("actor_rollout_ref.ref", "actor_rollout_ref", "actor_rollout_ref.model"),
+             ("critic", "critic", "critic.model"), ("reward_model", "reward_model", "reward_model.model"))
+    for key, role, model_key in roles:
+        world = processes.get(role)
+        if world is None or (key == "actor_rollout_ref.ref" and not needs_reference(cfg)):
+            continue
+        role_cfg = OmegaConf.select(cfg, key)
+        size = ulysses.configured_size(role_cfg)
+        if size == 1:
+            continue
+        name = f"{key}.ulysses_sequence_parallel_size={size}"
+        if role_cfg.strategy not in ("fsdp", "fsdp2"):
+            raise ConfigError(f"{name}: Ulysses sequence parallelism runs on the FSDP engine, not {key}.strategy="
+                              f"{role_cfg.strategy}; set the size to 1 (Megatron's context parallelism is not "
+                              "built) or the strategy to fsdp2.")
+        if not (isinstance(size, int) and size > 0 and world % size == 0):
+            divisors = [d for d in range(1, world + 1) if world % d == 0]
+            raise ConfigError(f"{name} must divide the role's {world} ranks: {', '.join(map(str, divisors))}.")
+        if not OmegaConf.select(cfg, f"{model_key}.use_remove_padding"):
+            raise ConfigError(f"{name} splits padding-free rows; set {model_key}.use_remove_padding=true.")
 
 
 def check_profiler(cfg: DictConfig) -> None:

@@ -162,7 +162,10 @@ RULES: tuple[Rule, ...] = tuple([
             "*.fsdp_config.fsdp_size", "critic.fsdp.fsdp_size"),
     *_rules(NOT_YET, "bit-exact determinism switches are not built; runs are seeded (trainer.seed)",
             "*.full_determinism"),
-    *_rules(NOT_YET, "sequence parallelism is not built; use 1", "*.ulysses_sequence_parallel_size"),
+    *_rules(NOT_YET, "verl 0.7's place for the critic's FSDP settings; use critic.ulysses_sequence_parallel_size",
+            "critic.model.fsdp_config.ulysses_sequence_parallel_size"),
+    *_rules(WORKS, "Ulysses sequence parallelism on the FSDP engine: groups of this many ranks split each "
+            "micro-batch's padding-free row, attention exchanging tokens for heads", "*.ulysses_sequence_parallel_size"),
     *_rules(NOT_YET, "quantisation-aware training is not built", "*.qat.enable"),
     *_rules(NO_EFFECT, "verl copies the actor's qat settings here", "actor_rollout_ref.rollout.qat"),
     *_rules(NO_EFFECT, "read only with qat.enable=true, which is not supported yet", "*.qat.*"),

@@ -165,6 +165,14 @@ def keep_freed_host_memory() -> bool:
                                      and libc.mallopt(_M_TRIM_THRESHOLD, -1))
 
 
+def return_large_freed_blocks() -> bool:
+    """The opposite of `keep_freed_host_memory`, for measuring: every freed block over 128 KiB
+    goes back to the kernel at once (a fixed mmap threshold), so the resident set follows the
+    live tensors. Returns whether it applied (glibc only)."""
+    libc = _glibc()
+    return libc is not None and bool(libc.mallopt(_M_MMAP_THRESHOLD, 128 * 1024))
+
+
 def return_freed_host_memory() -> None:
     """Hand the free memory in glibc's heap back to the kernel once (`malloc_trim`): after
     load-time copies are freed, which `keep_freed_host_memory` would otherwise keep resident."""

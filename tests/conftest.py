@@ -56,15 +56,16 @@ def build_tokenizer(chat_template=CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
     return fast
 
 
-def build_tiny_model(path, tokenizer, seed: int = 0, num_layers: int = 2, rope_theta: float = 10000.0) -> str:
+def build_tiny_model(path, tokenizer, seed: int = 0, num_layers: int = 2, rope_theta: float = 10000.0,
+                     heads: int = 2, kv_heads: int = 1) -> str:
     """A small Llama (2 layers) with random weights (head_dim 64, which vLLM's CPU attention supports)."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=num_layers,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+        vocab_size=len(tokenizer), hidden_size=64 * heads, intermediate_size=256, num_hidden_layers=num_layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
         tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
         rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id,

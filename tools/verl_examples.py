@@ -45,7 +45,7 @@ SUBSTITUTED = (
     "trainer.n_gpus_per_node", "trainer.nnodes", "trainer.total_epochs", "trainer.total_training_steps",
     "trainer.val_before_train", "trainer.test_freq", "trainer.save_freq", "trainer.default_local_dir",
     "trainer.resume_mode", "trainer.resume_from_path", "trainer.final_model_dir", "trainer.progress_bar",
-    "trainer.logger", "*.megatron.dist_checkpointing_path",
+    "trainer.logger", "*.megatron.dist_checkpointing_path", "*ulysses_sequence_parallel_size", "*fsdp_size",
 )
 # A script's reward model (a hub classifier) becomes a classifier built from the default model,
 # its one-label score head untrained: one step needs a scorer that runs, not a good one.
@@ -53,6 +53,9 @@ REWARD_MODEL = "an untrained sequence classifier built from the default model fo
 # A script's Megatron dist-checkpoint (a model converted on its cluster) becomes the default model's.
 DIST_CHECKPOINT = ("the default model converted by tools/convert_hf_to_mcore.py for each "
                    "`*.megatron.dist_checkpointing_path`")
+# A script's sequence-parallel groups (2-8 GPUs each) become groups of two CPU ranks.
+SEQUENCE_PARALLEL = ("`*ulysses_sequence_parallel_size=2` (and `trainer.n_gpus_per_node=2`) where the script "
+                     "sets a size above 1")
 ONE_STEP = ("trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.test_freq=-1",
             "trainer.save_freq=-1", "trainer.final_model_dir=null", "trainer.progress_bar=false",
             "trainer.resume_mode=disable")
@@ -167,6 +170,9 @@ def substituted(overrides: list[str], run_dir: Path, loggers: list[str]) -> list
         kept.append(f"reward_model.model.path={reward_model_folder()}")
     kept += [f"{override_key(o)}={dist_checkpoint_folder()}" for o in overrides
              if fnmatch.fnmatchcase(override_key(o), "*.megatron.dist_checkpointing_path")]
+    split = [override_key(o) for o in overrides if fnmatch.fnmatchcase(override_key(o), "*ulysses_sequence_parallel_size")
+             and o.partition("=")[2].strip() not in ("1", "")]
+    kept += [f"{key}=2" for key in split] + (["trainer.n_gpus_per_node=2"] if split else [])
     loggers = [name for name in loggers if name != "jsonl"] + ["jsonl"]
     return kept + list(ONE_STEP) + [f"trainer.default_local_dir={run_dir}", f"trainer.logger=[{','.join(loggers)}]"]
 
@@ -267,7 +273,7 @@ def report(results: list[dict], source: str, ran: bool) -> str:
             compose += " (the script's own text: Hydra's grammar, the same in verl, rejects it)"
         lines.append(f"| {r['script']} | {compose} | {start} | {step} |".replace("\n", " "))
     lines += ["", "Substituted for the one-step runs (the script's own value dropped): "
-              + ", ".join(f"`{p}`" for p in SUBSTITUTED) + f"; {REWARD_MODEL}; {DIST_CHECKPOINT}; then " + ", ".join(f"`{o}`" for o in ONE_STEP)
+              + ", ".join(f"`{p}`" for p in SUBSTITUTED) + f"; {REWARD_MODEL}; {DIST_CHECKPOINT}; {SEQUENCE_PARALLEL}; then " + ", ".join(f"`{o}`" for o in ONE_STEP)
               + ". wandb logs offline (`WANDB_MODE=offline`).", ""]
     return "\n".join(lines)
 

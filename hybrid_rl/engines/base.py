@@ -94,6 +94,7 @@ class TrainEngine(ABC):
     scheduler: Any = None  # torch LR scheduler of a trained model
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite gradient norm
     share_prompts: bool = False  # micro-batches keep a prompt's responses together (one prompt copy)
+    sequence_parallel_size: int = 1  # ranks that split each micro-batch's tokens (FSDP's Ulysses groups)
     offload_params: bool = False  # the weights wait in host memory between uses (GPU)
     offload_optimizer: bool = False  # so does the optimizer state between updates (GPU)
     offload_grads: bool = False  # the gradient buffers are freed between updates (GPU, Megatron)
@@ -170,10 +171,13 @@ class TrainEngine(ABC):
     # ------------------------------------------------------------------ shared by every backend
     def micro_batches(self, batch: Batch, micro_rows: int, max_tokens: int | None) -> list[torch.Tensor]:
         """Row indices of micro-batches of `micro_rows` rows, or (with `max_tokens`, i.e.
-        `use_dynamic_bsz`) of at most about that many tokens, balanced. Every data-parallel rank
-        then runs as many micro-batches as the one that needs most: each forward is a collective."""
+        `use_dynamic_bsz`) of at most about that many tokens per rank, balanced (a sequence-parallel
+        group splits each micro-batch's tokens over its ranks, as verl's budget does). Every
+        data-parallel rank then runs as many micro-batches as the one that needs most: each
+        forward is a collective."""
         if max_tokens is None:
             return list(torch.arange(len(batch)).split(micro_rows))
+        max_tokens *= self.sequence_parallel_size
         count = seqlen_balancing.token_budget_bins(batch, max_tokens, self.share_prompts)
         count = int(all_reduce_scalar(count, self.device, op=dist.ReduceOp.MAX, group=self.dp_group))
         return seqlen_balancing.split_into(batch, count, self.share_prompts)

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from hybrid_rl.engines import hf_model, lora
+from hybrid_rl.engines import hf_model, lora, ulysses
 from hybrid_rl.engines.base import Head, ModelSpec, Output, TrainEngine, lr_lambda
 
 
@@ -109,7 +109,9 @@ class FSDPEngine(TrainEngine):
                                               per_token=spec.head is Head.STEP_SCORE)
         else:  # the policy, or a step-tag scorer
             model = hf_model.load_causal_lm(spec.path, spec.model_cfg, device, trainable=trainable)
-        self.options = hf_model.forward_options(spec.model_cfg, dtype, device)
+        self.sequence_parallel = self._sequence_parallel_group(role_cfg, model, device)
+        self.sequence_parallel_size = self.sequence_parallel.size if self.sequence_parallel else 1
+        self.options = hf_model.forward_options(spec.model_cfg, dtype, device, self.sequence_parallel)
         # A trained policy with LoRA: peft adapts `model` in place and freezes its base weights.
         self.peft = lora.attach(model, spec.model_cfg, autocast=self.options.autocast_dtype is not None) if (
             spec.head is Head.LM and trainable and lora.enabled(spec.model_cfg)) else None
@@ -142,13 +144,45 @@ class FSDPEngine(TrainEngine):
         if self.offload_params:
             self._place(False, params=True, optimizer=False, grads=False)
 
+    def _sequence_parallel_group(self, role_cfg: Any, model: torch.nn.Module,
+                                 device: torch.device) -> ulysses.SequenceParallel | None:
+        """The Ulysses group of `ulysses_sequence_parallel_size` consecutive ranks (None: 1)."""
+        size = int(ulysses.configured_size(role_cfg))
+        if size == 1:
+            return None
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        heads = model.config.num_attention_heads
+        if world % size or heads < size:
+            raise ValueError(f"{self.spec.role}: ulysses_sequence_parallel_size={size} must divide the {world} ranks "
+                             f"and be at most the model's {heads} attention heads.")
+        if not self.spec.model_cfg.get("use_remove_padding", False):
+            raise ValueError(f"{self.spec.role}: ulysses_sequence_parallel_size={size} splits padding-free rows; "
+                             "set use_remove_padding=true on the role's model.")
+        if model.config._attn_implementation not in (hf_model.CPU_ATTENTION, "flash_attention_2"):
+            raise ValueError(f"{self.spec.role}: ulysses_sequence_parallel_size={size} on GPU needs flash-attention "
+                             "(pip install flash-attn): the padding-free rows of SDPA cannot be split.")
+        mesh = ulysses.sequence_parallel_mesh(device.type, size)
+        return ulysses.SequenceParallel(mesh.get_group("sp"), size, mesh.get_local_rank("sp"))
+
     @property
     def dp_rank(self) -> int:
+        if self.sequence_parallel is not None:
+            return dist.get_rank() // self.sequence_parallel_size
         return dist.get_rank() if dist.is_initialized() else 0
 
     @property
     def dp_size(self) -> int:
-        return dist.get_world_size() if dist.is_initialized() else 1
+        return (dist.get_world_size() if dist.is_initialized() else 1) // self.sequence_parallel_size
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        if self.sequence_parallel is None:
+            return None
+        return ulysses.sequence_parallel_mesh(self.device.type, self.sequence_parallel_size).get_group("dp")
+
+    @property
+    def is_output_rank(self) -> bool:
+        return self.sequence_parallel is None or self.sequence_parallel.rank == 0
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.module.parameters())

