@@ -536,6 +536,14 @@ def _role_processes(cfg: DictConfig) -> dict[str, int]:
     return roles
 
 
+def _divides(size, world: int) -> bool:
+    return isinstance(size, int) and size > 0 and world % size == 0
+
+
+def _divisors(world: int) -> str:
+    return ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
+
+
 def check_fsdp_size(cfg: DictConfig) -> None:
     """fsdp_config.fsdp_size: -1 (shard over all of the pool's ranks) or a divisor of their number."""
     processes = _role_processes(cfg)
@@ -544,11 +552,10 @@ def check_fsdp_size(cfg: DictConfig) -> None:
         size, world = OmegaConf.select(cfg, f"{key}.fsdp_config.fsdp_size"), processes.get(role)
         if world is None or size in (None, -1):  # None: a role config without the key
             continue
-        if not (isinstance(size, int) and size > 0 and world % size == 0):
-            divisors = [d for d in range(1, world + 1) if world % d == 0]
+        if not _divides(size, world):
             also = " (verl 0.9's critic.fsdp.fsdp_size)" if key == "critic" else ""
             raise ConfigError(f"{key}.fsdp_config.fsdp_size={size}{also} must be -1 (shard over all {world} ranks) "
-                              f"or a divisor of {world}: {', '.join(map(str, divisors))}.")
+                              f"or a divisor of {world}: {_divisors(world)}.")
 
 
 def check_sequence_parallel(cfg: DictConfig) -> None:
@@ -571,9 +578,8 @@ def check_sequence_parallel(cfg: DictConfig) -> None:
             raise ConfigError(f"{name}: Ulysses sequence parallelism runs on the FSDP engine, not {key}.strategy="
                               f"{role_cfg.strategy}; set the size to 1 (Megatron's context parallelism is not "
                               "built) or the strategy to fsdp2.")
-        if not (isinstance(size, int) and size > 0 and world % size == 0):
-            divisors = [d for d in range(1, world + 1) if world % d == 0]
-            raise ConfigError(f"{name} must divide the role's {world} ranks: {', '.join(map(str, divisors))}.")
+        if not _divides(size, world):
+            raise ConfigError(f"{name} must divide the role's {world} ranks: {_divisors(world)}.")
         if not OmegaConf.select(cfg, f"{model_key}.use_remove_padding"):
             raise ConfigError(f"{name} splits padding-free rows; set {model_key}.use_remove_padding=true.")
 
