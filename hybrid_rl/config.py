@@ -17,6 +17,7 @@ from hybrid_rl.config_keys import check_verl_keys
 from hybrid_rl.controller.worker_group import PLACEMENT_STRATEGIES
 from hybrid_rl.engines import ENGINES, lora, ulysses
 from hybrid_rl.engines.megatron.checks import check_roles as check_megatron_roles
+from hybrid_rl.engines.megatron.checks import parallel_sizes as megatron_parallel_sizes
 from hybrid_rl.hardware import TORCH_DTYPES, resolve_dtype
 from hybrid_rl.profiler import ROLE_PROFILER_KEYS, TORCH_CONTENTS
 from hybrid_rl.tracking import LOGGERS, OPTIONAL_LOGGERS, VERL_ONLY_LOGGERS
@@ -234,16 +235,18 @@ def validate_config(cfg: DictConfig) -> DictConfig:
             f"actor_rollout_ref.actor.ppo_mini_batch_size ({actor.ppo_mini_batch_size}); e.g. set "
             f"ppo_mini_batch_size to a divisor of {data.train_batch_size}.")
     mini_sequences = actor.ppo_mini_batch_size * rollout.n
-    if mini_sequences % world:
+    replicas, replica_ranks = actor_replicas(cfg, world)
+    where = f"{replicas} data-parallel replicas of {replica_ranks} ranks" if replica_ranks > 1 else f"{world} ranks"
+    if mini_sequences % replicas:
         raise ConfigError(
             f"actor_rollout_ref.actor.ppo_mini_batch_size ({actor.ppo_mini_batch_size}) x rollout.n "
-            f"({rollout.n}) = {mini_sequences} sequences cannot be split over {world} ranks; make it "
-            f"a multiple of {world}.")
-    per_rank = mini_sequences // world
+            f"({rollout.n}) = {mini_sequences} sequences cannot be split over {where}; make it "
+            f"a multiple of {replicas}.")
+    per_rank = mini_sequences // replicas
     if not actor.use_dynamic_bsz and per_rank % actor.ppo_micro_batch_size_per_gpu:
         raise ConfigError(
-            f"Each rank's mini-batch has {per_rank} sequences (ppo_mini_batch_size "
-            f"{actor.ppo_mini_batch_size} x n {rollout.n} / {world} ranks), which is not a multiple "
+            f"Each replica's mini-batch has {per_rank} sequences (ppo_mini_batch_size "
+            f"{actor.ppo_mini_batch_size} x n {rollout.n} / {where}), which is not a multiple "
             f"of actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu "
             f"({actor.ppo_micro_batch_size_per_gpu}). Pick a micro-batch size that divides {per_rank}.")
 
@@ -556,6 +559,24 @@ def check_fsdp_size(cfg: DictConfig) -> None:
             also = " (verl 0.9's critic.fsdp.fsdp_size)" if key == "critic" else ""
             raise ConfigError(f"{key}.fsdp_config.fsdp_size={size}{also} must be -1 (shard over all {world} ranks) "
                               f"or a divisor of {world}: {_divisors(world)}.")
+
+
+def actor_replicas(cfg: DictConfig, world: int) -> tuple[int, int]:
+    """(replicas, ranks per replica) of the actor's update: a mini-batch is split over its
+    data-parallel replicas, one per Megatron tensor x pipeline group or Ulysses sequence-parallel
+    group (every rank when neither divides the ranks: the layout checks say why)."""
+    actor = cfg.actor_rollout_ref.actor
+    try:
+        if actor.strategy == "megatron":
+            tp, pp, _ = megatron_parallel_sizes(actor.megatron)
+            group = tp * pp
+        else:
+            group = int(ulysses.configured_size(actor))
+    except (TypeError, ValueError):  # not numbers: the layout checks name the key
+        group = 0
+    if group < 1 or world % group:
+        return world, 1
+    return world // group, group
 
 
 def check_sequence_parallel(cfg: DictConfig) -> None:

@@ -176,10 +176,12 @@ RULES: tuple[Rule, ...] = tuple([
                 "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
                 "sequence_parallel", "use_distributed_optimizer", "dist_ckpt_optim_fully_reshardable", "seed",
                 "dtype", "override_transformer_config.*", "override_ddp_config"))),
-    *_rules(NOT_YET, "context and expert parallelism and Megatron-FSDP are not built yet",
-            *(f"*.megatron.{k}" for k in ("context_parallel_size", "expert_model_parallel_size",
-                                          "expert_tensor_parallel_size", "dynamic_context_parallel",
-                                          "use_megatron_fsdp"))),
+    *_rules(WORKS, "expert parallelism for mixture-of-experts models (Mixtral, Qwen3-MoE): each rank holds a "
+            "block of every layer's experts, tokens reach them by all-to-all; experts are not split over "
+            "tensor-parallel ranks (expert_tensor_parallel_size 1 or null)",
+            "*.megatron.expert_model_parallel_size", "*.megatron.expert_tensor_parallel_size"),
+    *_rules(NOT_YET, "context parallelism and Megatron-FSDP are not built yet",
+            *(f"*.megatron.{k}" for k in ("context_parallel_size", "dynamic_context_parallel", "use_megatron_fsdp"))),
     *_rules(NO_EFFECT, "the reference policy has no optimizer or gradients",
             "actor_rollout_ref.ref.megatron.optimizer_offload", "actor_rollout_ref.ref.megatron.grad_offload"),
     *_rules(WORKS, "on GPU, the Megatron weights wait in host memory between forwards and updates (the "

@@ -353,9 +353,13 @@ def test_dispatch_follows_the_data_parallel_layout():
      "virtual pipeline stages need NCCL"),
     (["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2", "actor_rollout_ref.actor.use_kl_loss=true",
       "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=1"],
-     "must match.*actor_rollout_ref.actor: TP=1, PP=2, actor_rollout_ref.ref: TP=1, PP=1"),
+     "must match.*actor_rollout_ref.actor: TP=1, PP=2, EP=1, actor_rollout_ref.ref: TP=1, PP=1, EP=1"),
     (["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2", "algorithm.adv_estimator=gae"],
-     "must match.*actor_rollout_ref.actor: TP=1, PP=2, .*critic: TP=1, PP=1"),
+     "must match.*actor_rollout_ref.actor: TP=1, PP=2, EP=1, .*critic: TP=1, PP=1, EP=1"),
+    (["actor_rollout_ref.actor.megatron.expert_model_parallel_size=2"],
+     "expert_model_parallel_size=2: the model has no experts"),
+    (["actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=2"],
+     "expert_tensor_parallel_size=2: this engine keeps each expert whole on one rank"),
     (["actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_type=full"],
      "kl_loss_type=full needs full-vocabulary logits"),
     (["actor_rollout_ref.model.enable_gradient_checkpointing=true"],
@@ -383,6 +387,12 @@ def test_megatron_layouts_that_fit_pass_the_start_checks(tiny_model_dir4):
             f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}",
             f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}"], config_name="ppo_megatron_trainer"))
         check_model_limits(cfg, tiny_model_dir4)  # the reference follows the actor's sizes in verl's tree
+    # A mini-batch is split over the data-parallel replicas (here one group of 4 ranks), not the ranks.
+    cfg = validate_config(compose_config([
+        "trainer.n_gpus_per_node=4", "trainer.device=cpu", "data.train_batch_size=6", "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=3", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"], config_name="ppo_megatron_trainer"))
+    check_model_limits(cfg, tiny_model_dir4)
 
 
 def test_unbuilt_megatron_settings_are_refused():

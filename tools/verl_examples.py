@@ -46,16 +46,23 @@ SUBSTITUTED = (
     "trainer.val_before_train", "trainer.test_freq", "trainer.save_freq", "trainer.default_local_dir",
     "trainer.resume_mode", "trainer.resume_from_path", "trainer.final_model_dir", "trainer.progress_bar",
     "trainer.logger", "*.megatron.dist_checkpointing_path", "*ulysses_sequence_parallel_size", "*fsdp_size",
+    "*expert_model_parallel_size", "*.override_transformer_config.num_layers_in_first_pipeline_stage",
+    "*.override_transformer_config.num_layers_in_last_pipeline_stage",
 )
 # A script's reward model (a hub classifier) becomes a classifier built from the default model,
 # its one-label score head untrained: one step needs a scorer that runs, not a good one.
 REWARD_MODEL = "an untrained sequence classifier built from the default model for `reward_model.model.path`"
 # A script's Megatron dist-checkpoint (a model converted on its cluster) becomes the default model's.
-DIST_CHECKPOINT = ("the default model converted by tools/convert_hf_to_mcore.py for each "
-                   "`*.megatron.dist_checkpointing_path`")
+DIST_CHECKPOINT = ("the default model (or the mixture-of-experts model below) converted by "
+                   "tools/convert_hf_to_mcore.py for each `*.megatron.dist_checkpointing_path`")
 # A script's sequence-parallel groups (2-8 GPUs each) become groups of two CPU ranks.
 SEQUENCE_PARALLEL = ("`*ulysses_sequence_parallel_size=2` (and `trainer.n_gpus_per_node=2`) where the script "
                      "sets a size above 1")
+# A script's expert-parallel groups (for a mixture-of-experts model on 4-16 GPUs) become groups of
+# two CPU ranks, and its model a small one of that kind.
+EXPERT_PARALLEL = ("`*expert_model_parallel_size=2` (and `trainer.n_gpus_per_node=2`) where the script sets a size "
+                   "above 1, with a random-weight Qwen3-MoE model (2 layers, 4 experts, 2 per token, the default "
+                   "model's tokenizer) for its model paths")
 ONE_STEP = ("trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.test_freq=-1",
             "trainer.save_freq=-1", "trainer.final_model_dir=null", "trainer.progress_bar=false",
             "trainer.resume_mode=disable")
@@ -147,16 +154,46 @@ def reward_model_folder() -> str:
     return str(folder)
 
 
-def dist_checkpoint_folder() -> str:
-    """DIST_CHECKPOINT, written once into the cache folder."""
+def dist_checkpoint_folder(hf_model: str | None = None, name: str = "default-model-mcore") -> str:
+    """DIST_CHECKPOINT (of `hf_model`, the default model when None), written once into the cache folder."""
     from hybrid_rl.export import write_folder
     from hybrid_rl.models import cache_dir
 
-    folder = cache_dir() / "verl_examples" / "default-model-mcore"
+    folder = cache_dir() / "verl_examples" / name
     if not (folder / "metadata.json").is_file():
         def write(tmp: Path) -> None:
-            subprocess.run([sys.executable, str(REPO / "tools" / "convert_hf_to_mcore.py"), "--output-path", str(tmp)],
-                           check=True, capture_output=True)
+            model = ["--hf-model-path", hf_model] if hf_model else []
+            subprocess.run([sys.executable, str(REPO / "tools" / "convert_hf_to_mcore.py"), *model,
+                            "--output-path", str(tmp)], check=True, capture_output=True)
+
+        write_folder(folder, write, overwrite=True)
+    return str(folder)
+
+
+def moe_model_folder() -> str:
+    """EXPERT_PARALLEL's model, written once into the cache folder."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from hybrid_rl.export import write_folder
+    from hybrid_rl.models import cache_dir, resolve_model_path
+
+    folder = cache_dir() / "verl_examples" / "random-qwen3-moe"
+    if not (folder / "config.json").is_file():
+        base = resolve_model_path(None)
+        dense = AutoConfig.from_pretrained(base)
+
+        def write(tmp: Path) -> None:
+            torch.manual_seed(0)
+            config = Qwen3MoeConfig(
+                vocab_size=dense.vocab_size, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=2048,
+                tie_word_embeddings=True, bos_token_id=dense.bos_token_id, eos_token_id=dense.eos_token_id,
+                pad_token_id=dense.pad_token_id)
+            Qwen3MoeForCausalLM(config).save_pretrained(tmp)
+            AutoTokenizer.from_pretrained(base).save_pretrained(tmp)
+            GenerationConfig.from_pretrained(base).save_pretrained(tmp)
 
         write_folder(folder, write, overwrite=True)
     return str(folder)
@@ -168,11 +205,18 @@ def substituted(overrides: list[str], run_dir: Path, loggers: list[str]) -> list
     kept = [o for o in overrides if not any(fnmatch.fnmatchcase(override_key(o), p) for p in SUBSTITUTED)]
     if any(override_key(o) == "reward_model.model.path" for o in overrides):
         kept.append(f"reward_model.model.path={reward_model_folder()}")
-    kept += [f"{override_key(o)}={dist_checkpoint_folder()}" for o in overrides
-             if fnmatch.fnmatchcase(override_key(o), "*.megatron.dist_checkpointing_path")]
     split = [override_key(o) for o in overrides if fnmatch.fnmatchcase(override_key(o), "*ulysses_sequence_parallel_size")
              and o.partition("=")[2].strip() not in ("1", "")]
-    kept += [f"{key}=2" for key in split] + (["trainer.n_gpus_per_node=2"] if split else [])
+    experts = [override_key(o) for o in overrides if fnmatch.fnmatchcase(override_key(o), "*expert_model_parallel_size")
+               and o.partition("=")[2].strip() not in ("1", "")]
+    if experts:
+        kept += [f"{key}=2" for key in experts] + [f"{key}={moe_model_folder()}" for key in
+                                                  ("actor_rollout_ref.model.path", "critic.model.path")]
+    dist_checkpoint = (dist_checkpoint_folder(moe_model_folder(), "random-qwen3-moe-mcore") if experts
+                       else dist_checkpoint_folder())
+    kept += [f"{override_key(o)}={dist_checkpoint}" for o in overrides
+             if fnmatch.fnmatchcase(override_key(o), "*.megatron.dist_checkpointing_path")]
+    kept += [f"{key}=2" for key in split] + (["trainer.n_gpus_per_node=2"] if split or experts else [])
     loggers = [name for name in loggers if name != "jsonl"] + ["jsonl"]
     return kept + list(ONE_STEP) + [f"trainer.default_local_dir={run_dir}", f"trainer.logger=[{','.join(loggers)}]"]
 
@@ -273,7 +317,7 @@ def report(results: list[dict], source: str, ran: bool) -> str:
             compose += " (the script's own text: Hydra's grammar, the same in verl, rejects it)"
         lines.append(f"| {r['script']} | {compose} | {start} | {step} |".replace("\n", " "))
     lines += ["", "Substituted for the one-step runs (the script's own value dropped): "
-              + ", ".join(f"`{p}`" for p in SUBSTITUTED) + f"; {REWARD_MODEL}; {DIST_CHECKPOINT}; {SEQUENCE_PARALLEL}; then " + ", ".join(f"`{o}`" for o in ONE_STEP)
+              + ", ".join(f"`{p}`" for p in SUBSTITUTED) + f"; {REWARD_MODEL}; {DIST_CHECKPOINT}; {SEQUENCE_PARALLEL}; {EXPERT_PARALLEL}; then " + ", ".join(f"`{o}`" for o in ONE_STEP)
               + ". wandb logs offline (`WANDB_MODE=offline`).", ""]
     return "\n".join(lines)
 

@@ -26,11 +26,39 @@ def parallel_sizes(megatron_cfg: Any) -> tuple[int, int, int | None]:
             int(vpp) if vpp is not None and int(vpp) > 1 else None)
 
 
+def expert_parallel_size(megatron_cfg: Any) -> int:
+    """The role's `expert_model_parallel_size` (1 when unset)."""
+    return int(megatron_cfg.get("expert_model_parallel_size") or 1)
+
+
+def check_experts(section: str, megatron_cfg: Any, layout: convert.Layout, world: int, pp: int, pool: str) -> None:
+    """Expert parallelism: a mixture-of-experts model, experts dealt evenly, whole groups of
+    ranks; experts are never split over tensor-parallel ranks here."""
+    ep, etp = expert_parallel_size(megatron_cfg), megatron_cfg.get("expert_tensor_parallel_size")
+    if etp is not None and int(etp) != 1:
+        raise ValueError(f"{section}.expert_tensor_parallel_size={etp}: this engine keeps each expert whole on one "
+                         "rank (expert_tensor_parallel_size=1 or null); split the experts over ranks with "
+                         "expert_model_parallel_size instead.")
+    if ep < 1:
+        raise ValueError(f"{section}.expert_model_parallel_size must be >= 1 (got {ep}).")
+    if ep == 1:
+        return
+    if layout.experts is None:
+        raise ValueError(f"{section}.expert_model_parallel_size={ep}: the model has no experts (not a mixture of "
+                         "experts); set it to 1.")
+    if layout.experts.count % ep:
+        raise ValueError(f"{section}.expert_model_parallel_size={ep} does not divide the model's "
+                         f"{layout.experts.count} experts: choose a divisor of {layout.experts.count}.")
+    if world % (ep * pp):
+        raise ValueError(f"{section}.expert_model_parallel_size ({ep}) x pipeline_model_parallel_size ({pp}) must "
+                         f"divide the number of ranks ({world}, {pool}.nnodes x {pool}.n_gpus_per_node).")
+
+
 def check_layout(key: str, megatron_cfg: Any, layout: convert.Layout, world: int, device_type: str,
                  pool: str = "trainer") -> None:
     """Refuse, naming the key and the fix, a layout this engine cannot run for this model on
-    `world` ranks (`pool`.nnodes x `pool`.n_gpus_per_node; context and expert parallelism are refused with the other unbuilt verl keys,
-    `config_keys`)."""
+    `world` ranks (`pool`.nnodes x `pool`.n_gpus_per_node; context parallelism is refused with
+    the other unbuilt verl keys, `config_keys`)."""
     tp, pp, vpp = parallel_sizes(megatron_cfg)
     section = f"{key}.megatron"
     if tp < 1 or pp < 1:
@@ -54,6 +82,7 @@ def check_layout(key: str, megatron_cfg: Any, layout: convert.Layout, world: int
     if layout.num_layers % (pp * (vpp or 1)):
         raise ValueError(f"{section}.pipeline_model_parallel_size={pp} x virtual_pipeline_model_parallel_size="
                          f"{vpp or 1} does not divide the model's {layout.num_layers} layers.")
+    check_experts(section, megatron_cfg, layout, world, pp, pool)
     check_dist_weights(key, megatron_cfg)
     if vpp is not None and device_type == "cpu":
         # Measured with megatron-core 0.16.1: over gloo the interleaved schedule's training pass
@@ -114,12 +143,13 @@ def check_roles(cfg: Any, hf_config: Any, roles: dict[str, bool], role_configs: 
         if model_key is not None:
             check_recompute(model_key, _section(cfg, model_key), _section(cfg, key).megatron, cfg.trainer.device)
     # The roles in one process share its megatron groups (a reward model in its own pool has its own).
-    sizes = {key: parallel_sizes(_section(cfg, key).megatron)[:2] for key in megatron if key not in own_pool}
+    sizes = {key: (*parallel_sizes(_section(cfg, key).megatron)[:2], expert_parallel_size(_section(cfg, key).megatron))
+             for key in megatron if key not in own_pool}
     if len(set(sizes.values())) > 1:
-        found = ", ".join(f"{key}: TP={tp}, PP={pp}" for key, (tp, pp) in sizes.items())
-        raise ValueError(f"The roles on Megatron share one process layout, so their tensor_model_parallel_size and "
-                         f"pipeline_model_parallel_size must match ({found}): set the same values in each "
-                         "megatron section.")
+        found = ", ".join(f"{key}: TP={tp}, PP={pp}, EP={ep}" for key, (tp, pp, ep) in sizes.items())
+        raise ValueError(f"The roles on Megatron share one process layout, so their tensor_model_parallel_size, "
+                         f"pipeline_model_parallel_size and expert_model_parallel_size must match ({found}): set "
+                         "the same values in each megatron section.")
 
 
 def _section(cfg: Any, key: str) -> Any:

@@ -1,4 +1,4 @@
-"""Exact Hugging Face <-> Megatron-core weight conversion for Llama- and Qwen2-shaped models.
+"""Exact Hugging Face <-> Megatron-core weight conversion for Llama-, Qwen2/3- and Mixtral-shaped models.
 
 Megatron fuses what Hugging Face keeps apart: per query group, the rows of q, k and v sit
 together in `linear_qkv` ([ng x (q_per_group + 2) x head_dim, hidden]), and `linear_fc1` stacks
@@ -7,6 +7,14 @@ up each) or by columns (`linear_proj`, `linear_fc2`), and the vocabulary rows of
 and output layer, padded to a multiple of the TP size. Names use Megatron's local layer spec
 (separate `input_layernorm` / `pre_mlp_layernorm`) and Transformer Engine's (the norms fused into
 `linear_qkv` / `linear_fc1` as `layer_norm_weight`).
+
+Mixture-of-experts layers (Mixtral, Qwen3-MoE) become megatron's `MoELayer`: a `router` and one
+`SequentialMLP` expert per HF expert, each with its own `linear_fc1` (gate over up) and
+`linear_fc2`, dealt to the expert-parallel ranks in blocks (rank r holds experts r*E/EP ...).
+Weights are read from the model's files, one matrix per expert (Mixtral's files name the block
+`block_sparse_moe` and the projections w1, w3, w2), and given back as transformers holds them:
+each layer's experts stacked (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`
+[E, H, I]) beside the router (`mlp.gate.weight`).
 
 Conversion only reshapes, concatenates and slices: HF -> Megatron -> HF is bit-exact.
 
@@ -24,12 +32,41 @@ from pathlib import Path
 
 import torch
 
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
+                 "MixtralForCausalLM", "Qwen3MoeForCausalLM")
 # A critic's own folder (a value model saved by a run): the same backbones with a `score` head.
-VALUE_ARCHITECTURES = ("LlamaForTokenClassification", "Qwen2ForTokenClassification", "MistralForTokenClassification")
+VALUE_ARCHITECTURES = ("LlamaForTokenClassification", "Qwen2ForTokenClassification", "Qwen3ForTokenClassification",
+                       "MistralForTokenClassification")
 # A reward model: the same backbones with a bias-free `score` head read at the last token.
 SCORE_ARCHITECTURES = ("LlamaForSequenceClassification", "Qwen2ForSequenceClassification",
-                       "MistralForSequenceClassification")
+                       "Qwen3ForSequenceClassification", "MistralForSequenceClassification")
+# A mixture-of-experts family's file names: (block, gate projection, up projection, down projection).
+EXPERT_FILE_NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+                     "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj")}
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts model's expert layout (every decoder layer is one)."""
+
+    count: int
+    inner: int  # each expert's intermediate size
+    top_k: int
+    renormalize: bool  # the top-k routing weights are rescaled to sum to 1
+    family: str  # a key of EXPERT_FILE_NAMES
+
+    @classmethod
+    def from_hf_config(cls, config) -> "Experts | None":
+        if config.model_type == "mixtral":
+            return cls(config.num_local_experts, config.intermediate_size, config.num_experts_per_tok, True, "mixtral")
+        if config.model_type != "qwen3_moe":
+            return None
+        if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
+            raise ValueError("The Megatron engine converts Qwen3-MoE models whose every layer is a mixture of "
+                             "experts (config.json: decoder_sparse_step=1, mlp_only_layers=[]); use "
+                             "strategy=fsdp2 for this one.")
+        return cls(config.num_experts, config.moe_intermediate_size, config.num_experts_per_tok,
+                   bool(config.norm_topk_prob), "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -46,6 +83,8 @@ class Layout:
     rope_theta: float
     value_head: bool = False  # a scalar head (HF `score`) instead of the LM head
     head_bias: bool = True  # the scalar head's bias: token classification (a critic) has one, sequence classification not
+    qk_norm: bool = False  # Qwen3's RMSNorm of each query and key head
+    experts: Experts | None = None
 
     @classmethod
     def from_hf_config(cls, config, value_head: bool = False, head_bias: bool = True) -> "Layout":
@@ -65,7 +104,9 @@ class Layout:
             problems.append("missing rope_theta")
         if getattr(config, "mlp_bias", False):
             problems.append("mlp_bias=true")
-        sliding = getattr(config, "use_sliding_window", config.model_type == "mistral")  # Qwen2 has the switch
+        if getattr(config, "layer_types", None) and set(config.layer_types) != {"full_attention"}:
+            problems.append("sliding attention layers")
+        sliding = getattr(config, "use_sliding_window", config.model_type in ("mistral", "mixtral"))  # Qwen2 has the switch
         if sliding and getattr(config, "sliding_window", None):
             problems.append("sliding attention window")
         if problems:
@@ -77,7 +118,8 @@ class Layout:
                    head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
                    vocab=config.vocab_size, tied=bool(config.tie_word_embeddings) and not value_head,
                    qkv_bias=bool(getattr(config, "attention_bias", False) or config.model_type == "qwen2"),
-                   rope_theta=float(theta), value_head=value_head, head_bias=head_bias)
+                   rope_theta=float(theta), value_head=value_head, head_bias=head_bias,
+                   qk_norm=config.model_type in ("qwen3", "qwen3_moe"), experts=Experts.from_hf_config(config))
 
     def padded_vocab(self, tp: int) -> int:
         return -(-self.vocab // tp) * tp
@@ -92,6 +134,7 @@ def is_dist_checkpoint(folder) -> bool:
 
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)")
 # Megatron name (after decoder.layers.N.) -> HF names (after model.layers.N.), in fused order.
 _LAYER_NAMES = {
     "input_layernorm.weight": ["input_layernorm.weight"],
@@ -100,6 +143,12 @@ _LAYER_NAMES = {
                                          "self_attn.v_proj.weight"],
     "self_attention.linear_qkv.bias": ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"],
     "self_attention.linear_proj.weight": ["self_attn.o_proj.weight"],
+    "self_attention.q_layernorm.weight": ["self_attn.q_norm.weight"],
+    "self_attention.k_layernorm.weight": ["self_attn.k_norm.weight"],
+    "mlp.router.weight": ["mlp.gate.weight"],
+    # A layer's experts stacked (what `iter_hf_weights` gives), as transformers holds them.
+    "mlp.experts.linear_fc1.weight": ["mlp.experts.gate_up_proj"],
+    "mlp.experts.linear_fc2.weight": ["mlp.experts.down_proj"],
     "pre_mlp_layernorm.weight": ["post_attention_layernorm.weight"],
     "mlp.linear_fc1.layer_norm_weight": ["post_attention_layernorm.weight"],
     "mlp.linear_fc1.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
@@ -122,11 +171,38 @@ def with_layer_offset(name: str, offset: int) -> str:
     return f"decoder.layers.{int(match.group(1)) + offset}.{match.group(2)}" if match else name
 
 
-def hf_names(name: str) -> list[str]:
-    """The HF tensors one Megatron tensor (global layer numbering) is made of."""
+def with_expert_offset(name: str, offset: int) -> str:
+    """An expert-parallel rank's expert tensor name with model-wide expert numbering (its experts
+    start at `offset`)."""
+    return re.sub(r"(mlp\.experts\.local_experts\.)(\d+)\.", lambda m: f"{m.group(1)}{int(m.group(2)) + offset}.",
+                  name)
+
+
+def stacked_expert_name(name: str) -> str:
+    """`decoder.layers.N.mlp.experts.local_experts.E.linear_fc1.weight` -> the name of layer N's
+    experts stacked, `decoder.layers.N.mlp.experts.linear_fc1.weight`; other names unchanged."""
+    return re.sub(r"mlp\.experts\.local_experts\.\d+\.", "mlp.experts.", name)
+
+
+def is_expert(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+def hf_names(name: str, layout: "Layout | None" = None) -> list[str]:
+    """The HF tensors one Megatron tensor (global layer and expert numbering) is made of: for one
+    expert's, and for a mixture-of-experts router, the names in the model's files (`layout`
+    gives the family), else the names transformers gives them."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     match = _LAYER.fullmatch(name)
+    expert = _EXPERT.fullmatch(match.group(2)) if match else None
+    if expert and layout is not None and layout.experts is not None:
+        block, gate, up, down = EXPERT_FILE_NAMES[layout.experts.family]
+        prefix = f"model.layers.{match.group(1)}.{block}.experts.{expert.group(1)}"
+        parts = [gate, up] if expert.group(2) == "linear_fc1.weight" else [down]
+        return [f"{prefix}.{part}.weight" for part in parts]
+    if match and match.group(2) == "mlp.router.weight" and layout is not None and layout.experts is not None:
+        return [f"model.layers.{match.group(1)}.{EXPERT_FILE_NAMES[layout.experts.family][0]}.gate.weight"]
     if not match or match.group(2) not in _LAYER_NAMES:
         raise KeyError(f"No Hugging Face name for the Megatron tensor {name!r}.")
     return [f"model.layers.{match.group(1)}.{part}" for part in _LAYER_NAMES[match.group(2)]]
@@ -142,7 +218,7 @@ def to_megatron(name: str, hf: list[torch.Tensor], layout: Layout) -> torch.Tens
                            k.reshape(layout.groups, layout.head_dim, *rest),
                            v.reshape(layout.groups, layout.head_dim, *rest)], dim=1)
         return fused.reshape(-1, *rest)
-    if name.endswith("linear_fc1.weight"):
+    if name.endswith("linear_fc1.weight"):  # gate over up, as one expert's too
         return torch.cat(hf, dim=0)
     (tensor,) = hf
     return tensor
@@ -157,7 +233,7 @@ def to_hf(name: str, tensor: torch.Tensor, layout: Layout) -> list[tuple[str, to
         grouped = tensor.reshape(layout.groups, (per_group + 2) * layout.head_dim, *rest)
         q, k, v = grouped.split([per_group * layout.head_dim, layout.head_dim, layout.head_dim], dim=1)
         parts = [q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)]
-    elif name.endswith("linear_fc1.weight"):
+    elif name.endswith("linear_fc1.weight") and not is_expert(name):
         parts = list(tensor.chunk(2, dim=0))
     elif name in _VOCAB:
         parts = [tensor[:layout.vocab]]  # without the TP padding rows
@@ -172,6 +248,8 @@ def split_tp(name: str, full: torch.Tensor, tp: int, layout: Layout) -> list[tor
         padded = full.new_zeros(layout.padded_vocab(tp), *full.shape[1:])
         padded[:full.shape[0]] = full
         return list(padded.chunk(tp, dim=0))
+    if not is_tensor_parallel(name):
+        return [full] * tp
     if name.endswith(_COLUMN_SPLIT):
         return list(full.chunk(tp, dim=1))
     if name.endswith("linear_fc1.weight"):
@@ -181,7 +259,7 @@ def split_tp(name: str, full: torch.Tensor, tp: int, layout: Layout) -> list[tor
         # Whole query groups per rank; with fewer groups than ranks, equal row blocks of the
         # fused tensor (megatron gathers the qkv output and picks its group).
         return list(full.chunk(tp, dim=0))
-    return [full] * tp  # norms: replicated
+    raise KeyError(f"No tensor-parallel split for the Megatron tensor {name!r}.")
 
 
 def merge_tp(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
@@ -199,8 +277,10 @@ def merge_tp(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
 
 
 def is_tensor_parallel(name: str) -> bool:
-    """Whether TP ranks hold different shards of `name` (norms and the value head are replicated)."""
-    return not name.endswith(("norm.weight", "layer_norm_weight")) and not name.startswith("value_head.")
+    """Whether TP ranks hold different shards of `name` (norms, the value head, a router and the
+    experts, with an expert tensor-parallel size of 1, are replicated)."""
+    return (not name.endswith(("norm.weight", "layer_norm_weight")) and not name.startswith("value_head.")
+            and not name.endswith("mlp.router.weight") and not is_expert(name))
 
 
 # The model's tensors in a Megatron dist-checkpoint (the optimizer's are under "optimizer.").
@@ -209,12 +289,14 @@ DIST_CHECKPOINT_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 
 def hf_state_from_dist_checkpoint(tensors: dict[str, torch.Tensor], layout: Layout) -> dict[str, torch.Tensor]:
     """HF-named tensors from a Megatron dist-checkpoint's model tensors, read whole: each
-    `decoder.layers.*` tensor stacks all layers along dim 0, and TP shards are already merged
+    `decoder.layers.*` tensor stacks all layers along dim 0 (an experts tensor then all of a
+    layer's experts along dim 1, as transformers stacks them), and TP shards are already merged
     (the vocabulary padding stays, `to_hf` drops it). A critic's `output_layer` is its value head."""
     state = {}
     for key, tensor in tensors.items():
         if key.startswith("decoder.layers."):
-            rest = key[len("decoder.layers."):]
+            # A layer's experts are stacked there too: [layers, experts, ...].
+            rest = key[len("decoder.layers."):].replace("mlp.experts.experts.", "mlp.experts.")
             parts = [(f"decoder.layers.{index}.{rest}", layer) for index, layer in enumerate(tensor)]
         elif layout.value_head and key.startswith("output_layer."):
             parts = [(key.replace("output_layer.", "value_head."), tensor)]

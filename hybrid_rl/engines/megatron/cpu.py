@@ -13,7 +13,10 @@ assertion in gradient clipping. Inside `cpu_device_layer()` each of those is ans
   which place their buffers there), `synchronize` is a no-op, and the CUDA RNG calls megatron
   makes (`torch.cuda.get_rng_state`, `manual_seed`, its `_get/_set_cuda_rng_state`) use the CPU
   generator, which is the one CPU dropout draws from;
-- gradient clipping by the total norm scales the gradients in place without the CUDA assertion.
+- gradient clipping by the total norm scales the gradients in place without the CUDA assertion;
+- CUDA streams and events (the mixture-of-experts all-to-all dispatcher copies its token counts
+  to the host on a side stream and waits on an event) are stand-ins that do nothing: CPU work is
+  already in order; the counts it copies to numpy arrays are made numpy arrays on the host too.
 
 Everything is restored on exit, so vLLM and the FSDP engine in the same process never see it.
 The set of calls was found by running megatron-core's model, DDP, distributed optimizer and
@@ -81,11 +84,43 @@ def _clip_in_place(parameters, max_norm, total_norm, use_decoupled_grad=False):
                 grad.detach().mul_(coeff)
 
 
+def _to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron's `maybe_move_tensor_to_cpu` for tensors already on the host: the split sizes it
+    asks for as numpy arrays come as numpy arrays (a torch tensor is not a sequence of ints to
+    the all-to-all)."""
+    return tensor.numpy() if torch.is_tensor(tensor) and as_numpy else tensor
+
+
+class _HostEvent:
+    def record(self, stream=None) -> None: ...
+    def wait(self, stream=None) -> None: ...
+    def synchronize(self) -> None: ...
+    def query(self) -> bool:
+        return True
+
+
+class _HostStream:
+    def wait_stream(self, stream) -> None: ...
+    def wait_event(self, event) -> None: ...
+    def synchronize(self) -> None: ...
+    def record_event(self, event=None) -> _HostEvent:
+        return event or _HostEvent()
+
+
+_HOST_STREAM = _HostStream()  # one stream: megatron compares the current stream with its side stream
+
+
 @contextlib.contextmanager
 def cpu_device_layer():
     """Run megatron-core calls on the CPU (see the module docstring); re-entrant."""
     from megatron.core.optimizer import clip_grads, optimizer
     from megatron.core.tensor_parallel import random as mp_random
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        # The router's linear tests `te_general_gemm is not None` for its torch fallback, but the
+        # name is left undefined when Transformer Engine is missing (megatron-core 0.16.1).
+        moe_utils.te_general_gemm = None
 
     patches = [
         (torch.cuda, "current_device", lambda: torch.device("cpu")),
@@ -93,6 +128,11 @@ def cpu_device_layer():
         (torch.cuda, "get_rng_state", lambda *args, **kwargs: torch.get_rng_state()),
         (torch.cuda, "set_rng_state", lambda state, *args, **kwargs: torch.set_rng_state(state)),
         (torch.cuda, "manual_seed", lambda seed: torch.manual_seed(seed)),
+        (torch.cuda, "Stream", lambda *args, **kwargs: _HOST_STREAM),
+        (torch.cuda, "current_stream", lambda *args, **kwargs: _HOST_STREAM),
+        (torch.cuda, "stream", lambda *args, **kwargs: contextlib.nullcontext()),
+        (torch.cuda, "Event", lambda *args, **kwargs: _HostEvent()),
+        (token_dispatcher, "maybe_move_tensor_to_cpu", _to_host),
         (torch.cuda.random, "get_rng_state", lambda *args, **kwargs: torch.get_rng_state()),
         (mp_random, "_get_cuda_rng_state", lambda *args, **kwargs: torch.get_rng_state()),
         (mp_random, "_set_cuda_rng_state", lambda state, *args, **kwargs: torch.set_rng_state(state)),

@@ -32,7 +32,7 @@ from hybrid_rl.engines import hf_model
 from hybrid_rl.engines.base import Head, ModelSpec, Output, TrainEngine, all_reduce_scalar, lr_lambda
 from hybrid_rl.engines.megatron import convert
 from hybrid_rl.engines.megatron import model as mmodel
-from hybrid_rl.engines.megatron.checks import check_layout, check_recompute, parallel_sizes
+from hybrid_rl.engines.megatron.checks import check_layout, check_recompute, expert_parallel_size, parallel_sizes
 from hybrid_rl.models import model_config
 
 logger = logging.getLogger(__name__)
@@ -91,16 +91,18 @@ class MegatronEngine(TrainEngine):
                                                     head_bias=spec.head is Head.VALUE)
         check_layout(ROLE_KEYS[spec.role], megatron_cfg, self.layout, dist.get_world_size(), device.type)
         tp, pp, vpp = parallel_sizes(megatron_cfg)
+        ep = expert_parallel_size(megatron_cfg)
         seed = int(megatron_cfg.get("seed", 42))
         dtype = hf_model.compute_dtype(megatron_cfg.get("dtype", "auto") or "auto", device)
         trainable = spec.optim_cfg is not None
         with self._megatron():
-            mmodel.initialize_parallel(tp, pp, vpp, seed)
-            if parallel_state.get_tensor_model_parallel_world_size() != tp or \
-                    parallel_state.get_pipeline_model_parallel_world_size() != pp:
-                raise ValueError(f"{ROLE_KEYS[spec.role]}.megatron sets TP={tp}, PP={pp}, but this process already "
-                                 "runs another model with a different layout: the roles on Megatron must share "
-                                 "tensor_model_parallel_size and pipeline_model_parallel_size.")
+            mmodel.initialize_parallel(tp, pp, vpp, seed, ep)
+            if (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
+                    parallel_state.get_expert_model_parallel_world_size()) != (tp, pp, ep):
+                raise ValueError(f"{ROLE_KEYS[spec.role]}.megatron sets TP={tp}, PP={pp}, EP={ep}, but this process "
+                                 "already runs another model with a different layout: the roles on Megatron must "
+                                 "share tensor_model_parallel_size, pipeline_model_parallel_size and "
+                                 "expert_model_parallel_size.")
             # Activations pass between pipeline stages in the compute dtype too.
             half = {} if dtype == torch.float32 else {
                 "bf16": dtype == torch.bfloat16, "fp16": dtype == torch.float16, "params_dtype": dtype,
@@ -225,10 +227,18 @@ class MegatronEngine(TrainEngine):
         from megatron.core import parallel_state
 
         # Each TP shard once, a TP-replicated weight (norms) from TP rank 0 only, the last
-        # stage's copy of a tied embedding not at all.
-        numel = sum(p.numel() for m in self.models for p in m.parameters()
-                    if (getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0)
-                    and not (getattr(p, "shared_embedding", False) and self.pp_rank > 0))
+        # stage's copy of a tied embedding not at all; experts (megatron marks them `allreduce`
+        # False) are dealt in equal blocks to the expert-parallel ranks.
+        ep = parallel_state.get_expert_model_parallel_world_size()
+
+        def counted(p) -> int:
+            if not getattr(p, "allreduce", True):  # an expert's: the same on every TP rank
+                return p.numel() * ep if self.tp_rank == 0 else 0
+            if getattr(p, "shared_embedding", False) and self.pp_rank > 0:
+                return 0
+            return p.numel() if getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0 else 0
+
+        numel = sum(counted(p) for m in self.models for p in m.parameters())
         return int(all_reduce_scalar(numel, self.device, group=parallel_state.get_model_parallel_group()))
 
     # ------------------------------------------------------------------ compute

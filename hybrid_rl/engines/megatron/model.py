@@ -32,12 +32,14 @@ def device_layer(device: torch.device):
     return contextlib.nullcontext()
 
 
-def initialize_parallel(tp: int, pp: int, vpp: int | None, seed: int) -> None:
-    """megatron's process groups (once per process) and its model-parallel RNG."""
+def initialize_parallel(tp: int, pp: int, vpp: int | None, seed: int, ep: int = 1) -> None:
+    """megatron's process groups (once per process) and its model-parallel RNG; experts are
+    split over `ep` ranks and never over tensor-parallel ranks."""
     from megatron.core import parallel_state, tensor_parallel
 
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp)
+        parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp,
+                                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
@@ -51,6 +53,16 @@ def transformer_config(hf_config, layout: convert.Layout, vpp: int | None, seque
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
+    experts = {} if layout.experts is None else dict(
+        num_moe_experts=layout.experts.count, moe_ffn_hidden_size=layout.experts.inner,
+        moe_router_topk=layout.experts.top_k,
+        # Softmax over the top-k logits is the top-k probabilities renormalised; without
+        # renormalisation, the softmax over all experts comes first.
+        moe_router_pre_softmax=not layout.experts.renormalize,
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=1, moe_grouped_gemm=False,
+        # transformers adds no load-balancing loss to the model's output in training either.
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
     settings = dict(
         num_layers=layout.num_layers, hidden_size=hf_config.hidden_size, num_attention_heads=layout.heads,
         num_query_groups=layout.groups, kv_channels=layout.head_dim, ffn_hidden_size=hf_config.intermediate_size,
@@ -64,7 +76,7 @@ def transformer_config(hf_config, layout: convert.Layout, vpp: int | None, seque
         variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
         # The fused kernels need CUDA extensions (Apex / Transformer Engine).
         masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False)
+        gradient_accumulation_fusion=False, persist_layer_norm=False, qk_layernorm=layout.qk_norm, **experts)
     return TransformerConfig(**{**settings, **(overrides or {})})
 
 
@@ -91,12 +103,15 @@ def build_model(hf_config, layout: convert.Layout, config, transformer_engine: b
     )
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
+    # One module per expert (SequentialMLP), whose weights convert one to one.
+    layers = dict(num_experts=layout.experts.count if layout.experts else None, moe_grouped_gemm=False,
+                  qk_layernorm=layout.qk_norm)
     if transformer_engine:
-        spec = get_gpt_layer_with_transformer_engine_spec()
+        spec = get_gpt_layer_with_transformer_engine_spec(**layers)
     else:
         from hybrid_rl.engines.megatron.attention import SDPAttention
 
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", **layers)
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
     chunks = []
     for stage in range(config.virtual_pipeline_model_parallel_size or 1):
@@ -139,13 +154,16 @@ class ValueHead(torch.nn.Linear):
 
 
 def global_names(chunk: torch.nn.Module, config, vp_stage: int | None) -> dict[str, str]:
-    """This chunk's weight names -> names with model-wide layer numbers (no `_extra_state`)."""
+    """This chunk's weight names -> names with model-wide layer and expert numbers (no `_extra_state`)."""
+    from megatron.core import parallel_state
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    local_experts = (config.num_moe_experts or 0) // parallel_state.get_expert_model_parallel_world_size()
+    expert_offset = parallel_state.get_expert_model_parallel_rank() * local_experts
     value_head = isinstance(getattr(chunk, "output_layer", None), ValueHead)
-    return {name: convert.with_layer_offset(name.replace("output_layer.", "value_head.") if value_head else name,
-                                            offset)
+    return {name: convert.with_expert_offset(convert.with_layer_offset(
+                name.replace("output_layer.", "value_head.") if value_head else name, offset), expert_offset)
             for name in chunk.state_dict() if not name.endswith("_extra_state")}
 
 
@@ -220,7 +238,7 @@ def load_hf_weights(chunks: list[torch.nn.Module], config, path: str, layout: co
         for local, name in global_names(chunk, config, _vp_stage(config, index)).items():
             if name.startswith("value_head.") and not set(convert.hf_names(name)) <= files.keys():
                 continue  # a causal LM's folder: the critic starts from a fresh head, as in transformers
-            full = convert.to_megatron(name, [read(n) for n in convert.hf_names(name)], layout)
+            full = convert.to_megatron(name, [read(n) for n in convert.hf_names(name, layout)], layout)
             shard = convert.split_tp(name, full, tp, layout)[tp_rank]
             if shard.shape != state[local].shape:
                 raise ValueError(f"{name}: the checkpoint gives {tuple(shard.shape)} for this rank, the model "
@@ -234,30 +252,36 @@ def iter_hf_weights(chunks: list[torch.nn.Module], config, layout: convert.Layou
     """Every weight as a full tensor with its HF name in `dtype` (None: float32), on every rank, one at a time:
     the TP shards are gathered, and each pipeline stage's tensors are broadcast to the others.
     With tied embeddings the first stage's embedding is sent as both `model.embed_tokens.weight`
-    and `lm_head.weight`, as transformers' state dict has it (the last stage's copy is skipped)."""
+    and `lm_head.weight`, as transformers' state dict has it (the last stage's copy is skipped).
+    A mixture-of-experts layer's experts come stacked, gathered from the expert-parallel ranks."""
     from megatron.core import parallel_state
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
     pp_group = parallel_state.get_pipeline_model_parallel_group()
-    tp = dist.get_world_size(tp_group)
+    ep_group = parallel_state.get_expert_model_parallel_group()
+    tp, ep = dist.get_world_size(tp_group), dist.get_world_size(ep_group)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     device = next(chunks[0].parameters()).device
     states = [chunk.state_dict() for chunk in chunks]
-    mine = []  # (global name, chunk index, local name)
+    # Global name -> this rank's tensors of it: one, or a layer's local experts (stacked below).
+    mine: dict[str, list[torch.Tensor]] = {}
     for index, chunk in enumerate(chunks):
         for local, name in global_names(chunk, config, _vp_stage(config, index)).items():
             if not (layout.tied and name == "output_layer.weight"):
-                mine.append((name, index, local))
+                mine.setdefault(convert.stacked_expert_name(name), []).append(states[index][local].detach())
     # Every stage learns which stage holds which tensor, and its TP-merged shape and dtype.
     owned = [None] * dist.get_world_size(pp_group)
-    dist.all_gather_object(owned, [(name, tuple(states[i][local].shape)) for name, i, local in mine],
-                           group=pp_group)
-    locals_by_name = {name: (i, local) for name, i, local in mine}
+    shapes = [(name, ((len(tensors) * ep,) if convert.is_expert(name) else ()) + tuple(tensors[0].shape))
+              for name, tensors in mine.items()]
+    dist.all_gather_object(owned, shapes, group=pp_group)
     for stage, entries in enumerate(owned):
         for name, shard_shape in entries:
             if stage == pp_rank:
-                index, local = locals_by_name[name]
-                shard = states[index][local].detach()
+                shard = torch.stack(mine[name]) if convert.is_expert(name) else mine[name][0]
+                if convert.is_expert(name) and ep > 1:  # each expert-parallel rank holds a block of experts
+                    blocks = [torch.empty_like(shard) for _ in range(ep)]
+                    dist.all_gather(blocks, shard.contiguous(), group=ep_group)
+                    shard = torch.cat(blocks)
                 if tp > 1 and convert.is_tensor_parallel(name):
                     shards = [torch.empty_like(shard) for _ in range(tp)]
                     dist.all_gather(shards, shard.contiguous(), group=tp_group)

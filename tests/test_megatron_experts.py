@@ -1,0 +1,121 @@
+"""Mixture-of-experts models on the Megatron engine with expert parallelism (EP=2 over two gloo
+ranks, each holding half of every layer's experts) against the FSDP engine on the same two ranks,
+model, batches and seed: equal log-probs, loss, grad norm and weight update; the weights it gives
+back are transformers' own (experts stacked) to the bit; a resumed engine continues exactly."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hybrid_rl.engines import Output
+from tests.engine_helpers import actor_config, loss_fn, make_engine, rollout_batch, weights
+
+pytestmark = pytest.mark.slow
+FAMILIES = ("qwen3_moe", "mixtral")
+EXPERT_PARALLEL = ("actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",)
+
+
+def rank_batch(seed: int):
+    """Each data-parallel rank's own rows: a mini-batch of 4 prompts x 2 samples over two ranks."""
+    return rollout_batch(seed + 100 * dist.get_rank(), rows=4)
+
+
+def train(engine, cfg, seed: int) -> dict:
+    return engine.update(rank_batch(seed), cfg.actor_rollout_ref.actor, rollout_n=2, seed=seed,
+                         output=Output.LOG_PROBS_ENTROPY, temperature=0.7, loss_fn=loss_fn)
+
+
+def run(cfg, model_dir: str, out_dir: str) -> dict:
+    engine = make_engine(cfg, model_dir)
+    infer = engine.infer(rank_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None)
+    before = weights(engine)
+    first, after = train(engine, cfg, 1), weights(engine)
+    engine.save_checkpoint(os.path.join(out_dir, "ckpt"))
+    second = train(engine, cfg, 2)
+    resumed = make_engine(cfg, model_dir)
+    resumed.load_checkpoint(os.path.join(out_dir, "ckpt"))
+    return {"infer": infer, "before": before, "first": first, "after": after, "second": second,
+            "resumed": train(resumed, cfg, 2), "params": engine.num_params(), "dp": engine.dp_size}
+
+
+def _rank_main(rank, world, init_file, model_dirs, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    results = {}
+    for family, model_dir in model_dirs.items():
+        for strategy in ("fsdp2", "megatron"):
+            folder = os.path.join(out_dir, f"{family}_{strategy}")
+            os.makedirs(folder, exist_ok=True)
+            cfg = actor_config(strategy, extra=EXPERT_PARALLEL)
+            results[family, strategy] = run(cfg, model_dir, folder)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def expert_runs(tiny_moe_model_dirs, tmp_path_factory) -> list[dict]:
+    out_dir = tmp_path_factory.mktemp("megatron_experts")
+    mp.start_processes(_rank_main, args=(2, str(out_dir / "init"), tiny_moe_model_dirs, str(out_dir)), nprocs=2,
+                       start_method="spawn")
+    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(2)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_expert_parallel_megatron_matches_fsdp(expert_runs, family):
+    for rank, runs in enumerate(expert_runs):
+        fsdp, megatron = runs[family, "fsdp2"], runs[family, "megatron"]
+        assert megatron["dp"] == fsdp["dp"] == 2  # expert parallelism leaves the data split alone
+        mask = rollout_batch(1 + 100 * rank, rows=4)["response_mask"].bool()
+        for key in ("log_probs", "entropy"):
+            assert (megatron["infer"][key] - fsdp["infer"][key])[mask].abs().max() <= 1e-5
+        # HF -> Megatron -> HF is exact, and the experts come back stacked as transformers holds them.
+        assert set(megatron["before"]) == set(fsdp["before"])
+        assert "model.layers.0.mlp.experts.gate_up_proj" in megatron["before"]
+        assert all(torch.equal(megatron["before"][k], fsdp["before"][k]) for k in fsdp["before"])
+        assert megatron["first"]["actor/loss"] == pytest.approx(fsdp["first"]["actor/loss"], rel=1e-4)
+        assert megatron["first"]["actor/grad_norm"] == pytest.approx(fsdp["first"]["actor/grad_norm"], rel=1e-4)
+        update = torch.cat([(megatron["after"][k] - megatron["before"][k]).flatten() for k in fsdp["after"]])
+        expected = torch.cat([(fsdp["after"][k] - fsdp["before"][k]).flatten() for k in fsdp["after"]])
+        assert (update - expected).norm() / expected.norm() <= 1e-3
+        assert megatron["resumed"] == megatron["second"]
+        assert megatron["params"] == fsdp["params"]
+
+
+@pytest.mark.parametrize("ranks, ep, expected", [
+    (3, 3, "expert_model_parallel_size=3 does not divide the model's 4 experts"),
+    (3, 2, r"expert_model_parallel_size \(2\) x pipeline_model_parallel_size \(1\) must divide the number of ranks \(3"),
+])
+def test_expert_layouts_the_model_cannot_take_are_refused_at_start(tiny_moe_model_dirs, ranks, ep, expected):
+    from hybrid_rl.config import ConfigError, check_model_limits, validate_config
+    from hybrid_rl.main import compose_config
+
+    cfg = validate_config(compose_config([
+        f"trainer.n_gpus_per_node={ranks}", "trainer.device=cpu", "data.train_batch_size=6",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=6", f"actor_rollout_ref.actor.megatron.expert_model_parallel_size={ep}"],
+        config_name="ppo_megatron_trainer"))
+    with pytest.raises(ConfigError, match=expected):
+        check_model_limits(cfg, tiny_moe_model_dirs["mixtral"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_converted_mixture_of_experts_checkpoint_reads_back_as_transformers_weights(tiny_moe_model_dirs, family,
+                                                                                     tmp_path):
+    """tools/convert_hf_to_mcore.py writes every layer's experts stacked; export reads them back
+    into transformers' own layout and values, to the bit."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hybrid_rl.engines.megatron import convert
+    from hybrid_rl.export import read_model_state
+    from tests.test_megatron_dist_weights import convert as convert_to_mcore
+
+    model_dir = tiny_moe_model_dirs[family]
+    folder = convert_to_mcore(model_dir, str(tmp_path / "mcore"))
+    state = convert.hf_state_from_dist_checkpoint(read_model_state(folder),
+                                                  convert.Layout.from_hf_config(AutoConfig.from_pretrained(model_dir)))
+    expected = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    assert set(state) == set(expected) - {"lm_head.weight"}  # tied to the embedding
+    assert all(torch.equal(state[name], expected[name]) for name in state)
