@@ -173,6 +173,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     check_lora(cfg)
     check_fsdp_size(cfg)
     check_sequence_parallel(cfg)
+    check_optimizer_overrides(cfg)
     if cfg.actor_rollout_ref.model.compile_layers and cfg.actor_rollout_ref.actor.strategy == "megatron":
         raise ConfigError("actor_rollout_ref.model.compile_layers=true compiles the FSDP engine's decoder layers, "
                           "which the Megatron engine does not have; set it to false, or "
@@ -559,6 +560,34 @@ def check_fsdp_size(cfg: DictConfig) -> None:
             also = " (verl 0.9's critic.fsdp.fsdp_size)" if key == "critic" else ""
             raise ConfigError(f"{key}.fsdp_config.fsdp_size={size}{also} must be -1 (shard over all {world} ranks) "
                               f"or a divisor of {world}: {_divisors(world)}.")
+
+
+# torch AdamW's own arguments that come from other keys: the parameters and optim.lr / betas /
+# weight_decay (an override may still set the last three, as in verl).
+_ADAMW_FROM_OTHER_KEYS = ("self", "params")
+
+
+def check_optimizer_overrides(cfg: DictConfig) -> None:
+    """verl's `optim.override_optimizer_config` on an FSDP role: more arguments for torch's
+    AdamW, named as its constructor names them. (A Megatron role's are megatron's
+    `OptimizerConfig` fields, checked where megatron-core is imported: the engine.)"""
+    import inspect
+
+    import torch
+
+    accepted = [name for name in inspect.signature(torch.optim.AdamW).parameters if name not in _ADAMW_FROM_OTHER_KEYS]
+    for key in ("actor_rollout_ref.actor", "critic"):
+        role = OmegaConf.select(cfg, key)
+        override = role.optim.get("override_optimizer_config") if role is not None else None
+        if not override or role.strategy == "megatron":
+            continue
+        if not OmegaConf.is_dict(override):
+            raise ConfigError(f"{key}.optim.override_optimizer_config={override} must be a mapping of optimizer "
+                              "arguments, e.g. {eps: 1e-6}.")
+        unknown = sorted(set(override) - set(accepted))
+        if unknown:
+            raise ConfigError(f"{key}.optim.override_optimizer_config sets {', '.join(unknown)}, which torch's AdamW "
+                              f"(the FSDP engine's optimizer) does not take; its arguments: {', '.join(accepted)}.")
 
 
 def actor_replicas(cfg: DictConfig, world: int) -> tuple[int, int]:

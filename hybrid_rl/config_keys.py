@@ -202,8 +202,10 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NOT_YET, "not built yet for the Megatron engine", "*.megatron.*", "critic.nccl_timeout"),
     # --- optimiser
     *_rules(NOT_YET, "only AdamW is built (torch's, or megatron's adam, which is AdamW)", "*.optim.optimizer",
-            "*.optim.optimizer_impl",
-            "*.optim.override_optimizer_config"),
+            "*.optim.optimizer_impl"),
+    *_rules(WORKS, "more optimizer settings, over ours: torch AdamW's arguments on FSDP, megatron OptimizerConfig "
+            "fields on Megatron (its CPU-offload and precision-aware-optimizer ones are dropped with a warning on "
+            "CPU, where the optimizer state is in host memory already)", "*.optim.override_optimizer_config"),
     *_rules(NO_EFFECT, "the schedule length comes from the trainer (trainer.total_training_steps)",
             "*.optim.total_training_steps"),
     *_rules(NOT_YET, "gradient clipping is set by actor.grad_clip / critic.grad_clip", "*.optim.clip_grad"),

@@ -63,7 +63,7 @@ def test_vocabulary_padding_and_column_splits_round_trip(gqa_layout):
     assert shards[0].shape == (12, 6) and torch.equal(convert.merge_tp(name, shards), proj)
     assert not convert.is_tensor_parallel("decoder.layers.0.input_layernorm.weight")
     with pytest.raises(KeyError, match="No Hugging Face name"):
-        convert.hf_names("decoder.layers.0.mlp.router.weight")
+        convert.hf_names("decoder.layers.0.mlp.shared_experts.linear_fc1.weight")
 
 
 def test_unknown_architecture_is_refused(tiny_model_dir):
@@ -76,7 +76,7 @@ def test_unknown_architecture_is_refused(tiny_model_dir):
 
 
 def test_rotary_and_attention_settings_the_conversion_cannot_reproduce_are_refused(tiny_model_dir):
-    from transformers import AutoConfig, Qwen2Config
+    from transformers import AutoConfig, MixtralConfig, Qwen2Config
 
     config = AutoConfig.from_pretrained(tiny_model_dir)
     assert convert.Layout.from_hf_config(config).rope_theta == 1e4
@@ -86,8 +86,12 @@ def test_rotary_and_attention_settings_the_conversion_cannot_reproduce_are_refus
     qwen = Qwen2Config(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=64)
     with pytest.raises(ValueError, match="sliding attention window"):
         convert.Layout.from_hf_config(qwen)
-    qwen.use_sliding_window = False
+    # Qwen2.5's own configs: a window size, switched off (transformers then makes no sliding layers).
+    qwen = Qwen2Config(architectures=["Qwen2ForCausalLM"], use_sliding_window=False, sliding_window=64)
     assert convert.Layout.from_hf_config(qwen).qkv_bias
+    mixtral = MixtralConfig(architectures=["MixtralForCausalLM"], sliding_window=64)
+    with pytest.raises(ValueError, match="sliding attention window"):
+        convert.Layout.from_hf_config(mixtral)
 
 
 def test_device_layer_restores_torch_and_checks_the_version(monkeypatch):

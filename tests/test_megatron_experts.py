@@ -43,6 +43,13 @@ def run(cfg, model_dir: str, out_dir: str) -> dict:
             "resumed": train(resumed, cfg, 2), "params": engine.num_params(), "dp": engine.dp_size}
 
 
+# The optimizer settings of verl's Qwen3-MoE Megatron scripts (GPU-only: dropped on CPU) and one
+# that applies here.
+VERL_OPTIMIZER_OVERRIDES = tuple(f"+actor_rollout_ref.actor.optim.override_optimizer_config.{setting}" for setting in (
+    "optimizer_cpu_offload=True", "optimizer_offload_fraction=1", "overlap_cpu_optimizer_d2h_h2d=True",
+    "use_precision_aware_optimizer=True", "adam_eps=1e-7"))
+
+
 def _rank_main(rank, world, init_file, model_dirs, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     results = {}
@@ -52,6 +59,10 @@ def _rank_main(rank, world, init_file, model_dirs, out_dir):
             os.makedirs(folder, exist_ok=True)
             cfg = actor_config(strategy, extra=EXPERT_PARALLEL)
             results[family, strategy] = run(cfg, model_dir, folder)
+    cfg = actor_config("megatron", extra=EXPERT_PARALLEL + VERL_OPTIMIZER_OVERRIDES)
+    engine = make_engine(cfg, model_dirs["mixtral"])
+    results["overrides"] = {"first": train(engine, cfg, 1), "adam_eps": engine.optimizer.config.adam_eps,
+                            "offload": engine.optimizer.config.optimizer_cpu_offload}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -85,17 +96,20 @@ def test_expert_parallel_megatron_matches_fsdp(expert_runs, family):
         assert megatron["params"] == fsdp["params"]
 
 
-@pytest.mark.parametrize("ranks, ep, expected", [
-    (3, 3, "expert_model_parallel_size=3 does not divide the model's 4 experts"),
-    (3, 2, r"expert_model_parallel_size \(2\) x pipeline_model_parallel_size \(1\) must divide the number of ranks \(3"),
+@pytest.mark.parametrize("ranks, ep, tp, expected", [
+    (3, 3, 1, "expert_model_parallel_size=3 does not divide the model's 4 experts"),
+    (3, 2, 1, r"expert_model_parallel_size \(2\) x pipeline_model_parallel_size \(1\) must divide the number of ranks \(3"),
+    (2, 1, 2, "tensor_model_parallel_size=2: megatron trains a mixture-of-experts model under tensor parallelism "
+              "only with its sequence parallelism"),
 ])
-def test_expert_layouts_the_model_cannot_take_are_refused_at_start(tiny_moe_model_dirs, ranks, ep, expected):
+def test_expert_layouts_the_model_cannot_take_are_refused_at_start(tiny_moe_model_dirs, ranks, ep, tp, expected):
     from hybrid_rl.config import ConfigError, check_model_limits, validate_config
     from hybrid_rl.main import compose_config
 
     cfg = validate_config(compose_config([
         f"trainer.n_gpus_per_node={ranks}", "trainer.device=cpu", "data.train_batch_size=6",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=6", f"actor_rollout_ref.actor.megatron.expert_model_parallel_size={ep}"],
+        "actor_rollout_ref.actor.ppo_mini_batch_size=6", f"actor_rollout_ref.actor.megatron.expert_model_parallel_size={ep}",
+        f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}"],
         config_name="ppo_megatron_trainer"))
     with pytest.raises(ConfigError, match=expected):
         check_model_limits(cfg, tiny_moe_model_dirs["mixtral"])
@@ -119,3 +133,11 @@ def test_a_converted_mixture_of_experts_checkpoint_reads_back_as_transformers_we
     expected = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
     assert set(state) == set(expected) - {"lm_head.weight"}  # tied to the embedding
     assert all(torch.equal(state[name], expected[name]) for name in state)
+
+
+def test_verl_optimizer_overrides_apply_and_the_gpu_only_ones_are_dropped_on_cpu(expert_runs):
+    for runs in expert_runs:
+        overridden = runs["overrides"]
+        assert overridden["adam_eps"] == 1e-7 and overridden["offload"] is False
+        assert overridden["first"]["actor/loss"] == runs["mixtral", "megatron"]["first"]["actor/loss"]
+        assert overridden["first"]["actor/grad_norm"] == runs["mixtral", "megatron"]["first"]["actor/grad_norm"]

@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from hybrid_rl.config_keys import plain
 from hybrid_rl.engines import hf_model, lora, ulysses
 from hybrid_rl.engines.base import Head, ModelSpec, Output, TrainEngine, lr_lambda
 
@@ -83,13 +84,15 @@ def compile_layers(model: torch.nn.Module) -> None:
 
 
 def build_optimizer(model: torch.nn.Module, optim_cfg: Any, total_steps: int):
+    """torch's AdamW, with verl's `optim.override_optimizer_config` as more of its arguments
+    (`config.check_optimizer_overrides` has checked their names)."""
     # The fused kernel (CPU and CUDA, DTensor shards included) makes one pass over each tensor;
     # the default for-each path costs ~5x more on CPU.
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
-        weight_decay=optim_cfg.weight_decay, fused=True,
-    )
+    settings = {"lr": optim_cfg.lr, "betas": tuple(optim_cfg.betas), "weight_decay": optim_cfg.weight_decay,
+                "fused": True, **(plain(optim_cfg.get("override_optimizer_config")) or {})}
+    if settings.get("foreach"):  # torch takes one of the two implementations
+        settings["fused"] = False
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **settings)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim_cfg, total_steps))
     return optimizer, scheduler
 

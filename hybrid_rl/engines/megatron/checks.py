@@ -31,9 +31,17 @@ def expert_parallel_size(megatron_cfg: Any) -> int:
     return int(megatron_cfg.get("expert_model_parallel_size") or 1)
 
 
-def check_experts(section: str, megatron_cfg: Any, layout: convert.Layout, world: int, pp: int, pool: str) -> None:
+def check_experts(section: str, megatron_cfg: Any, layout: convert.Layout, world: int, tp: int, pp: int, pool: str,
+                  device_type: str) -> None:
     """Expert parallelism: a mixture-of-experts model, experts dealt evenly, whole groups of
-    ranks; experts are never split over tensor-parallel ranks here."""
+    ranks; experts are never split over tensor-parallel ranks here. megatron trains a mixture of
+    experts under tensor parallelism only with its sequence parallelism, which needs Transformer
+    Engine (CUDA)."""
+    if layout.experts is not None and tp > 1 and device_type == "cpu":
+        raise ValueError(f"{section}.tensor_model_parallel_size={tp}: megatron trains a mixture-of-experts model "
+                         "under tensor parallelism only with its sequence parallelism, which needs Transformer "
+                         "Engine on CUDA; on CPU keep tensor_model_parallel_size=1 and split the experts with "
+                         "expert_model_parallel_size.")
     ep, etp = expert_parallel_size(megatron_cfg), megatron_cfg.get("expert_tensor_parallel_size")
     if etp is not None and int(etp) != 1:
         raise ValueError(f"{section}.expert_tensor_parallel_size={etp}: this engine keeps each expert whole on one "
@@ -82,7 +90,7 @@ def check_layout(key: str, megatron_cfg: Any, layout: convert.Layout, world: int
     if layout.num_layers % (pp * (vpp or 1)):
         raise ValueError(f"{section}.pipeline_model_parallel_size={pp} x virtual_pipeline_model_parallel_size="
                          f"{vpp or 1} does not divide the model's {layout.num_layers} layers.")
-    check_experts(section, megatron_cfg, layout, world, pp, pool)
+    check_experts(section, megatron_cfg, layout, world, tp, pp, pool, device_type)
     check_dist_weights(key, megatron_cfg)
     if vpp is not None and device_type == "cpu":
         # Measured with megatron-core 0.16.1: over gloo the interleaved schedule's training pass

@@ -53,6 +53,33 @@ MODEL_KEYS = {"actor": "actor_rollout_ref.model", "ref": "actor_rollout_ref.mode
 FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 
+# megatron optimizer settings for GPUs: its state in host memory (on a CPU it is there already)
+# and the precision-aware optimizer (Transformer Engine's fused Adam, CUDA only).
+CUDA_OPTIMIZER_SETTINGS = ("optimizer_cpu_offload", "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d",
+                           "use_torch_optimizer_for_cpu_offload", "use_precision_aware_optimizer", "pin_cpu_grads",
+                           "pin_cpu_params")
+
+
+def optimizer_overrides(key: str, override: Any, device: torch.device) -> dict:
+    """verl's `optim.override_optimizer_config` for megatron's `OptimizerConfig`: its fields, over
+    the engine's; on CPU without the GPU-only ones, which are dropped with a warning."""
+    import dataclasses
+
+    from megatron.core.optimizer import OptimizerConfig
+
+    override = dict(plain(override) or {})
+    fields = {field.name for field in dataclasses.fields(OptimizerConfig)}
+    unknown = sorted(set(override) - fields)
+    if unknown:
+        raise ValueError(f"{key} sets {', '.join(unknown)}, which megatron-core's OptimizerConfig does not have; "
+                         f"its fields: {', '.join(sorted(fields))}.")
+    dropped = sorted(name for name in override if name in CUDA_OPTIMIZER_SETTINGS and device.type == "cpu")
+    if dropped:
+        logger.warning("%s: %s not applied on CPU (the optimizer state is in host memory already; the precision-aware "
+                       "optimizer needs Transformer Engine on CUDA).", key, ", ".join(dropped))
+    return {name: value for name, value in override.items() if name not in dropped}
+
+
 class LambdaSchedules:
     """Our warmup / cosine multiplier on every torch optimizer inside megatron's (chained)
     optimizer, with the small interface the trainer uses of a torch LR scheduler."""
@@ -190,10 +217,13 @@ class MegatronEngine(TrainEngine):
         optim = spec.optim_cfg
         betas = tuple(optim.betas)
         self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=betas[0],
-                            adam_beta2=betas[1], clip_grad=float(role_cfg.grad_clip), bf16=self.config.bf16,
-                            fp16=self.config.fp16, params_dtype=self.config.params_dtype,
-                            use_distributed_optimizer=distributed_optimizer),
+            OptimizerConfig(**{
+                "optimizer": "adam", "lr": optim.lr, "weight_decay": optim.weight_decay, "adam_beta1": betas[0],
+                "adam_beta2": betas[1], "clip_grad": float(role_cfg.grad_clip), "bf16": self.config.bf16,
+                "fp16": self.config.fp16, "params_dtype": self.config.params_dtype,
+                "use_distributed_optimizer": distributed_optimizer,
+                **optimizer_overrides(f"{ROLE_KEYS[spec.role]}.optim.override_optimizer_config",
+                                      optim.get("override_optimizer_config"), self.device)}),
             self.chunks)
         # megatron's per-group optimizers (one for dense models), each around a torch optimizer.
         self.optimizer_parts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])

@@ -1,0 +1,34 @@
+"""verl's `optim.override_optimizer_config`: torch AdamW's arguments on the FSDP engine, megatron
+`OptimizerConfig` fields on the Megatron engine (tests/test_megatron_experts.py runs verl's set)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+
+def test_fsdp_overrides_reach_adamw():
+    from hybrid_rl.engines.fsdp import build_optimizer
+
+    optim = OmegaConf.create({"lr": 1e-3, "betas": [0.9, 0.99], "weight_decay": 0.0, "warmup_style": "constant",
+                              "lr_warmup_steps": -1, "lr_warmup_steps_ratio": 0.0, "lr_scheduler_type": "constant",
+                              "min_lr_ratio": 0.0, "num_cycles": 0.5,
+                              "override_optimizer_config": {"eps": 1e-6, "amsgrad": True, "foreach": True}})
+    optimizer, _ = build_optimizer(torch.nn.Linear(4, 4), optim, total_steps=4)
+    group = optimizer.param_groups[0]
+    assert (group["eps"], group["amsgrad"], group["foreach"], group["fused"]) == (1e-6, True, True, False)
+    assert group["lr"] == 1e-3 and group["betas"] == (0.9, 0.99)
+
+
+def test_megatron_overrides_keep_its_fields_and_drop_the_gpu_only_ones_on_cpu(caplog):
+    from hybrid_rl.engines.megatron.engine import optimizer_overrides
+
+    key = "actor_rollout_ref.actor.optim.override_optimizer_config"
+    verl = {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.0, "overlap_cpu_optimizer_d2h_h2d": True,
+            "use_precision_aware_optimizer": True, "adam_eps": 1e-7}
+    assert optimizer_overrides(key, verl, torch.device("cpu")) == {"adam_eps": 1e-7}
+    assert "optimizer_cpu_offload, optimizer_offload_fraction, overlap_cpu_optimizer_d2h_h2d" in caplog.text
+    assert optimizer_overrides(key, verl, torch.device("cuda")) == verl
+    with pytest.raises(ValueError, match="sets adam_epsilon, which megatron-core's OptimizerConfig does not have"):
+        optimizer_overrides(key, {"adam_epsilon": 1e-6}, torch.device("cpu"))
