@@ -75,6 +75,18 @@ def test_unknown_architecture_is_refused(tiny_model_dir):
         convert.Layout.from_hf_config(config)
 
 
+def test_expert_routings_megatron_cannot_reproduce_are_refused():
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    top1 = MixtralConfig(architectures=["MixtralForCausalLM"], num_local_experts=2, num_experts_per_tok=1)
+    with pytest.raises(ValueError, match="one expert with weight 1.*strategy=fsdp2"):
+        convert.Layout.from_hf_config(top1)
+    dense_first = Qwen3MoeConfig(architectures=["Qwen3MoeForCausalLM"], mlp_only_layers=[0])
+    with pytest.raises(ValueError, match="every layer is a mixture of experts"):
+        convert.Layout.from_hf_config(dense_first)
+    assert convert.Layout.from_hf_config(MixtralConfig(architectures=["MixtralForCausalLM"])).experts.top_k == 2
+
+
 def test_rotary_and_attention_settings_the_conversion_cannot_reproduce_are_refused(tiny_model_dir):
     from transformers import AutoConfig, MixtralConfig, Qwen2Config
 

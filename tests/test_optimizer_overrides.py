@@ -1,5 +1,6 @@
-"""verl's `optim.override_optimizer_config`: torch AdamW's arguments on the FSDP engine, megatron
-`OptimizerConfig` fields on the Megatron engine (tests/test_megatron_experts.py runs verl's set)."""
+"""verl's `optim.override_optimizer_config` (torch AdamW's arguments on the FSDP engine, megatron
+`OptimizerConfig` fields on the Megatron engine; tests/test_megatron_experts.py runs verl's set)
+and `megatron.override_transformer_config`'s kernel switches."""
 
 from __future__ import annotations
 
@@ -32,3 +33,19 @@ def test_megatron_overrides_keep_its_fields_and_drop_the_gpu_only_ones_on_cpu(ca
     assert optimizer_overrides(key, verl, torch.device("cuda")) == verl
     with pytest.raises(ValueError, match="sets adam_epsilon, which megatron-core's OptimizerConfig does not have"):
         optimizer_overrides(key, {"adam_epsilon": 1e-6}, torch.device("cpu"))
+
+
+def test_megatron_cuda_kernel_switches_give_way_on_cpu(caplog):
+    """verl's Qwen3-MoE scripts switch on Transformer Engine / DeepEP kernels; on CPU megatron's
+    torch code runs instead, and experts stay one module each everywhere."""
+    from hybrid_rl.engines.megatron.engine import transformer_overrides
+
+    verl = {"apply_rope_fusion": True, "gradient_accumulation_fusion": True, "moe_permute_fusion": True,
+            "moe_enable_deepep": True, "moe_token_dispatcher_type": "flex", "moe_grouped_gemm": True,
+            "moe_router_dtype": "fp32", "masked_softmax_fusion": False}
+    key = "actor_rollout_ref.actor.megatron.override_transformer_config"
+    assert transformer_overrides(key, verl, torch.device("cpu")) == {"moe_router_dtype": "fp32"}
+    assert "apply_rope_fusion, gradient_accumulation_fusion, moe_permute_fusion, moe_enable_deepep, " \
+           "moe_token_dispatcher_type=flex not applied" in caplog.text
+    on_gpu = transformer_overrides(key, verl, torch.device("cuda"))
+    assert "moe_grouped_gemm" not in on_gpu and on_gpu["moe_enable_deepep"] is True

@@ -78,8 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from hybrid_rl.models import resolve_model_path
 
-    upcycle(resolve_model_path(args.model, key="--model"), args.out.expanduser().absolute(), args.experts, args.top_k,
-            args.router_std, args.seed)
+    try:
+        upcycle(resolve_model_path(args.model, key="--model"), args.out.expanduser().absolute(), args.experts,
+                args.top_k, args.router_std, args.seed)
+    except FileExistsError:
+        raise SystemExit(f"error: {args.out} already exists; choose another --out or delete it.") from None
     print(f"wrote {args.out} ({args.experts} experts, top {args.top_k})")
     return 0
 

@@ -58,15 +58,22 @@ class Experts:
     @classmethod
     def from_hf_config(cls, config) -> "Experts | None":
         if config.model_type == "mixtral":
-            return cls(config.num_local_experts, config.intermediate_size, config.num_experts_per_tok, True, "mixtral")
-        if config.model_type != "qwen3_moe":
+            experts = cls(config.num_local_experts, config.intermediate_size, config.num_experts_per_tok, True,
+                          "mixtral")
+        elif config.model_type == "qwen3_moe":
+            if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
+                raise ValueError("The Megatron engine converts Qwen3-MoE models whose every layer is a mixture of "
+                                 "experts (config.json: decoder_sparse_step=1, mlp_only_layers=[]); use "
+                                 "strategy=fsdp2 for this one.")
+            experts = cls(config.num_experts, config.moe_intermediate_size, config.num_experts_per_tok,
+                          bool(config.norm_topk_prob), "qwen3_moe")
+        else:
             return None
-        if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
-            raise ValueError("The Megatron engine converts Qwen3-MoE models whose every layer is a mixture of "
-                             "experts (config.json: decoder_sparse_step=1, mlp_only_layers=[]); use "
-                             "strategy=fsdp2 for this one.")
-        return cls(config.num_experts, config.moe_intermediate_size, config.num_experts_per_tok,
-                   bool(config.norm_topk_prob), "qwen3_moe")
+        if experts.top_k == 1 and experts.renormalize:
+            raise ValueError("This model routes each token to one expert with weight 1 (its top-1 weight "
+                             "renormalised); megatron routes a single expert only with its softmax probability. "
+                             "Use strategy=fsdp2 for it.")
+        return experts
 
 
 @dataclass(frozen=True)

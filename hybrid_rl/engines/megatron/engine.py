@@ -134,7 +134,8 @@ class MegatronEngine(TrainEngine):
             half = {} if dtype == torch.float32 else {
                 "bf16": dtype == torch.bfloat16, "fp16": dtype == torch.float16, "params_dtype": dtype,
                 "pipeline_dtype": dtype}
-            overrides = transformer_overrides(megatron_cfg.get("override_transformer_config"))
+            overrides = transformer_overrides(f"{ROLE_KEYS[spec.role]}.megatron.override_transformer_config",
+                                              megatron_cfg.get("override_transformer_config"), device)
             if trainable:
                 check_recompute(MODEL_KEYS[spec.role], spec.model_cfg, megatron_cfg, device.type)
                 if spec.model_cfg.get("enable_gradient_checkpointing", False):
@@ -501,11 +502,30 @@ def _create_adam_state(optimizer: torch.optim.Optimizer) -> None:
         state["step"].zero_()
 
 
-def transformer_overrides(section: Any) -> dict:
-    """`override_transformer_config` as `TransformerConfig` arguments (enums from their names)."""
+# Fused kernels of Transformer Engine, Apex or DeepEP (CUDA) that verl's scripts switch on: the
+# same computation by other kernels, so on CPU megatron's torch code runs instead.
+CUDA_KERNEL_SETTINGS = ("apply_rope_fusion", "gradient_accumulation_fusion", "masked_softmax_fusion",
+                        "bias_activation_fusion", "bias_dropout_fusion", "persist_layer_norm", "moe_permute_fusion",
+                        "moe_router_fusion", "moe_enable_deepep", "attention_backend")
+
+
+def transformer_overrides(key: str, section: Any, device: torch.device) -> dict:
+    """`override_transformer_config` as `TransformerConfig` arguments (enums from their names).
+    Experts stay one module each (`moe_grouped_gemm` would change their weights' layout); on CPU
+    the CUDA kernels' switches and DeepEP's `flex` dispatcher give way to megatron's torch code,
+    with a warning."""
     from megatron.core.transformer.enums import AttnBackend
 
     overrides = dict(plain(section) or {})
+    if overrides.pop("moe_grouped_gemm", False):
+        logger.warning("%s: moe_grouped_gemm not applied (the engine keeps one module per expert).", key)
+    if device.type == "cpu":
+        dropped = [name for name in CUDA_KERNEL_SETTINGS if overrides.pop(name, None) not in (None, False)]
+        if overrides.get("moe_token_dispatcher_type") == "flex":
+            dropped.append(f"moe_token_dispatcher_type={overrides.pop('moe_token_dispatcher_type')}")
+        if dropped:
+            logger.warning("%s: %s not applied (CUDA kernels; megatron's torch code computes the same on CPU).",
+                           key, ", ".join(dropped))
     if isinstance(overrides.get("attention_backend"), str):
         overrides["attention_backend"] = AttnBackend[overrides["attention_backend"]]
     return overrides
