@@ -17,6 +17,7 @@ from hybrid_rl.config_keys import check_verl_keys
 from hybrid_rl.controller.worker_group import PLACEMENT_STRATEGIES
 from hybrid_rl.engines import ENGINES, lora, ulysses
 from hybrid_rl.engines.megatron.checks import check_roles as check_megatron_roles
+from hybrid_rl.engines.megatron.checks import context_parallel_size as megatron_context_parallel_size
 from hybrid_rl.engines.megatron.checks import parallel_sizes as megatron_parallel_sizes
 from hybrid_rl.hardware import TORCH_DTYPES, resolve_dtype
 from hybrid_rl.profiler import ROLE_PROFILER_KEYS, TORCH_CONTENTS
@@ -592,13 +593,13 @@ def check_optimizer_overrides(cfg: DictConfig) -> None:
 
 def actor_replicas(cfg: DictConfig, world: int) -> tuple[int, int]:
     """(replicas, ranks per replica) of the actor's update: a mini-batch is split over its
-    data-parallel replicas, one per Megatron tensor x pipeline group or Ulysses sequence-parallel
-    group (every rank when neither divides the ranks: the layout checks say why)."""
+    data-parallel replicas, one per Megatron tensor x pipeline x context group or Ulysses
+    sequence-parallel group (every rank when neither divides the ranks: the layout checks say why)."""
     actor = cfg.actor_rollout_ref.actor
     try:
         if actor.strategy == "megatron":
             tp, pp, _ = megatron_parallel_sizes(actor.megatron)
-            group = tp * pp
+            group = tp * pp * megatron_context_parallel_size(actor.megatron)
         else:
             group = int(ulysses.configured_size(actor))
     except (TypeError, ValueError):  # not numbers: the layout checks name the key

@@ -181,8 +181,11 @@ RULES: tuple[Rule, ...] = tuple([
             "block of every layer's experts, tokens reach them by all-to-all; experts are not split over "
             "tensor-parallel ranks (expert_tensor_parallel_size 1 or null)",
             "*.megatron.expert_model_parallel_size", "*.megatron.expert_tensor_parallel_size"),
-    *_rules(NOT_YET, "context parallelism and Megatron-FSDP are not built yet",
-            *(f"*.megatron.{k}" for k in ("context_parallel_size", "dynamic_context_parallel", "use_megatron_fsdp"))),
+    *_rules(WORKS, "context parallelism: each sequence split over CP ranks in 2 x CP chunks (megatron's "
+            "load-balanced split), attention over every rank's keys and values (Transformer Engine's on CUDA, the "
+            "engine's own all-gather attention without it, CPU included)", "*.megatron.context_parallel_size"),
+    *_rules(NOT_YET, "dynamic context parallelism and Megatron-FSDP are not built yet",
+            *(f"*.megatron.{k}" for k in ("dynamic_context_parallel", "use_megatron_fsdp"))),
     *_rules(NO_EFFECT, "the reference policy has no optimizer or gradients",
             "actor_rollout_ref.ref.megatron.optimizer_offload", "actor_rollout_ref.ref.megatron.grad_offload"),
     *_rules(WORKS, "on GPU, the Megatron weights wait in host memory between forwards and updates (the "

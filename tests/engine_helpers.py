@@ -35,7 +35,7 @@ def loss_fn(out, micro, agg):
     return loss, {"loss": float(loss.detach())}
 
 
-def actor_config(strategy: str, tp: int = 1, pp: int = 1, extra=(), dtype: str = "fp32"):
+def actor_config(strategy: str, tp: int = 1, pp: int = 1, extra=(), dtype: str = "fp32", cp: int = 1):
     """fp32 for the exact comparisons (`auto` is bf16 on CPUs with bf16 instructions)."""
     return compose_config([
         f"actor_rollout_ref.actor.fsdp_config.dtype={dtype}", f"actor_rollout_ref.actor.megatron.dtype={dtype}",
@@ -43,7 +43,8 @@ def actor_config(strategy: str, tp: int = 1, pp: int = 1, extra=(), dtype: str =
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3", "actor_rollout_ref.actor.use_dynamic_bsz=false",
         "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.optim.weight_decay=0.0",
         f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}",
-        f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}", *extra],
+        f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}",
+        f"actor_rollout_ref.actor.megatron.context_parallel_size={cp}", *extra],
         config_name="ppo_megatron_trainer")
 
 

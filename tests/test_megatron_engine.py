@@ -26,8 +26,8 @@ from tests.engine_helpers import actor_config, make_engine, offloaded, rollout_b
 SMALL_HEAD_CHUNKS = ("actor_rollout_ref.model.head_chunk_size=4",)
 
 
-def actor_part(inputs: dict, out_dir: str, tp: int, pp: int) -> dict:
-    cfg = actor_config("megatron", tp, pp, extra=SMALL_HEAD_CHUNKS)
+def actor_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int) -> dict:
+    cfg = actor_config("megatron", tp, pp, extra=SMALL_HEAD_CHUNKS, cp=cp)
     engine = make_engine(cfg, inputs["model"])
     infer = engine.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None)
     before = weights(engine)
@@ -43,8 +43,8 @@ def actor_part(inputs: dict, out_dir: str, tp: int, pp: int) -> dict:
             "resumed": (resumed_second, resumed_weights)}
 
 
-def actor_bf16_part(inputs: dict, out_dir: str, tp: int, pp: int) -> dict:
-    cfg = actor_config("megatron", tp, pp, extra=SMALL_HEAD_CHUNKS, dtype="bf16")
+def actor_bf16_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int) -> dict:
+    cfg = actor_config("megatron", tp, pp, extra=SMALL_HEAD_CHUNKS, dtype="bf16", cp=cp)
     engine = make_engine(cfg, inputs["model"])
     infer = engine.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None)
     return {"infer": infer, "first": step(engine, cfg, 1), "dtype": engine.config.params_dtype}
@@ -141,11 +141,12 @@ def test_megatron_offload_frees_the_memory_between_uses_and_changes_no_number(ti
         assert all(torch.equal(runs[True]["after"][k], runs[False]["after"][k]) for k in runs[False]["after"])
 
 
-def reward_model_config(tp: int = 1, pp: int = 1):
+def reward_model_config(tp: int = 1, pp: int = 1, cp: int = 1):
     return compose_config(["reward_model.enable=true", "reward_model.strategy=megatron", "reward_model.megatron.dtype=fp32",
                            "reward_model.model.fsdp_config.dtype=fp32",
                            f"reward_model.megatron.tensor_model_parallel_size={tp}",
-                           f"reward_model.megatron.pipeline_model_parallel_size={pp}", "trainer.iterative.enable=true",
+                           f"reward_model.megatron.pipeline_model_parallel_size={pp}",
+                           f"reward_model.megatron.context_parallel_size={cp}", "trainer.iterative.enable=true",
                            "trainer.iterative.reward_model.lr=1e-3", "trainer.iterative.reward_model.epochs=2",
                            "trainer.iterative.reward_model.mini_batch_size=4",
                            "trainer.iterative.reward_model.micro_batch_size_per_gpu=3"],
@@ -164,10 +165,10 @@ def reward_model_training(rm, batch, cfg) -> dict:
     return {"before": before, "metrics": metrics, "after": rm.infer(rows, Output.SCORES, 1.0, 2, None)["scores"]}
 
 
-def reward_model_part(inputs: dict, out_dir: str, tp: int, pp: int) -> dict:
+def reward_model_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int) -> dict:
     from hybrid_rl.workers.reward_model import training_optim
 
-    cfg = reward_model_config(tp, pp)
+    cfg = reward_model_config(tp, pp, cp)
     role_cfg = OmegaConf.create({"strategy": "megatron", "megatron": cfg.reward_model.megatron, "grad_clip": 1.0})
     optim = training_optim(cfg.trainer.iterative.reward_model)
     rm = build_engine(ModelSpec("reward_model", inputs["reward_model"], cfg.reward_model.model, head=Head.SCORE,
@@ -213,12 +214,13 @@ def test_megatron_reward_model_scores_as_the_fsdp_one(megatron_layout, reward_mo
             assert result["metrics"][key] == pytest.approx(expected["metrics"][key], rel=1e-4), key
 
 
-def critic_config(strategy: str, tp: int = 1, pp: int = 1):
+def critic_config(strategy: str, tp: int = 1, pp: int = 1, cp: int = 1):
     return compose_config([
         "critic.fsdp_config.dtype=fp32", "critic.megatron.dtype=fp32", f"critic.strategy={strategy}",
         "critic.ppo_mini_batch_size=4", "critic.ppo_micro_batch_size_per_gpu=3",
         "critic.use_dynamic_bsz=false", "critic.optim.lr=1e-3", "critic.optim.weight_decay=0.0",
-        f"critic.megatron.tensor_model_parallel_size={tp}", f"critic.megatron.pipeline_model_parallel_size={pp}"],
+        f"critic.megatron.tensor_model_parallel_size={tp}", f"critic.megatron.pipeline_model_parallel_size={pp}",
+        f"critic.megatron.context_parallel_size={cp}"],
         config_name="ppo_megatron_trainer")
 
 
@@ -238,8 +240,8 @@ def critic_run(cfg, model_dir) -> dict:
     return {"values": values, "metrics": metrics, "before": before, "after": weights(critic)}
 
 
-def critic_part(inputs: dict, out_dir: str, tp: int, pp: int) -> dict:
-    return critic_run(critic_config("megatron", tp, pp), inputs["value_model"])
+def critic_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int) -> dict:
+    return critic_run(critic_config("megatron", tp, pp, cp), inputs["value_model"])
 
 
 @pytest.fixture(scope="module")
@@ -259,10 +261,10 @@ def value_model_dir(tiny_model_dir4, tmp_path_factory):
 PARTS = {"actor": actor_part, "actor_bf16": actor_bf16_part, "critic": critic_part, "reward_model": reward_model_part}
 
 
-def _layout_rank_main(rank, world, init_file, inputs, out_dir, tp, pp):
+def _layout_rank_main(rank, world, init_file, inputs, out_dir, tp, pp, cp):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     for name, part in PARTS.items():
-        torch.save(part(inputs, out_dir, tp, pp), os.path.join(out_dir, f"{name}_rank{rank}.pt"))
+        torch.save(part(inputs, out_dir, tp, pp, cp), os.path.join(out_dir, f"{name}_rank{rank}.pt"))
     dist.destroy_process_group()
 
 
@@ -270,23 +272,24 @@ def _layout_rank_main(rank, world, init_file, inputs, out_dir, tp, pp):
 class LayoutRun:
     tp: int
     pp: int
+    cp: int
     out_dir: Path
 
     def results(self, part: str) -> list[dict]:
         return [torch.load(self.out_dir / f"{part}_rank{rank}.pt") for rank in range(2)]
 
 
-@pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["2-1", "1-2"])
+@pytest.fixture(scope="module", params=[(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["tp2", "pp2", "cp2"])
 def megatron_layout(request, tiny_model_dir4, value_model_dir, reward_model_case, tmp_path_factory) -> LayoutRun:
     """The Megatron side of the comparisons with FSDP (actor in fp32 and bf16, critic, reward
-    model) on one TP x PP layout, in one spawn of two gloo ranks: a spawn costs each rank ~10 s of
-    imports."""
-    tp, pp = request.param
-    out_dir = tmp_path_factory.mktemp(f"megatron_tp{tp}_pp{pp}")
+    model) on one TP x PP x CP layout, in one spawn of two gloo ranks: a spawn costs each rank
+    ~10 s of imports."""
+    tp, pp, cp = request.param
+    out_dir = tmp_path_factory.mktemp(f"megatron_tp{tp}_pp{pp}_cp{cp}")
     inputs = {"model": tiny_model_dir4, "value_model": value_model_dir, **reward_model_case}
-    mp.start_processes(_layout_rank_main, args=(2, str(out_dir / "init"), inputs, str(out_dir), tp, pp), nprocs=2,
-                       start_method="spawn")
-    return LayoutRun(tp, pp, out_dir)
+    mp.start_processes(_layout_rank_main, args=(2, str(out_dir / "init"), inputs, str(out_dir), tp, pp, cp),
+                       nprocs=2, start_method="spawn")
+    return LayoutRun(tp, pp, cp, out_dir)
 
 
 def test_megatron_critic_matches_fsdp(megatron_layout, value_model_dir):
@@ -348,14 +351,21 @@ def test_dispatch_follows_the_data_parallel_layout():
     (["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2", "trainer.n_gpus_per_node=3",
       "data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=6"],
      r"tensor_model_parallel_size \(1\) x pipeline_model_parallel_size \(2\) must divide the number of ranks \(3"),
+    (["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+      "actor_rollout_ref.actor.megatron.context_parallel_size=2"],
+     r"tensor_model_parallel_size \(2\) x pipeline_model_parallel_size \(1\) x context_parallel_size \(2\) must "
+     r"divide the number of ranks \(2"),
+    (["actor_rollout_ref.actor.megatron.context_parallel_size=2", "actor_rollout_ref.actor.use_kl_loss=true",
+      "actor_rollout_ref.ref.megatron.context_parallel_size=1"],
+     "must match.*actor_rollout_ref.actor: TP=1, PP=1, EP=1, CP=2, actor_rollout_ref.ref: TP=1, PP=1, EP=1, CP=1"),
     (["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
       "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2"],
      "virtual pipeline stages need NCCL"),
     (["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2", "actor_rollout_ref.actor.use_kl_loss=true",
       "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=1"],
-     "must match.*actor_rollout_ref.actor: TP=1, PP=2, EP=1, actor_rollout_ref.ref: TP=1, PP=1, EP=1"),
+     "must match.*actor_rollout_ref.actor: TP=1, PP=2, EP=1, CP=1, actor_rollout_ref.ref: TP=1, PP=1, EP=1, CP=1"),
     (["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2", "algorithm.adv_estimator=gae"],
-     "must match.*actor_rollout_ref.actor: TP=1, PP=2, EP=1, .*critic: TP=1, PP=1, EP=1"),
+     "must match.*actor_rollout_ref.actor: TP=1, PP=2, EP=1, CP=1, .*critic: TP=1, PP=1, EP=1, CP=1"),
     (["actor_rollout_ref.actor.megatron.expert_model_parallel_size=2"],
      "expert_model_parallel_size=2: the model has no experts"),
     (["actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=2"],
@@ -398,7 +408,7 @@ def test_megatron_layouts_that_fit_pass_the_start_checks(tiny_model_dir4):
 def test_unbuilt_megatron_settings_are_refused():
     from hybrid_rl.config import validate_config
 
-    cfg = compose_config(["actor_rollout_ref.actor.megatron.context_parallel_size=2"],
+    cfg = compose_config(["actor_rollout_ref.actor.megatron.use_megatron_fsdp=true"],
                          config_name="ppo_megatron_trainer")
-    with pytest.raises(Exception, match="context_parallel_size=2 is not supported yet"):
+    with pytest.raises(Exception, match="use_megatron_fsdp=True is not supported yet"):
         validate_config(cfg)

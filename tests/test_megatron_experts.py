@@ -1,7 +1,8 @@
 """Mixture-of-experts models on the Megatron engine with expert parallelism (EP=2 over two gloo
 ranks, each holding half of every layer's experts) against the FSDP engine on the same two ranks,
 model, batches and seed: equal log-probs, loss, grad norm and weight update; the weights it gives
-back are transformers' own (experts stacked) to the bit; a resumed engine continues exactly."""
+back are transformers' own (experts stacked) to the bit; a resumed engine continues exactly. With
+context parallelism as well (CP=2, EP=2), equal to one FSDP process on the same rows."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hybrid_rl.engines import Output
-from tests.engine_helpers import actor_config, loss_fn, make_engine, rollout_batch, weights
+from tests.engine_helpers import actor_config, loss_fn, make_engine, rollout_batch, step, weights
 
 pytestmark = pytest.mark.slow
 FAMILIES = ("qwen3_moe", "mixtral")
@@ -63,6 +64,16 @@ def _rank_main(rank, world, init_file, model_dirs, out_dir):
     engine = make_engine(cfg, model_dirs["mixtral"])
     results["overrides"] = {"first": train(engine, cfg, 1), "adam_eps": engine.optimizer.config.adam_eps,
                             "offload": engine.optimizer.config.optimizer_cpu_offload}
+    # Context parallelism too: both ranks hold every row (one data-parallel replica), each half
+    # of every sequence and half of the experts.
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    for family, model_dir in model_dirs.items():
+        cfg = actor_config("megatron", cp=2, extra=EXPERT_PARALLEL)
+        engine = make_engine(cfg, model_dir)
+        results["cp", family] = {"infer": engine.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None),
+                                 "first": step(engine, cfg, 1), "dp": engine.dp_size}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -94,6 +105,23 @@ def test_expert_parallel_megatron_matches_fsdp(expert_runs, family):
         assert (update - expected).norm() / expected.norm() <= 1e-3
         assert megatron["resumed"] == megatron["second"]
         assert megatron["params"] == fsdp["params"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_context_and_expert_parallel_megatron_matches_one_fsdp_process(expert_runs, tiny_moe_model_dirs, family):
+    """CP=2 with EP=2 on two ranks against the FSDP engine on one process, the same rows."""
+    cfg = actor_config("fsdp2")
+    fsdp = make_engine(cfg, tiny_moe_model_dirs[family])
+    expected_infer = fsdp.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None)
+    expected = step(fsdp, cfg, 1)
+    mask = rollout_batch(1)["response_mask"].bool()
+    for runs in expert_runs:
+        result = runs["cp", family]
+        assert result["dp"] == 1
+        for key in ("log_probs", "entropy"):
+            assert (result["infer"][key] - expected_infer[key])[mask].abs().max() <= 1e-5
+        for key in ("actor/loss", "actor/grad_norm"):
+            assert result["first"][key] == pytest.approx(expected[key], rel=1e-4)
 
 
 @pytest.mark.parametrize("ranks, ep, tp, expected", [

@@ -46,7 +46,8 @@ SUBSTITUTED = (
     "trainer.val_before_train", "trainer.test_freq", "trainer.save_freq", "trainer.default_local_dir",
     "trainer.resume_mode", "trainer.resume_from_path", "trainer.final_model_dir", "trainer.progress_bar",
     "trainer.logger", "*.megatron.dist_checkpointing_path", "*ulysses_sequence_parallel_size", "*fsdp_size",
-    "*expert_model_parallel_size", "*.override_transformer_config.num_layers_in_first_pipeline_stage",
+    "*expert_model_parallel_size", "*context_parallel_size",
+    "*.override_transformer_config.num_layers_in_first_pipeline_stage",
     "*.override_transformer_config.num_layers_in_last_pipeline_stage",
 )
 # A script's reward model (a hub classifier) becomes a classifier built from the default model,
@@ -63,6 +64,9 @@ SEQUENCE_PARALLEL = ("`*ulysses_sequence_parallel_size=2` (and `trainer.n_gpus_p
 EXPERT_PARALLEL = ("`*expert_model_parallel_size=2` (and `trainer.n_gpus_per_node=2`) where the script sets a size "
                    "above 1, with a random-weight Qwen3-MoE model (2 layers, 4 experts, 2 per token, the default "
                    "model's tokenizer) for its model paths")
+# A script's context-parallel groups (2 GPUs each) become groups of two CPU ranks.
+CONTEXT_PARALLEL = ("`*context_parallel_size=2` (and `trainer.n_gpus_per_node=2`) where the script sets a size "
+                    "above 1")
 ONE_STEP = ("trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.test_freq=-1",
             "trainer.save_freq=-1", "trainer.final_model_dir=null", "trainer.progress_bar=false",
             "trainer.resume_mode=disable")
@@ -205,10 +209,11 @@ def substituted(overrides: list[str], run_dir: Path, loggers: list[str]) -> list
     kept = [o for o in overrides if not any(fnmatch.fnmatchcase(override_key(o), p) for p in SUBSTITUTED)]
     if any(override_key(o) == "reward_model.model.path" for o in overrides):
         kept.append(f"reward_model.model.path={reward_model_folder()}")
-    split = [override_key(o) for o in overrides if fnmatch.fnmatchcase(override_key(o), "*ulysses_sequence_parallel_size")
-             and o.partition("=")[2].strip() not in ("1", "")]
-    experts = [override_key(o) for o in overrides if fnmatch.fnmatchcase(override_key(o), "*expert_model_parallel_size")
-               and o.partition("=")[2].strip() not in ("1", "")]
+    # The keys of each kind of parallel size that the script sets above 1.
+    split, experts, context = ([override_key(o) for o in overrides if fnmatch.fnmatchcase(override_key(o), pattern)
+                                and o.partition("=")[2].strip() not in ("1", "")]
+                               for pattern in ("*ulysses_sequence_parallel_size", "*expert_model_parallel_size",
+                                               "*context_parallel_size"))
     if experts:
         kept += [f"{key}=2" for key in experts] + [f"{key}={moe_model_folder()}" for key in
                                                   ("actor_rollout_ref.model.path", "critic.model.path")]
@@ -216,7 +221,8 @@ def substituted(overrides: list[str], run_dir: Path, loggers: list[str]) -> list
                        else dist_checkpoint_folder())
     kept += [f"{override_key(o)}={dist_checkpoint}" for o in overrides
              if fnmatch.fnmatchcase(override_key(o), "*.megatron.dist_checkpointing_path")]
-    kept += [f"{key}=2" for key in split] + (["trainer.n_gpus_per_node=2"] if split or experts else [])
+    kept += [f"{key}=2" for key in split + context] + (["trainer.n_gpus_per_node=2"] if split or experts or context
+                                                         else [])
     loggers = [name for name in loggers if name != "jsonl"] + ["jsonl"]
     return kept + list(ONE_STEP) + [f"trainer.default_local_dir={run_dir}", f"trainer.logger=[{','.join(loggers)}]"]
 
@@ -317,7 +323,7 @@ def report(results: list[dict], source: str, ran: bool) -> str:
             compose += " (the script's own text: Hydra's grammar, the same in verl, rejects it)"
         lines.append(f"| {r['script']} | {compose} | {start} | {step} |".replace("\n", " "))
     lines += ["", "Substituted for the one-step runs (the script's own value dropped): "
-              + ", ".join(f"`{p}`" for p in SUBSTITUTED) + f"; {REWARD_MODEL}; {DIST_CHECKPOINT}; {SEQUENCE_PARALLEL}; {EXPERT_PARALLEL}; then " + ", ".join(f"`{o}`" for o in ONE_STEP)
+              + ", ".join(f"`{p}`" for p in SUBSTITUTED) + f"; {REWARD_MODEL}; {DIST_CHECKPOINT}; {SEQUENCE_PARALLEL}; {EXPERT_PARALLEL}; {CONTEXT_PARALLEL}; then " + ", ".join(f"`{o}`" for o in ONE_STEP)
               + ". wandb logs offline (`WANDB_MODE=offline`).", ""]
     return "\n".join(lines)
 

@@ -31,6 +31,11 @@ def expert_parallel_size(megatron_cfg: Any) -> int:
     return int(megatron_cfg.get("expert_model_parallel_size") or 1)
 
 
+def context_parallel_size(megatron_cfg: Any) -> int:
+    """The role's `context_parallel_size` (1 when unset)."""
+    return int(megatron_cfg.get("context_parallel_size") or 1)
+
+
 def check_experts(section: str, megatron_cfg: Any, layout: convert.Layout, world: int, tp: int, pp: int, pool: str,
                   device_type: str) -> None:
     """Expert parallelism: a mixture-of-experts model, experts dealt evenly, whole groups of
@@ -57,7 +62,7 @@ def check_experts(section: str, megatron_cfg: Any, layout: convert.Layout, world
     if layout.experts.count % ep:
         raise ValueError(f"{section}.expert_model_parallel_size={ep} does not divide the model's "
                          f"{layout.experts.count} experts: choose a divisor of {layout.experts.count}.")
-    if world % (ep * pp):
+    if world % (ep * pp):  # megatron's expert groups are EP x PP ranks (TP and CP are folded into them)
         raise ValueError(f"{section}.expert_model_parallel_size ({ep}) x pipeline_model_parallel_size ({pp}) must "
                          f"divide the number of ranks ({world}, {pool}.nnodes x {pool}.n_gpus_per_node).")
 
@@ -65,17 +70,19 @@ def check_experts(section: str, megatron_cfg: Any, layout: convert.Layout, world
 def check_layout(key: str, megatron_cfg: Any, layout: convert.Layout, world: int, device_type: str,
                  pool: str = "trainer") -> None:
     """Refuse, naming the key and the fix, a layout this engine cannot run for this model on
-    `world` ranks (`pool`.nnodes x `pool`.n_gpus_per_node; context parallelism is refused with
-    the other unbuilt verl keys, `config_keys`)."""
+    `world` ranks (`pool`.nnodes x `pool`.n_gpus_per_node)."""
     tp, pp, vpp = parallel_sizes(megatron_cfg)
+    cp = context_parallel_size(megatron_cfg)
     section = f"{key}.megatron"
-    if tp < 1 or pp < 1:
-        raise ValueError(f"{section}.tensor_model_parallel_size and pipeline_model_parallel_size must be "
-                         f">= 1 (got {tp} and {pp}).")
-    if world % (tp * pp):
-        raise ValueError(f"{section}.tensor_model_parallel_size ({tp}) x pipeline_model_parallel_size ({pp}) must "
-                         f"divide the number of ranks ({world}, {pool}.nnodes x {pool}.n_gpus_per_node): change "
-                         "one of them.")
+    if tp < 1 or pp < 1 or cp < 1:
+        raise ValueError(f"{section}.tensor_model_parallel_size, pipeline_model_parallel_size and "
+                         f"context_parallel_size must be >= 1 (got {tp}, {pp} and {cp}).")
+    if world % (tp * pp * cp):
+        sizes = f"tensor_model_parallel_size ({tp}) x pipeline_model_parallel_size ({pp})"
+        if cp > 1:
+            sizes += f" x context_parallel_size ({cp})"
+        raise ValueError(f"{section}.{sizes} must divide the number of ranks ({world}, {pool}.nnodes x "
+                         f"{pool}.n_gpus_per_node): change one of them.")
     # Fewer key/value heads than TP ranks is fine when each head's ranks are whole (megatron
     # gathers the fused qkv output then).
     valid = tensor_parallel_sizes(layout.heads, layout.groups)
@@ -151,13 +158,14 @@ def check_roles(cfg: Any, hf_config: Any, roles: dict[str, bool], role_configs: 
         if model_key is not None:
             check_recompute(model_key, _section(cfg, model_key), _section(cfg, key).megatron, cfg.trainer.device)
     # The roles in one process share its megatron groups (a reward model in its own pool has its own).
-    sizes = {key: (*parallel_sizes(_section(cfg, key).megatron)[:2], expert_parallel_size(_section(cfg, key).megatron))
+    sizes = {key: (*parallel_sizes(_section(cfg, key).megatron)[:2], expert_parallel_size(_section(cfg, key).megatron),
+                   context_parallel_size(_section(cfg, key).megatron))
              for key in megatron if key not in own_pool}
     if len(set(sizes.values())) > 1:
-        found = ", ".join(f"{key}: TP={tp}, PP={pp}, EP={ep}" for key, (tp, pp, ep) in sizes.items())
+        found = ", ".join(f"{key}: TP={tp}, PP={pp}, EP={ep}, CP={cp}" for key, (tp, pp, ep, cp) in sizes.items())
         raise ValueError(f"The roles on Megatron share one process layout, so their tensor_model_parallel_size, "
-                         f"pipeline_model_parallel_size and expert_model_parallel_size must match ({found}): set "
-                         "the same values in each megatron section.")
+                         f"pipeline_model_parallel_size, expert_model_parallel_size and context_parallel_size must "
+                         f"match ({found}): set the same values in each megatron section.")
 
 
 def _section(cfg: Any, key: str) -> Any:

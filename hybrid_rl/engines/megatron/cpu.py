@@ -7,7 +7,8 @@ assertion in gradient clipping. Inside `cpu_device_layer()` each of those is ans
 
 - a `TorchFunctionMode` rewrites every CUDA device argument (`"cuda"`, `"cuda:N"`, an int, a
   CUDA `torch.device`) of tensor factories and `Tensor.to` to the CPU, and makes `Tensor.cuda`
-  return the tensor, and `Tensor.type()` answers the CUDA type name (`torch.cuda.FloatTensor`)
+  return the tensor, drops `pin_memory=True` (the rotary embedding's context-parallel chunk
+  indices ask for it), and `Tensor.type()` answers the CUDA type name (`torch.cuda.FloatTensor`)
   that the optimizers sort parameters by;
 - `torch.cuda.current_device` answers the CPU device (the mode does not reach backward passes,
   which place their buffers there), `synchronize` is a no-op, and the CUDA RNG calls megatron
@@ -67,6 +68,8 @@ class _CudaToCpu(TorchFunctionMode):
             return func(*args).replace("torch.", "torch.cuda.", 1)
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):  # page-locked memory is for copies to a GPU
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)

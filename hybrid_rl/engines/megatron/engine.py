@@ -32,7 +32,9 @@ from hybrid_rl.engines import hf_model
 from hybrid_rl.engines.base import Head, ModelSpec, Output, TrainEngine, all_reduce_scalar, lr_lambda
 from hybrid_rl.engines.megatron import convert
 from hybrid_rl.engines.megatron import model as mmodel
-from hybrid_rl.engines.megatron.checks import check_layout, check_recompute, expert_parallel_size, parallel_sizes
+from hybrid_rl.engines.megatron.checks import (
+    check_layout, check_recompute, context_parallel_size, expert_parallel_size, parallel_sizes,
+)
 from hybrid_rl.models import model_config
 
 logger = logging.getLogger(__name__)
@@ -118,18 +120,19 @@ class MegatronEngine(TrainEngine):
                                                     head_bias=spec.head is Head.VALUE)
         check_layout(ROLE_KEYS[spec.role], megatron_cfg, self.layout, dist.get_world_size(), device.type)
         tp, pp, vpp = parallel_sizes(megatron_cfg)
-        ep = expert_parallel_size(megatron_cfg)
+        ep, cp = expert_parallel_size(megatron_cfg), context_parallel_size(megatron_cfg)
         seed = int(megatron_cfg.get("seed", 42))
         dtype = hf_model.compute_dtype(megatron_cfg.get("dtype", "auto") or "auto", device)
         trainable = spec.optim_cfg is not None
         with self._megatron():
-            mmodel.initialize_parallel(tp, pp, vpp, seed, ep)
+            mmodel.initialize_parallel(tp, pp, vpp, seed, ep, cp)
             if (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
-                    parallel_state.get_expert_model_parallel_world_size()) != (tp, pp, ep):
-                raise ValueError(f"{ROLE_KEYS[spec.role]}.megatron sets TP={tp}, PP={pp}, EP={ep}, but this process "
-                                 "already runs another model with a different layout: the roles on Megatron must "
-                                 "share tensor_model_parallel_size, pipeline_model_parallel_size and "
-                                 "expert_model_parallel_size.")
+                    parallel_state.get_expert_model_parallel_world_size(),
+                    parallel_state.get_context_parallel_world_size()) != (tp, pp, ep, cp):
+                raise ValueError(f"{ROLE_KEYS[spec.role]}.megatron sets TP={tp}, PP={pp}, EP={ep}, CP={cp}, but this "
+                                 "process already runs another model with a different layout: the roles on Megatron "
+                                 "must share tensor_model_parallel_size, pipeline_model_parallel_size, "
+                                 "expert_model_parallel_size and context_parallel_size.")
             # Activations pass between pipeline stages in the compute dtype too.
             half = {} if dtype == torch.float32 else {
                 "bf16": dtype == torch.bfloat16, "fp16": dtype == torch.float16, "params_dtype": dtype,
@@ -173,6 +176,8 @@ class MegatronEngine(TrainEngine):
                 for param in (p for m in self.models for p in m.parameters()):
                     param.requires_grad_(False)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.cp_rank = parallel_state.get_context_parallel_rank()
+        self.sequence_parallel_size = cp  # a micro-batch's token budget is per rank, as verl's
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         self.pp_size = pp
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
@@ -252,7 +257,7 @@ class MegatronEngine(TrainEngine):
 
     @property
     def is_output_rank(self) -> bool:
-        return self.tp_rank == 0 and self.pp_rank == self.pp_size - 1
+        return self.tp_rank == 0 and self.cp_rank == 0 and self.pp_rank == self.pp_size - 1
 
     def num_params(self) -> int:
         from megatron.core import parallel_state
@@ -286,8 +291,11 @@ class MegatronEngine(TrainEngine):
         fillers = self._filler_count(len(micros))
         batch = micros + [_filler(micros[0]) for _ in range(fillers)]
         steps = len(batch)
-        tp = self.config.tensor_model_parallel_size
-        pad_to = tp if self.config.sequence_parallel else 1
+        # Sequence parallelism splits a rank's positions over TP; context parallelism a row into
+        # 2 x CP chunks.
+        cp = self.config.context_parallel_size
+        pad_to = (self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1) * (
+            2 * cp if cp > 1 else 1)
 
         def forward_step(data_iterator, model):
             micro = next(data_iterator)
@@ -295,14 +303,17 @@ class MegatronEngine(TrainEngine):
             if output is Output.SCORES:  # a reward model reads each row's last real token
                 predict = micro["attention_mask"].sum(1, keepdim=True) - 1
             ids, positions = _pad_columns(ids, pad_to), _pad_columns(positions, pad_to)
+            place = mmodel.placement(predict, ids.shape[1])
+            if cp > 1:
+                ids, positions = mmodel.this_rank_part(ids), mmodel.this_rank_part(positions)
             with_entropy = output is Output.LOG_PROBS_ENTROPY
             scalar = output in (Output.VALUES, Output.SCORES)
             head_log_probs = None if scalar else (micro["responses"], temperature, with_entropy)
-            with self.head.at(predict, head_log_probs):
+            with self.head.at(place, head_log_probs):
                 outputs = model(ids, positions, None)
 
             def loss_func(outputs: torch.Tensor):
-                outputs = self.head.outputs(outputs, predict)
+                outputs = self.head.outputs(outputs, place)
                 if output is Output.VALUES:  # V(s_t): the value head's output before each response token
                     out = {"values": outputs[..., 0].float()}
                 elif output is Output.SCORES:
@@ -317,7 +328,9 @@ class MegatronEngine(TrainEngine):
                 if loss_fn is None:
                     return outputs.new_zeros(()), out
                 loss, terms = loss_fn(out, micro)
-                return loss * steps, terms  # the schedule divides every loss by the micro-batch count
+                # The schedule divides every loss by the micro-batch count, and multiplies it by CP
+                # for megatron's gradient averaging over the data- and context-parallel ranks.
+                return loss * steps, terms
 
             return outputs, loss_func
 
@@ -325,7 +338,8 @@ class MegatronEngine(TrainEngine):
         with self._megatron(), (torch.no_grad() if loss_fn is None else contextlib.nullcontext()):
             results = get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iterators if len(iterators) > 1 else iterators[0],
-                model=self.chunks, num_microbatches=steps, seq_length=max(m["input_ids"].shape[1] for m in batch),
+                model=self.chunks, num_microbatches=steps,
+                seq_length=max(-(-m["input_ids"].shape[1] // pad_to) * pad_to for m in batch),
                 micro_batch_size=max(m["input_ids"].shape[0] for m in batch), forward_only=loss_fn is None)
         results = results[:len(micros)]
         if loss_fn is None and self.pp_size > 1:
@@ -539,6 +553,6 @@ def _filler(micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _pad_columns(tensor: torch.Tensor, multiple: int) -> torch.Tensor:
-    """Right-pad (B, S) to S a multiple of `multiple` (sequence parallelism splits S over TP)."""
+    """Right-pad (B, S) to S a multiple of `multiple` (sequence and context parallelism split S)."""
     extra = -tensor.shape[1] % multiple
     return torch.nn.functional.pad(tensor, (0, extra)) if extra else tensor

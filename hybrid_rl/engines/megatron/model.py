@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -32,14 +33,15 @@ def device_layer(device: torch.device):
     return contextlib.nullcontext()
 
 
-def initialize_parallel(tp: int, pp: int, vpp: int | None, seed: int, ep: int = 1) -> None:
+def initialize_parallel(tp: int, pp: int, vpp: int | None, seed: int, ep: int = 1, cp: int = 1) -> None:
     """megatron's process groups (once per process) and its model-parallel RNG; experts are
-    split over `ep` ranks and never over tensor-parallel ranks."""
+    split over `ep` ranks and never over tensor-parallel ranks; each sequence over `cp` ranks."""
     from megatron.core import parallel_state, tensor_parallel
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp,
-                                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+                                                 context_parallel_size=cp, expert_model_parallel_size=ep,
+                                                 expert_tensor_parallel_size=1)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
@@ -70,6 +72,7 @@ def transformer_config(hf_config, layout: convert.Layout, vpp: int | None, seque
         activation_func=F.silu, add_bias_linear=False, add_qkv_bias=layout.qkv_bias,
         attention_dropout=0.0, hidden_dropout=0.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
         virtual_pipeline_model_parallel_size=vpp, sequence_parallel=sequence_parallel and tp > 1,
         params_dtype=torch.float32, pipeline_dtype=torch.float32, use_cpu_initialization=True,
         # Prompts and responses vary in length from batch to batch.
@@ -340,14 +343,47 @@ def at_positions(outputs: torch.Tensor, predict: torch.Tensor) -> torch.Tensor:
     return outputs.gather(1, predict.unsqueeze(-1).expand(-1, -1, outputs.shape[-1]))
 
 
+@dataclass
+class Placement:
+    """Where the outputs that are read (one per response token, or one per row) sit among this
+    rank's sequence positions: all of them at their own positions without context parallelism
+    (`owned` None), else each on the one context-parallel rank that holds its position."""
+
+    local: torch.Tensor  # (B, T): index into this rank's part of the sequence
+    owned: torch.Tensor | None = None  # (B, T): whether this rank holds it
+
+
+def placement(predict: torch.Tensor, length: int) -> Placement:
+    """`predict` (B, T), positions in a (padded) sequence of `length`, on this context-parallel
+    rank, which holds chunks r and 2 CP - 1 - r of the sequence's 2 CP (megatron's split)."""
+    from megatron.core import parallel_state
+
+    size, rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
+    if size == 1:
+        return Placement(predict)
+    chunk = length // (2 * size)
+    index, mirrored = predict // chunk, 2 * size - 1 - rank
+    owned = (index == rank) | (index == mirrored)
+    local = torch.where(index == rank, predict - rank * chunk, predict - (mirrored - 1) * chunk)
+    return Placement(torch.where(owned, local, 0), owned)
+
+
+def this_rank_part(tensor: torch.Tensor) -> torch.Tensor:
+    """(B, S) -> (B, S / CP): this context-parallel rank's two chunks of each row."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    return get_batch_on_this_cp_rank({"part": tensor})["part"]
+
+
 class ResponsePositionsHead:
     """Runs the output layer (LM or value head) of `chunks` only where its outputs are read: at
     the position before each response token. A forward pre-hook narrows the hidden states
     (S, B, H) to the positions set for the forward in progress (`at`), so the output layer
     returns (B, T_response, V) logits instead of (B, S, V): with long prompts, a fraction of the
-    head's compute and of the logits' memory.
+    head's compute and of the logits' memory. Under context parallelism each rank runs it at the
+    positions it holds only, and `outputs` sums the ranks' parts into every rank's (B, T, X).
 
-    Given the response tokens too (`at(predict, log_probs=...)`), an LM output layer returns
+    Given the response tokens too (`at(place, log_probs=...)`), an LM output layer returns
     their log-probs and entropies, (B, T_response, 2) float32, instead of logits: it runs over
     `chunk_size` positions at a time, each chunk checkpointed, so that neither pass holds more
     than one chunk's logits (with a 150k vocabulary, 0.6 GB per 1k positions in float32, several
@@ -355,12 +391,12 @@ class ResponsePositionsHead:
     does. The backward pass computes each chunk's logits again.
 
     Not with sequence parallelism, where the output layer gathers the sequence from the TP
-    ranks itself (`enabled` False: the head runs everywhere and `at_positions` narrows after).
+    ranks itself (`enabled` False: the head runs everywhere and `outputs` narrows after).
     """
 
     def __init__(self, chunks: list[torch.nn.Module], enabled: bool, chunk_size: int, vocab: int):
         self.enabled, self.chunk_size, self.vocab = enabled, chunk_size, vocab
-        self.predict, self.log_probs = None, None
+        self.place, self.log_probs = None, None
         if enabled:
             for chunk in chunks:
                 if chunk.post_process:
@@ -370,16 +406,20 @@ class ResponsePositionsHead:
                         layer.forward = self._log_probs_forward(layer.forward)
 
     def _narrow(self, module, args):
-        hidden = args[0]
-        index = self.predict.t().unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
-        return (hidden.gather(0, index), *args[1:])
+        hidden, place = args[0], self.place
+        if place.owned is None:  # (T, B, H), as the output layer expects (S, B, H)
+            index = place.local.t().unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+            return (hidden.gather(0, index), *args[1:])
+        rows = torch.arange(place.local.shape[0], device=hidden.device).unsqueeze(1).expand_as(place.local)
+        return (hidden[place.local[place.owned], rows[place.owned]].unsqueeze(1), *args[1:])  # (N, 1, H)
 
     def _log_probs_forward(self, logits_forward):
         def forward(hidden, *args, **kwargs):
             if self.log_probs is None:
                 return logits_forward(hidden, *args, **kwargs)
             responses, temperature, with_entropy = self.log_probs
-            targets = responses.t().reshape(-1)  # (T, B) like the narrowed hidden states
+            # In the narrowed hidden states' order.
+            targets = responses.t().reshape(-1) if self.place.owned is None else responses[self.place.owned]
             flat = hidden.reshape(-1, 1, hidden.shape[-1])
 
             def chunk_outputs(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -396,19 +436,30 @@ class ResponsePositionsHead:
         return forward
 
     @contextlib.contextmanager
-    def at(self, predict: torch.Tensor, log_probs: tuple[torch.Tensor, float, bool] | None = None):
-        """Within the block the head runs at `predict` (B, T_response); with `log_probs`
-        (responses (B, T_response), temperature, with_entropy) an LM head returns their
-        log-probs and entropies."""
-        self.predict, self.log_probs = predict, log_probs if self.enabled else None
+    def at(self, place: Placement, log_probs: tuple[torch.Tensor, float, bool] | None = None):
+        """Within the block the head runs at `place`; with `log_probs` (responses (B, T_response),
+        temperature, with_entropy) an LM head returns their log-probs and entropies."""
+        self.place, self.log_probs = place, log_probs if self.enabled else None
         try:
             yield
         finally:
-            self.predict, self.log_probs = None, None
+            self.place, self.log_probs = None, None
 
-    def outputs(self, head_outputs: torch.Tensor, predict: torch.Tensor) -> torch.Tensor:
-        """The head's outputs (B, T_response, X) at the response positions."""
-        return head_outputs if self.enabled else at_positions(head_outputs, predict)
+    def outputs(self, head_outputs: torch.Tensor, place: Placement) -> torch.Tensor:
+        """The head's outputs (B, T_response, X) at the response positions, on every
+        context-parallel rank."""
+        if place.owned is None:
+            return head_outputs if self.enabled else at_positions(head_outputs, place.local)
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+        if self.enabled:  # (1, N, X) at the positions this rank holds
+            mine = head_outputs.new_zeros(*place.owned.shape, head_outputs.shape[-1]).index_put(
+                (place.owned,), head_outputs[0])
+        else:
+            mine = at_positions(head_outputs, place.local) * place.owned.unsqueeze(-1)
+        # Each output is computed on one rank; backward hands each rank the gradient of all.
+        return reduce_from_tensor_model_parallel_region(mine, group=parallel_state.get_context_parallel_group())
 
 
 def logits_to_log_probs(logits: torch.Tensor, responses: torch.Tensor, temperature: float,
