@@ -22,7 +22,7 @@ from hybrid_rl.engines.megatron.checks import parallel_sizes as megatron_paralle
 from hybrid_rl.hardware import TORCH_DTYPES, resolve_dtype
 from hybrid_rl.profiler import ROLE_PROFILER_KEYS, TORCH_CONTENTS
 from hybrid_rl.tracking import LOGGERS, OPTIONAL_LOGGERS, VERL_ONLY_LOGGERS
-from hybrid_rl.workers.rollout import context_length, resolve_enforce_eager
+from hybrid_rl.workers.rollout import RENAMED_ENGINE_ARGS, context_length, current_engine_args, resolve_enforce_eager
 
 logger = logging.getLogger(__name__)
 
@@ -704,18 +704,24 @@ def check_save_contents(contents) -> None:
 
 def check_engine_kwargs(rollout: DictConfig) -> None:
     """`rollout.engine_kwargs.vllm` may only name arguments this vLLM's engine takes (verl's
-    scripts carry some that newer vLLM releases dropped)."""
-    extra = rollout.engine_kwargs.vllm
+    scripts carry some that newer vLLM releases dropped: those verl translates are translated
+    here too, and may not be given in both forms)."""
+    extra = dict(rollout.engine_kwargs.vllm or {})
     if rollout.name != "vllm" or not extra:
         return
     import dataclasses
 
+    for old, translate in RENAMED_ENGINE_ARGS.items():
+        both = sorted(set(translate(True)) & set(extra)) if old in extra else []
+        if both:
+            raise ConfigError(f"actor_rollout_ref.rollout.engine_kwargs.vllm sets both {old} (an older vLLM's name) "
+                              f"and {', '.join(both)} (this vLLM's): keep only {', '.join(both)}.")
     try:
         import vllm
         from vllm.engine.arg_utils import EngineArgs
     except ImportError:  # reported where the engine starts
         return
-    unknown = sorted(set(extra) - {f.name for f in dataclasses.fields(EngineArgs)})
+    unknown = sorted(set(current_engine_args(extra)) - {f.name for f in dataclasses.fields(EngineArgs)})
     if unknown:
         raise ConfigError(
             f"actor_rollout_ref.rollout.engine_kwargs.vllm sets {', '.join(unknown)}, which vLLM {vllm.__version__}'s "

@@ -72,8 +72,8 @@ def test_unknown_key_is_rejected_by_hydra():
     ("data.train_batch_size=0", ["data.train_batch_size=0", "positive"]),
     ("reward_model.on_error=ignore", ["reward_model.on_error='ignore'", "raise", "zero"]),
     ("trainer.critic_warmup=-1", ["trainer.critic_warmup=-1", ">= 0"]),
-    ("+actor_rollout_ref.rollout.engine_kwargs.vllm.disable_mm_preprocessor_cache=true",
-     ["engine_kwargs.vllm sets disable_mm_preprocessor_cache, which vLLM", "does not take"]),
+    ("+actor_rollout_ref.rollout.engine_kwargs.vllm.mm_preprocessor_cache_size=1",
+     ["engine_kwargs.vllm sets mm_preprocessor_cache_size, which vLLM", "does not take"]),
     ("actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,weights]",
      ["save_contents='weights' is not valid", "hf_model"]),
     ("actor_rollout_ref.rollout.max_model_len=10", ["max_model_len (10)", "prompt_length + rollout.response_length"]),
@@ -87,6 +87,18 @@ def test_bad_choice_or_value(override, fragments):
         validate_config(compose_config([override]))
     for fragment in fragments:
         assert fragment in str(err.value)
+
+
+def test_vllm_engine_arguments_under_names_vllm_dropped_are_translated_as_verl_does():
+    from hybrid_rl.workers.rollout import current_engine_args
+
+    old = "+actor_rollout_ref.rollout.engine_kwargs.vllm.disable_mm_preprocessor_cache"
+    assert current_engine_args({"disable_mm_preprocessor_cache": True, "block_size": 16}) == {
+        "mm_processor_cache_gb": 0, "block_size": 16}
+    assert current_engine_args({"disable_mm_preprocessor_cache": False}) == {}
+    validate_config(compose_config([f"{old}=true"]))  # verl's vision-language scripts set it
+    with pytest.raises(ConfigError, match="sets both disable_mm_preprocessor_cache .* keep only mm_processor_cache_gb"):
+        validate_config(compose_config([f"{old}=true", "+actor_rollout_ref.rollout.engine_kwargs.vllm.mm_processor_cache_gb=4"]))
 
 
 @pytest.mark.parametrize("overrides, fragments", [

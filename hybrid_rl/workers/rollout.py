@@ -177,13 +177,31 @@ def context_length(cfg: Any) -> int:
     return cfg.max_model_len or cfg.prompt_length + cfg.response_length
 
 
+# vLLM engine arguments that verl's scripts still pass but vLLM has dropped, translated as verl
+# translates them for newer vLLM: old name -> its value -> the arguments that now say the same.
+RENAMED_ENGINE_ARGS = {
+    # vLLM 0.13 folded the switch into the cache's size: 0 GB is no multimodal processor cache.
+    "disable_mm_preprocessor_cache": lambda disable: {"mm_processor_cache_gb": 0} if disable else {},
+}
+
+
+def current_engine_args(kwargs: dict) -> dict:
+    """`kwargs` with the dropped names of `RENAMED_ENGINE_ARGS` in their current form."""
+    current = {name: value for name, value in kwargs.items() if name not in RENAMED_ENGINE_ARGS}
+    for name, translate in RENAMED_ENGINE_ARGS.items():
+        if name in kwargs:
+            current.update(translate(kwargs[name]))
+    return current
+
+
 def engine_kwargs(cfg: Any, device_type: str) -> dict:
-    """`rollout.engine_kwargs.vllm`, and on CPU, where vLLM's KV blocks hold 128 tokens, blocks of
-    32 under prefix caching: it shares only full blocks, so with 128 every prompt shorter than that
-    is computed in full, again for each of its n samples and for the chat template's preamble
-    that all prompts begin with. 32 is the smallest block vLLM-CPU's attention takes; it made the
-    default step's rollout 30 % faster, and cost ~5 % where nothing was shared (docs/benchmarks.md)."""
-    kwargs = dict(cfg.engine_kwargs.vllm)
+    """`rollout.engine_kwargs.vllm` (older names in their current form), and on CPU, where vLLM's
+    KV blocks hold 128 tokens, blocks of 32 under prefix caching: it shares only full blocks, so
+    with 128 every prompt shorter than that is computed in full, again for each of its n samples
+    and for the chat template's preamble that all prompts begin with. 32 is the smallest block
+    vLLM-CPU's attention takes; it made the default step's rollout 30 % faster, and cost ~5 % where
+    nothing was shared (docs/benchmarks.md)."""
+    kwargs = current_engine_args(dict(cfg.engine_kwargs.vllm))
     if device_type == "cpu" and cfg.enable_prefix_caching:
         kwargs.setdefault("block_size", 32)
     return kwargs
