@@ -24,6 +24,7 @@ from tests.engine_helpers import actor_config, make_engine, offloaded, rollout_b
 
 # A micro-batch's 15 response positions in 4 chunks of the LM head (the last one short).
 SMALL_HEAD_CHUNKS = ("actor_rollout_ref.model.head_chunk_size=4",)
+RECOMPUTE = ("actor_rollout_ref.model.enable_gradient_checkpointing=true",)
 
 
 def actor_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int) -> dict:
@@ -38,9 +39,13 @@ def actor_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int) -> dict:
     resumed = make_engine(cfg, inputs["model"])
     resumed.load_checkpoint(os.path.join(out_dir, "ckpt"))
     resumed_second, resumed_weights = step(resumed, cfg, 2), weights(resumed)
+    # enable_gradient_checkpointing: megatron's recomputation of every layer in the backward pass.
+    cfg = actor_config("megatron", tp, pp, extra=SMALL_HEAD_CHUNKS + RECOMPUTE, cp=cp)
+    recomputing = make_engine(cfg, inputs["model"])
+    recomputed = (step(recomputing, cfg, 1), weights(recomputing), recomputing.config.recompute_granularity)
     return {"output": engine.is_output_rank, "dp": (engine.dp_rank, engine.dp_size), "infer": infer,
             "before": before, "after": after, "first": first, "second": (second, second_weights),
-            "resumed": (resumed_second, resumed_weights)}
+            "resumed": (resumed_second, resumed_weights), "recomputed": recomputed}
 
 
 def actor_bf16_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int) -> dict:
@@ -78,6 +83,9 @@ def test_megatron_engine_matches_fsdp_and_resumes_exactly(megatron_layout, tiny_
         resumed, resumed_weights = result["resumed"]
         assert resumed == second
         assert all(torch.equal(second_weights[k], resumed_weights[k]) for k in second_weights)
+        recomputed, recomputed_weights, granularity = result["recomputed"]
+        assert granularity == "full" and recomputed == result["first"]
+        assert all(torch.equal(recomputed_weights[k], result["after"][k]) for k in recomputed_weights)
     loss = next(r["first"] for r in results if r["output"])["actor/loss"]
     assert loss == pytest.approx(expected["actor/loss"], rel=1e-4)
 
@@ -372,11 +380,6 @@ def test_dispatch_follows_the_data_parallel_layout():
      "expert_tensor_parallel_size=2: this engine keeps each expert whole on one rank"),
     (["actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_type=full"],
      "kl_loss_type=full needs full-vocabulary logits"),
-    (["actor_rollout_ref.model.enable_gradient_checkpointing=true"],
-     r"actor_rollout_ref.model.enable_gradient_checkpointing \(megatron's recomputation\) runs on CUDA only"),
-    (["algorithm.adv_estimator=gae",
-      "+critic.megatron.override_transformer_config.recompute_granularity=full"],
-     r"critic.model.enable_gradient_checkpointing \(megatron's recomputation\) runs on CUDA only"),
 ])
 def test_megatron_layouts_the_model_cannot_take_are_refused_before_workers_start(tiny_model_dir4, overrides,
                                                                                expected):

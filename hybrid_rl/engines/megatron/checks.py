@@ -15,9 +15,6 @@ from hybrid_rl.engines.megatron.cpu import check_version
 from hybrid_rl.models import tensor_parallel_sizes
 
 
-# The trained roles' model sections (where enable_gradient_checkpointing is).
-TRAINED_MODEL_KEYS = {"actor_rollout_ref.actor": "actor_rollout_ref.model", "critic": "critic.model"}
-
 
 def parallel_sizes(megatron_cfg: Any) -> tuple[int, int, int | None]:
     """(tensor, pipeline, virtual pipeline) sizes of a role's `megatron` section."""
@@ -121,18 +118,6 @@ def check_dist_weights(key: str, megatron_cfg: Any) -> None:
                          f"metadata.json there): {fix}.")
 
 
-def check_recompute(model_key: str, model_cfg: Any, megatron_cfg: Any, device_type: str) -> None:
-    """Activation recomputation (`enable_gradient_checkpointing`, or megatron's own
-    `override_transformer_config.recompute_granularity`) runs megatron's layers again inside the
-    backward pass, which the CPU device layer (`cpu.py`) does not reach: refused on CPU."""
-    override = megatron_cfg.get("override_transformer_config") or {}
-    asked = model_cfg.get("enable_gradient_checkpointing", False) or override.get("recompute_granularity")
-    if asked and device_type == "cpu":
-        raise ValueError(f"{model_key}.enable_gradient_checkpointing (megatron's recomputation) runs on CUDA "
-                         "only: on CPU set it to false (and override_transformer_config.recompute_granularity "
-                         "to null), or use strategy=fsdp2, whose checkpointing works on CPU.")
-
-
 def check_roles(cfg: Any, hf_config: Any, roles: dict[str, bool], role_configs: dict[str, Any] | None = None) -> None:
     """Check every role (`{"actor_rollout_ref.actor": in use, ...}`) whose strategy is megatron;
     `role_configs` holds the HF config of a role whose model is not the policy's (a reward model)."""
@@ -154,9 +139,6 @@ def check_roles(cfg: Any, hf_config: Any, roles: dict[str, bool], role_configs: 
         ranks = _section(cfg, pool)
         check_layout(key, _section(cfg, key).megatron, layout, ranks.nnodes * ranks.n_gpus_per_node,
                      cfg.trainer.device, pool)
-        model_key = TRAINED_MODEL_KEYS.get(key)  # a frozen model keeps no activations
-        if model_key is not None:
-            check_recompute(model_key, _section(cfg, model_key), _section(cfg, key).megatron, cfg.trainer.device)
     # The roles in one process share its megatron groups (a reward model in its own pool has its own).
     sizes = {key: (*parallel_sizes(_section(cfg, key).megatron)[:2], expert_parallel_size(_section(cfg, key).megatron),
                    context_parallel_size(_section(cfg, key).megatron))

@@ -33,7 +33,7 @@ from hybrid_rl.engines.base import Head, ModelSpec, Output, TrainEngine, all_red
 from hybrid_rl.engines.megatron import convert
 from hybrid_rl.engines.megatron import model as mmodel
 from hybrid_rl.engines.megatron.checks import (
-    check_layout, check_recompute, context_parallel_size, expert_parallel_size, parallel_sizes,
+    check_layout, context_parallel_size, expert_parallel_size, parallel_sizes,
 )
 from hybrid_rl.models import model_config
 
@@ -50,8 +50,6 @@ OUTPUT_KEYS = {Output.LOG_PROBS: ("log_probs",), Output.LOG_PROBS_ENTROPY: ("log
                Output.VALUES: ("values",), Output.SCORES: ("scores",)}
 ROLE_KEYS = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "critic": "critic",
              "reward_model": "reward_model"}
-MODEL_KEYS = {"actor": "actor_rollout_ref.model", "ref": "actor_rollout_ref.model", "critic": "critic.model",
-              "reward_model": "reward_model.model"}
 FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 
@@ -140,7 +138,6 @@ class MegatronEngine(TrainEngine):
             overrides = transformer_overrides(f"{ROLE_KEYS[spec.role]}.megatron.override_transformer_config",
                                               megatron_cfg.get("override_transformer_config"), device)
             if trainable:
-                check_recompute(MODEL_KEYS[spec.role], spec.model_cfg, megatron_cfg, device.type)
                 if spec.model_cfg.get("enable_gradient_checkpointing", False):
                     # Every layer recomputed in the backward pass, as the FSDP engine's per-layer
                     # checkpointing does, unless override_transformer_config sets recompute_*
