@@ -182,8 +182,9 @@ RULES: tuple[Rule, ...] = tuple([
             "tensor-parallel ranks (expert_tensor_parallel_size 1 or null)",
             "*.megatron.expert_model_parallel_size", "*.megatron.expert_tensor_parallel_size"),
     *_rules(WORKS, "context parallelism: each sequence split over CP ranks in 2 x CP chunks (megatron's "
-            "load-balanced split), attention over every rank's keys and values (Transformer Engine's on CUDA, the "
-            "engine's own all-gather attention without it, CPU included)", "*.megatron.context_parallel_size"),
+            "load-balanced split), attention over every rank's keys and values (the engine's own all-gather "
+            "attention on CPU and on GPUs without Transformer Engine; with it, TE's, not yet run on a GPU here)",
+            "*.megatron.context_parallel_size"),
     *_rules(NOT_YET, "dynamic context parallelism and Megatron-FSDP are not built yet",
             *(f"*.megatron.{k}" for k in ("dynamic_context_parallel", "use_megatron_fsdp"))),
     *_rules(NO_EFFECT, "the reference policy has no optimizer or gradients",

@@ -239,7 +239,8 @@ def main(argv=None) -> int:
         print(f"{args.strategy} on {common.machine()}: {world} rank(s), {compute_dtype}, built in {build_seconds:.1f} s")
         for phase, seconds in measured.items():
             print(f"{phase:<16}{seconds:>9.3f} s")
-        print(f"update: {tokens:.0f} tokens/rank, {achieved:.2f} TFLOP/s = "
+        print(f"update: {tokens:.0f} tokens per data-parallel replica of {model_parallel} rank(s), "
+              f"{achieved:.2f} TFLOP/s = "
               f"{result['update']['fraction_of_matmul_peak']:.1%} of the {compute_dtype} matmul peak "
               f"({peaks[compute_dtype]:.1f} TFLOP/s)")
         print(f"weights gathered for a sync: {sync_bytes / 1e9:.3f} GB bf16 at {result['gather_weights']['gb_per_s']:.1f} GB/s")
