@@ -149,6 +149,40 @@ def test_megatron_offload_frees_the_memory_between_uses_and_changes_no_number(ti
         assert all(torch.equal(runs[True]["after"][k], runs[False]["after"][k]) for k in runs[False]["after"])
 
 
+def log_prob_change(engine, cfg) -> float:
+    """How far one update moves the log-probs of the batch it trained on."""
+    before = engine.infer(rollout_batch(1), Output.LOG_PROBS, 0.7, 3, None)["log_probs"]
+    step(engine, cfg, 1)
+    after = engine.infer(rollout_batch(1), Output.LOG_PROBS, 0.7, 3, None)["log_probs"]
+    return float((after - before)[rollout_batch(1)["response_mask"].bool()].abs().max())
+
+
+SMALL_LR = ("actor_rollout_ref.actor.optim.lr=1e-5",)  # Adam's first step: 1e-5, far below a bf16 rounding step
+
+
+def _main_weights_rank_main(rank, model_dir, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/init", rank=rank, world_size=1)
+    changes = {}
+    for distributed in (True, False):
+        cfg = actor_config("megatron", dtype="bf16",
+                           extra=SMALL_LR + (f"actor_rollout_ref.actor.megatron.use_distributed_optimizer={distributed}",))
+        changes[distributed] = log_prob_change(make_engine(cfg, model_dir), cfg)
+    torch.save(changes, os.path.join(out_dir, "changes.pt"))
+    dist.destroy_process_group()
+
+
+def test_megatron_bf16_main_weights_start_from_the_checkpoints_values(tiny_model_dir4, tmp_path):
+    """bf16 weights, float32 main weights (both optimizers): the main weights hold the float32
+    checkpoint's values, not their bf16 rounding, so a small first update moves the policy as much
+    as the FSDP engine's (whose float32 weights are the checkpoint's); from rounded main weights it
+    moved it 5x less."""
+    cfg = actor_config("fsdp2", dtype="bf16", extra=SMALL_LR)
+    expected = log_prob_change(make_engine(cfg, tiny_model_dir4), cfg)
+    mp.start_processes(_main_weights_rank_main, args=(tiny_model_dir4, str(tmp_path)), nprocs=1, start_method="spawn")
+    for distributed, change in torch.load(tmp_path / "changes.pt").items():
+        assert 0.8 * expected <= change <= 1.25 * expected, (distributed, change, expected)
+
+
 def reward_model_config(tp: int = 1, pp: int = 1, cp: int = 1):
     return compose_config(["reward_model.enable=true", "reward_model.strategy=megatron", "reward_model.megatron.dtype=fp32",
                            "reward_model.model.fsdp_config.dtype=fp32",

@@ -158,17 +158,20 @@ class MegatronEngine(TrainEngine):
             # Built on the CPU (the same initial weights on every device), then moved, as megatron-LM does.
             self.models = [chunk.to(device) for chunk in mmodel.build_model(hf_config, self.layout, self.config,
                                                                            te, seed)]
+            exact = None
             if megatron_cfg.get("use_dist_checkpointing", False):  # a model converted once, resharded here
                 mmodel.load_dist_weights(self.models, megatron_cfg.dist_checkpointing_path,
                                          megatron_cfg.get("dist_checkpointing_prefix") or "", self.layout.value_head)
             else:
-                mmodel.load_hf_weights(self.models, self.config, spec.path, self.layout)
+                exact = mmodel.load_hf_weights(self.models, self.config, spec.path, self.layout)
             chunk_size = hf_model.forward_options(spec.model_cfg, dtype, device).head_chunk_size
             self.head = mmodel.ResponsePositionsHead(self.models, not self.config.sequence_parallel, chunk_size,
                                                      self.layout.vocab)
             self.chunks = [self._half(m) for m in self.models]
             if trainable:
                 self._build_training(megatron_cfg, spec, role_cfg)
+                if exact is not None and dtype != torch.float32:
+                    self._exact_main_weights(exact)
             else:
                 for param in (p for m in self.models for p in m.parameters()):
                     param.requires_grad_(False)
@@ -232,6 +235,25 @@ class MegatronEngine(TrainEngine):
         self.optimizer_parts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
         self.scheduler = LambdaSchedules([part.optimizer for part in self.optimizer_parts],
                                          lr_lambda(optim, spec.total_steps))
+
+    @torch.no_grad()
+    def _exact_main_weights(self, exact: list[dict[str, torch.Tensor]]) -> None:
+        """Start the optimizer's float32 main weights from the checkpoint's own values (`exact`,
+        per chunk), not from their bf16/fp16 rounding that megatron copies from the model: an
+        update smaller than half a rounding step then moves them from the first step on, as it
+        moves the FSDP engine's float32 weights (measured: one bf16 update at lr 1e-5 changed the
+        log-probs 5x less from rounded main weights)."""
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        by_param = {param: exact[index][name] for index, model in enumerate(self.models)
+                    for name, param in model.named_parameters()}
+        for part in self.optimizer_parts:
+            if isinstance(part, DistributedOptimizer):  # megatron's own way, from a state dict of the chunks
+                part.reload_model_params(state_dict={f"model{index}": tensors for index, tensors in enumerate(exact)})
+            else:  # its non-distributed mixed-precision optimizer takes no state dict there
+                for model_group, main_group in zip(part.float16_groups, part.fp32_from_float16_groups):
+                    for param, main in zip(model_group, main_group):
+                        main.copy_(by_param[param])
 
     # ------------------------------------------------------------------ layout
     @property

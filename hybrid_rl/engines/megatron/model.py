@@ -215,8 +215,11 @@ def load_dist_weights(chunks: list[torch.nn.Module], folder: str, prefix: str = 
 
 
 @torch.no_grad()
-def load_hf_weights(chunks: list[torch.nn.Module], config, path: str, layout: convert.Layout) -> None:
-    """Fill the chunks with the HF safetensors weights in `path`, each rank its own TP shard."""
+def load_hf_weights(chunks: list[torch.nn.Module], config, path: str, layout: convert.Layout) -> list[dict]:
+    """Fill the chunks with the HF safetensors weights in `path`, each rank its own TP shard.
+    Returns each chunk's weights at the files' own precision (float32 copies; a weight the files
+    lack, at the model's value): half-precision chunks round them, an optimizer's float32 main
+    weights should not."""
     from megatron.core import parallel_state
     from safetensors import safe_open
 
@@ -236,17 +239,22 @@ def load_hf_weights(chunks: list[torch.nn.Module], config, path: str, layout: co
         with safe_open(files[hf_name], "pt") as handle:
             return handle.get_tensor(hf_name)
 
+    exact = []
     for index, chunk in enumerate(chunks):
         state = chunk.state_dict()
+        exact.append({})
         for local, name in global_names(chunk, config, _vp_stage(config, index)).items():
             if name.startswith("value_head.") and not set(convert.hf_names(name)) <= files.keys():
-                continue  # a causal LM's folder: the critic starts from a fresh head, as in transformers
+                exact[-1][local] = state[local].float()  # a causal LM's folder: the critic's head is fresh
+                continue
             full = convert.to_megatron(name, [read(n) for n in convert.hf_names(name, layout)], layout)
             shard = convert.split_tp(name, full, tp, layout)[tp_rank]
             if shard.shape != state[local].shape:
                 raise ValueError(f"{name}: the checkpoint gives {tuple(shard.shape)} for this rank, the model "
                                  f"expects {tuple(state[local].shape)}.")
             state[local].copy_(shard)
+            exact[-1][local] = shard.float().contiguous() if state[local].dtype != torch.float32 else state[local]
+    return exact
 
 
 @torch.no_grad()
