@@ -10,7 +10,7 @@ megatron dist-checkpoints (torch DCP underneath) of the model and optimizer.
 
 Precision: `megatron.dtype` (`auto`: what `hybrid_rl.hardware` picks for this GPU or CPU) is
 either fp32 throughout, or megatron's own mixed precision: bf16/fp16 weights for compute, fp32
-main weights in the optimizer. (Autocast, the FSDP engine's CPU path, does not reach into
+main weights in the optimizer (starting from the checkpoint's values). (Autocast, the FSDP engine's CPU path, does not reach into
 megatron's hand-written linear backward.) All megatron calls run inside `model.device_layer`,
 which on CPU is the device layer of `cpu.py`.
 """
