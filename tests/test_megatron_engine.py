@@ -160,27 +160,36 @@ def log_prob_change(engine, cfg) -> float:
 SMALL_LR = ("actor_rollout_ref.actor.optim.lr=1e-5",)  # Adam's first step: 1e-5, far below a bf16 rounding step
 
 
-def _main_weights_rank_main(rank, model_dir, out_dir):
+def _main_weights_rank_main(rank, model_dir, dist_checkpoint, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/init", rank=rank, world_size=1)
     changes = {}
-    for distributed in (True, False):
-        cfg = actor_config("megatron", dtype="bf16",
-                           extra=SMALL_LR + (f"actor_rollout_ref.actor.megatron.use_distributed_optimizer={distributed}",))
-        changes[distributed] = log_prob_change(make_engine(cfg, model_dir), cfg)
+    from_dist_checkpoint = ("actor_rollout_ref.actor.megatron.use_dist_checkpointing=true",
+                            f"actor_rollout_ref.actor.megatron.dist_checkpointing_path={dist_checkpoint}")
+    for name, extra in (("distributed optimizer", ()),
+                        ("megatron's other optimizer", ("actor_rollout_ref.actor.megatron.use_distributed_optimizer=false",)),
+                        ("from a dist-checkpoint", from_dist_checkpoint)):
+        cfg = actor_config("megatron", dtype="bf16", extra=SMALL_LR + extra)
+        changes[name] = log_prob_change(make_engine(cfg, model_dir), cfg)
     torch.save(changes, os.path.join(out_dir, "changes.pt"))
     dist.destroy_process_group()
 
 
 def test_megatron_bf16_main_weights_start_from_the_checkpoints_values(tiny_model_dir4, tmp_path):
-    """bf16 weights, float32 main weights (both optimizers): the main weights hold the float32
-    checkpoint's values, not their bf16 rounding, so a small first update moves the policy as much
-    as the FSDP engine's (whose float32 weights are the checkpoint's); from rounded main weights it
-    moved it 5x less."""
+    """bf16 weights, float32 main weights (both optimizers, and from a float32 dist-checkpoint):
+    the main weights hold the float32 checkpoint's values, not their bf16 rounding, so a small
+    first update moves the policy as much as the FSDP engine's (whose float32 weights are the
+    checkpoint's); from rounded main weights it moved it 5x less."""
+    from tests.test_megatron_dist_weights import convert as convert_to_mcore
+
     cfg = actor_config("fsdp2", dtype="bf16", extra=SMALL_LR)
     expected = log_prob_change(make_engine(cfg, tiny_model_dir4), cfg)
-    mp.start_processes(_main_weights_rank_main, args=(tiny_model_dir4, str(tmp_path)), nprocs=1, start_method="spawn")
-    for distributed, change in torch.load(tmp_path / "changes.pt").items():
-        assert 0.8 * expected <= change <= 1.25 * expected, (distributed, change, expected)
+    dist_checkpoint = convert_to_mcore(tiny_model_dir4, str(tmp_path / "mcore"))
+    mp.start_processes(_main_weights_rank_main, args=(tiny_model_dir4, dist_checkpoint, str(tmp_path)), nprocs=1,
+                       start_method="spawn")
+    changes = torch.load(tmp_path / "changes.pt")
+    assert len(changes) == 3
+    for name, change in changes.items():
+        assert 0.8 * expected <= change <= 1.25 * expected, (name, change, expected)
 
 
 def reward_model_config(tp: int = 1, pp: int = 1, cp: int = 1):

@@ -158,10 +158,10 @@ class MegatronEngine(TrainEngine):
             # Built on the CPU (the same initial weights on every device), then moved, as megatron-LM does.
             self.models = [chunk.to(device) for chunk in mmodel.build_model(hf_config, self.layout, self.config,
                                                                            te, seed)]
-            exact = None
             if megatron_cfg.get("use_dist_checkpointing", False):  # a model converted once, resharded here
-                mmodel.load_dist_weights(self.models, megatron_cfg.dist_checkpointing_path,
-                                         megatron_cfg.get("dist_checkpointing_prefix") or "", self.layout.value_head)
+                exact = mmodel.load_dist_weights(self.models, megatron_cfg.dist_checkpointing_path,
+                                                 megatron_cfg.get("dist_checkpointing_prefix") or "",
+                                                 self.layout.value_head)
             else:
                 exact = mmodel.load_hf_weights(self.models, self.config, spec.path, self.layout)
             chunk_size = hf_model.forward_options(spec.model_cfg, dtype, device).head_chunk_size
@@ -170,7 +170,7 @@ class MegatronEngine(TrainEngine):
             self.chunks = [self._half(m) for m in self.models]
             if trainable:
                 self._build_training(megatron_cfg, spec, role_cfg)
-                if exact is not None and dtype != torch.float32:
+                if dtype != torch.float32:
                     self._exact_main_weights(exact)
             else:
                 for param in (p for m in self.models for p in m.parameters()):

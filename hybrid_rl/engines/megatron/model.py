@@ -188,18 +188,29 @@ def save_dist_weights(chunks: list[torch.nn.Module], folder: str) -> None:
 
 
 @torch.no_grad()
-def load_dist_weights(chunks: list[torch.nn.Module], folder: str, prefix: str = "", fresh_head: bool = False) -> None:
+def load_dist_weights(chunks: list[torch.nn.Module], folder: str, prefix: str = "",
+                      fresh_head: bool = False) -> list[dict]:
     """Fill the chunks from a megatron dist-checkpoint of model weights (`save_dist_weights`;
     `prefix` before every name, verl's `dist_checkpointing_prefix`), this rank's shards only.
     With `fresh_head` (a critic from a policy's weights) the output layer keeps its initial
-    weights, as verl does."""
+    weights, as verl does. Returns the weights as `load_hf_weights` does: read in float32, so that
+    half-precision chunks' main weights can start from the checkpoint's values."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
     from megatron.core.dist_checkpointing.serialization import StrictHandling
     from torch.distributed.checkpoint.api import CheckpointException
 
+    def read_in_float32(item):
+        if isinstance(item, (ShardedTensor, ShardedTensorFactory)) and item.data.is_floating_point():
+            item.data = torch.empty_like(item.data, dtype=torch.float32)
+        return item
+
+    exact = []
     for chunk in chunks:
         sharded = {key: value for key, value in chunk.sharded_state_dict(prefix=prefix).items()
                    if not (fresh_head and key.startswith(f"{prefix}output_layer."))}
+        dict_list_map_inplace(read_in_float32, sharded)
         try:
             loaded = dist_checkpointing.load(sharded, folder, strict=StrictHandling.ASSUME_OK_UNEXPECTED)
         except (Exception, CheckpointException) as exc:  # torch DCP's is a BaseException, holding megatron's
@@ -212,6 +223,9 @@ def load_dist_weights(chunks: list[torch.nn.Module], folder: str, prefix: str = 
                    and not key.endswith("_extra_state")]
         if missing:
             raise ValueError(f"The Megatron dist-checkpoint {folder} lacks {missing[:5]}.")
+        exact.append({name: state[name] if name in state else value.float()
+                      for name, value in chunk.state_dict().items() if not name.endswith("_extra_state")})
+    return exact
 
 
 @torch.no_grad()
