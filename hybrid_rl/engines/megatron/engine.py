@@ -158,19 +158,21 @@ class MegatronEngine(TrainEngine):
             # Built on the CPU (the same initial weights on every device), then moved, as megatron-LM does.
             self.models = [chunk.to(device) for chunk in mmodel.build_model(hf_config, self.layout, self.config,
                                                                            te, seed)]
+            # Trained half-precision weights' float32 main weights start from the checkpoint's values.
+            float32_copies = trainable and dtype != torch.float32
             if megatron_cfg.get("use_dist_checkpointing", False):  # a model converted once, resharded here
                 exact = mmodel.load_dist_weights(self.models, megatron_cfg.dist_checkpointing_path,
                                                  megatron_cfg.get("dist_checkpointing_prefix") or "",
-                                                 self.layout.value_head)
+                                                 self.layout.value_head, float32_copies)
             else:
-                exact = mmodel.load_hf_weights(self.models, self.config, spec.path, self.layout)
+                exact = mmodel.load_hf_weights(self.models, self.config, spec.path, self.layout, float32_copies)
             chunk_size = hf_model.forward_options(spec.model_cfg, dtype, device).head_chunk_size
             self.head = mmodel.ResponsePositionsHead(self.models, not self.config.sequence_parallel, chunk_size,
                                                      self.layout.vocab)
             self.chunks = [self._half(m) for m in self.models]
             if trainable:
                 self._build_training(megatron_cfg, spec, role_cfg)
-                if dtype != torch.float32:
+                if float32_copies:
                     self._exact_main_weights(exact)
             else:
                 for param in (p for m in self.models for p in m.parameters()):

@@ -189,12 +189,13 @@ def save_dist_weights(chunks: list[torch.nn.Module], folder: str) -> None:
 
 @torch.no_grad()
 def load_dist_weights(chunks: list[torch.nn.Module], folder: str, prefix: str = "",
-                      fresh_head: bool = False) -> list[dict]:
+                      fresh_head: bool = False, float32_copies: bool = False) -> list[dict] | None:
     """Fill the chunks from a megatron dist-checkpoint of model weights (`save_dist_weights`;
     `prefix` before every name, verl's `dist_checkpointing_prefix`), this rank's shards only.
     With `fresh_head` (a critic from a policy's weights) the output layer keeps its initial
-    weights, as verl does. Returns the weights as `load_hf_weights` does: read in float32, so that
-    half-precision chunks' main weights can start from the checkpoint's values."""
+    weights, as verl does. With `float32_copies`, returns the weights as `load_hf_weights` does:
+    read in float32, so that half-precision chunks' main weights can start from the checkpoint's
+    values."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
@@ -210,7 +211,8 @@ def load_dist_weights(chunks: list[torch.nn.Module], folder: str, prefix: str = 
     for chunk in chunks:
         sharded = {key: value for key, value in chunk.sharded_state_dict(prefix=prefix).items()
                    if not (fresh_head and key.startswith(f"{prefix}output_layer."))}
-        dict_list_map_inplace(read_in_float32, sharded)
+        if float32_copies:
+            dict_list_map_inplace(read_in_float32, sharded)
         try:
             loaded = dist_checkpointing.load(sharded, folder, strict=StrictHandling.ASSUME_OK_UNEXPECTED)
         except (Exception, CheckpointException) as exc:  # torch DCP's is a BaseException, holding megatron's
@@ -225,15 +227,16 @@ def load_dist_weights(chunks: list[torch.nn.Module], folder: str, prefix: str = 
             raise ValueError(f"The Megatron dist-checkpoint {folder} lacks {missing[:5]}.")
         exact.append({name: state[name] if name in state else value.float()
                       for name, value in chunk.state_dict().items() if not name.endswith("_extra_state")})
-    return exact
+    return exact if float32_copies else None
 
 
 @torch.no_grad()
-def load_hf_weights(chunks: list[torch.nn.Module], config, path: str, layout: convert.Layout) -> list[dict]:
+def load_hf_weights(chunks: list[torch.nn.Module], config, path: str, layout: convert.Layout,
+                    float32_copies: bool = False) -> list[dict] | None:
     """Fill the chunks with the HF safetensors weights in `path`, each rank its own TP shard.
-    Returns each chunk's weights at the files' own precision (float32 copies; a weight the files
-    lack, at the model's value): half-precision chunks round them, an optimizer's float32 main
-    weights should not."""
+    With `float32_copies`, returns each chunk's weights at the files' own precision (a weight the
+    files lack, at the model's value): half-precision chunks round them, an optimizer's float32
+    main weights should not."""
     from megatron.core import parallel_state
     from safetensors import safe_open
 
@@ -267,8 +270,9 @@ def load_hf_weights(chunks: list[torch.nn.Module], config, path: str, layout: co
                 raise ValueError(f"{name}: the checkpoint gives {tuple(shard.shape)} for this rank, the model "
                                  f"expects {tuple(state[local].shape)}.")
             state[local].copy_(shard)
-            exact[-1][local] = shard.float().contiguous() if state[local].dtype != torch.float32 else state[local]
-    return exact
+            if float32_copies:
+                exact[-1][local] = shard.float().contiguous()
+    return exact if float32_copies else None
 
 
 @torch.no_grad()
