@@ -170,10 +170,10 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NO_EFFECT, "verl copies the actor's qat settings here", "actor_rollout_ref.rollout.qat"),
     *_rules(NO_EFFECT, "read only with qat.enable=true, which is not supported yet", "*.qat.*"),
     # --- training engine (Megatron)
-    *_rules(WORKS, "the Megatron engine's layout, precision, optimizer sharding and transformer settings (CPU: "
-            "no virtual pipeline stages; sequence parallelism needs Transformer Engine on CUDA, elsewhere it is off "
-            "with a warning; the CUDA kernels' switches of override_transformer_config give way to megatron's "
-            "torch code on CPU, with a warning; moe_grouped_gemm is not applied)", *(f"*.megatron.{k}" for k in (
+    *_rules(WORKS, "the Megatron engine's layout (virtual pipeline stages and sequence parallelism on CPU too), "
+            "precision, optimizer sharding and transformer settings (the CUDA kernels' switches of "
+            "override_transformer_config and unbatched pipeline messages give way to megatron's torch code and "
+            "batched messages on CPU, with a warning; moe_grouped_gemm is not applied)", *(f"*.megatron.{k}" for k in (
                 "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
                 "sequence_parallel", "use_distributed_optimizer", "dist_ckpt_optim_fully_reshardable", "seed",
                 "dtype", "override_transformer_config.*", "override_ddp_config"))),

@@ -35,7 +35,8 @@ def loss_fn(out, micro, agg):
     return loss, {"loss": float(loss.detach())}
 
 
-def actor_config(strategy: str, tp: int = 1, pp: int = 1, extra=(), dtype: str = "fp32", cp: int = 1):
+def actor_config(strategy: str, tp: int = 1, pp: int = 1, extra=(), dtype: str = "fp32", cp: int = 1,
+                 vpp: int | None = None):
     """fp32 for the exact comparisons (`auto` is bf16 on CPUs with bf16 instructions)."""
     return compose_config([
         f"actor_rollout_ref.actor.fsdp_config.dtype={dtype}", f"actor_rollout_ref.actor.megatron.dtype={dtype}",
@@ -44,7 +45,8 @@ def actor_config(strategy: str, tp: int = 1, pp: int = 1, extra=(), dtype: str =
         "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.optim.weight_decay=0.0",
         f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}",
         f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}",
-        f"actor_rollout_ref.actor.megatron.context_parallel_size={cp}", *extra],
+        f"actor_rollout_ref.actor.megatron.context_parallel_size={cp}",
+        f"actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size={vpp or 'null'}", *extra],
         config_name="ppo_megatron_trainer")
 
 

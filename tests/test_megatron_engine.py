@@ -1,6 +1,7 @@
-"""The Megatron engine against the FSDP engine on the same model, batch and seed (TP=2, PP=2 over
-two gloo ranks): equal log-probs, loss, grad norm and weight update; a resumed engine continues
-exactly; the data-parallel dispatch layout; what the engine refuses at start."""
+"""The Megatron engine against the FSDP engine on the same model, batch and seed (TP=2 with and
+without sequence parallelism, PP=2 with and without virtual stages, CP=2 over two gloo ranks): equal log-probs, loss, grad norm
+and weight update; a resumed engine continues exactly; the data-parallel dispatch layout; what
+the engine refuses at start."""
 
 from __future__ import annotations
 
@@ -25,10 +26,11 @@ from tests.engine_helpers import actor_config, make_engine, offloaded, rollout_b
 # A micro-batch's 15 response positions in 4 chunks of the LM head (the last one short).
 SMALL_HEAD_CHUNKS = ("actor_rollout_ref.model.head_chunk_size=4",)
 RECOMPUTE = ("actor_rollout_ref.model.enable_gradient_checkpointing=true",)
+NO_SEQUENCE_PARALLEL = ("actor_rollout_ref.actor.megatron.sequence_parallel=false",)
 
 
-def actor_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int) -> dict:
-    cfg = actor_config("megatron", tp, pp, extra=SMALL_HEAD_CHUNKS, cp=cp)
+def actor_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int, vpp: int | None) -> dict:
+    cfg = actor_config("megatron", tp, pp, extra=SMALL_HEAD_CHUNKS, cp=cp, vpp=vpp)
     engine = make_engine(cfg, inputs["model"])
     infer = engine.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None)
     before = weights(engine)
@@ -40,16 +42,24 @@ def actor_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int) -> dict:
     resumed.load_checkpoint(os.path.join(out_dir, "ckpt"))
     resumed_second, resumed_weights = step(resumed, cfg, 2), weights(resumed)
     # enable_gradient_checkpointing: megatron's recomputation of every layer in the backward pass.
-    cfg = actor_config("megatron", tp, pp, extra=SMALL_HEAD_CHUNKS + RECOMPUTE, cp=cp)
+    cfg = actor_config("megatron", tp, pp, extra=SMALL_HEAD_CHUNKS + RECOMPUTE, cp=cp, vpp=vpp)
     recomputing = make_engine(cfg, inputs["model"])
     recomputed = (step(recomputing, cfg, 1), weights(recomputing), recomputing.config.recompute_granularity)
+    # Under TP, sequence parallelism (verl's default) above; whole sequences on every TP rank here.
+    whole = None
+    if tp > 1:
+        cfg = actor_config("megatron", tp, pp, extra=SMALL_HEAD_CHUNKS + NO_SEQUENCE_PARALLEL, cp=cp)
+        plain = make_engine(cfg, inputs["model"])
+        whole = (plain.config.sequence_parallel, plain.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None),
+                 step(plain, cfg, 1), weights(plain))
     return {"output": engine.is_output_rank, "dp": (engine.dp_rank, engine.dp_size), "infer": infer,
             "before": before, "after": after, "first": first, "second": (second, second_weights),
-            "resumed": (resumed_second, resumed_weights), "recomputed": recomputed}
+            "resumed": (resumed_second, resumed_weights), "recomputed": recomputed,
+            "sequence_parallel": engine.config.sequence_parallel, "whole_sequences": whole}
 
 
-def actor_bf16_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int) -> dict:
-    cfg = actor_config("megatron", tp, pp, extra=SMALL_HEAD_CHUNKS, dtype="bf16", cp=cp)
+def actor_bf16_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int, vpp: int | None) -> dict:
+    cfg = actor_config("megatron", tp, pp, extra=SMALL_HEAD_CHUNKS, dtype="bf16", cp=cp, vpp=vpp)
     engine = make_engine(cfg, inputs["model"])
     infer = engine.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None)
     return {"infer": infer, "first": step(engine, cfg, 1), "dtype": engine.config.params_dtype}
@@ -70,15 +80,23 @@ def test_megatron_engine_matches_fsdp_and_resumes_exactly(megatron_layout, tiny_
     results = megatron_layout.results("actor")
     assert [r["output"] for r in results] == ([True, False] if megatron_layout.pp == 1 else [False, True])
     assert all(r["dp"] == (0, 1) for r in results)
+    # verl's default sequence_parallel=true splits the sequence over the TP ranks.
+    assert all(r["sequence_parallel"] == (megatron_layout.tp > 1) for r in results)
     for result in results:
-        for key in ("log_probs", "entropy"):  # every rank of the replica returns the outputs
-            assert (result["infer"][key] - expected_infer[key])[mask].abs().max() <= 1e-5
-        assert set(result["after"]) == set(expected_after)  # the tied lm_head.weight included, as vLLM needs
-        update = torch.cat([(result["after"][k] - result["before"][k]).flatten() for k in result["after"]])
-        expected_update = torch.cat([(expected_after[k] - result["before"][k]).flatten() for k in result["after"]])
-        # Adam's first step is about lr x sign(grad): float noise shows only where |grad| ~ eps.
-        assert (update - expected_update).norm() / expected_update.norm() <= 1e-3
-        assert result["first"]["actor/grad_norm"] == pytest.approx(expected["actor/grad_norm"], rel=1e-4)
+        runs = [(result["infer"], result["first"], result["after"])]
+        if result["whole_sequences"] is not None:
+            sequence_parallel, *run = result["whole_sequences"]
+            assert not sequence_parallel
+            runs.append(run)
+        for infer, first, after in runs:
+            for key in ("log_probs", "entropy"):  # every rank of the replica returns the outputs
+                assert (infer[key] - expected_infer[key])[mask].abs().max() <= 1e-5
+            assert set(after) == set(expected_after)  # the tied lm_head.weight included, as vLLM needs
+            update = torch.cat([(after[k] - result["before"][k]).flatten() for k in after])
+            expected_update = torch.cat([(expected_after[k] - result["before"][k]).flatten() for k in after])
+            # Adam's first step is about lr x sign(grad): float noise shows only where |grad| ~ eps.
+            assert (update - expected_update).norm() / expected_update.norm() <= 1e-3
+            assert first["actor/grad_norm"] == pytest.approx(expected["actor/grad_norm"], rel=1e-4)
         second, second_weights = result["second"]
         resumed, resumed_weights = result["resumed"]
         assert resumed == second
@@ -192,12 +210,14 @@ def test_megatron_bf16_main_weights_start_from_the_checkpoints_values(tiny_model
         assert 0.8 * expected <= change <= 1.25 * expected, (name, change, expected)
 
 
-def reward_model_config(tp: int = 1, pp: int = 1, cp: int = 1):
+def reward_model_config(tp: int = 1, pp: int = 1, cp: int = 1, vpp: int | None = None):
     return compose_config(["reward_model.enable=true", "reward_model.strategy=megatron", "reward_model.megatron.dtype=fp32",
                            "reward_model.model.fsdp_config.dtype=fp32",
                            f"reward_model.megatron.tensor_model_parallel_size={tp}",
                            f"reward_model.megatron.pipeline_model_parallel_size={pp}",
-                           f"reward_model.megatron.context_parallel_size={cp}", "trainer.iterative.enable=true",
+                           f"reward_model.megatron.context_parallel_size={cp}",
+                           f"reward_model.megatron.virtual_pipeline_model_parallel_size={vpp or 'null'}",
+                           "trainer.iterative.enable=true",
                            "trainer.iterative.reward_model.lr=1e-3", "trainer.iterative.reward_model.epochs=2",
                            "trainer.iterative.reward_model.mini_batch_size=4",
                            "trainer.iterative.reward_model.micro_batch_size_per_gpu=3"],
@@ -216,10 +236,10 @@ def reward_model_training(rm, batch, cfg) -> dict:
     return {"before": before, "metrics": metrics, "after": rm.infer(rows, Output.SCORES, 1.0, 2, None)["scores"]}
 
 
-def reward_model_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int) -> dict:
+def reward_model_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int, vpp: int | None) -> dict:
     from hybrid_rl.workers.reward_model import training_optim
 
-    cfg = reward_model_config(tp, pp, cp)
+    cfg = reward_model_config(tp, pp, cp, vpp)
     role_cfg = OmegaConf.create({"strategy": "megatron", "megatron": cfg.reward_model.megatron, "grad_clip": 1.0})
     optim = training_optim(cfg.trainer.iterative.reward_model)
     rm = build_engine(ModelSpec("reward_model", inputs["reward_model"], cfg.reward_model.model, head=Head.SCORE,
@@ -230,13 +250,15 @@ def reward_model_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int) -> 
 
 @pytest.fixture(scope="module")
 def reward_model_case(tmp_path_factory, tiny_tokenizer) -> dict:
-    """A sequence classifier and six rows (mini-batches of 4 and 2) to score and train it on."""
+    """A sequence classifier (4 layers: two virtual stages on each of two pipeline stages) and six
+    rows (mini-batches of 4 and 2) to score and train it on."""
     from tests.rewards.test_reward_model import ANSWERS, CHATS, build_reward_model, rollouts
 
     folder = tmp_path_factory.mktemp("reward_model")
     batch_file = folder / "batch.pt"
     torch.save(rollouts(tiny_tokenizer, CHATS * 2, ANSWERS[::-1] * 2), batch_file)
-    return {"reward_model": build_reward_model(folder / "model", tiny_tokenizer), "reward_model_batch": str(batch_file)}
+    return {"reward_model": build_reward_model(folder / "model", tiny_tokenizer, num_layers=4),
+            "reward_model_batch": str(batch_file)}
 
 
 def test_megatron_reward_model_scores_as_the_fsdp_one(megatron_layout, reward_model_case):
@@ -265,13 +287,13 @@ def test_megatron_reward_model_scores_as_the_fsdp_one(megatron_layout, reward_mo
             assert result["metrics"][key] == pytest.approx(expected["metrics"][key], rel=1e-4), key
 
 
-def critic_config(strategy: str, tp: int = 1, pp: int = 1, cp: int = 1):
+def critic_config(strategy: str, tp: int = 1, pp: int = 1, cp: int = 1, vpp: int | None = None):
     return compose_config([
         "critic.fsdp_config.dtype=fp32", "critic.megatron.dtype=fp32", f"critic.strategy={strategy}",
         "critic.ppo_mini_batch_size=4", "critic.ppo_micro_batch_size_per_gpu=3",
         "critic.use_dynamic_bsz=false", "critic.optim.lr=1e-3", "critic.optim.weight_decay=0.0",
         f"critic.megatron.tensor_model_parallel_size={tp}", f"critic.megatron.pipeline_model_parallel_size={pp}",
-        f"critic.megatron.context_parallel_size={cp}"],
+        f"critic.megatron.context_parallel_size={cp}", f"critic.megatron.virtual_pipeline_model_parallel_size={vpp or 'null'}"],
         config_name="ppo_megatron_trainer")
 
 
@@ -291,8 +313,8 @@ def critic_run(cfg, model_dir) -> dict:
     return {"values": values, "metrics": metrics, "before": before, "after": weights(critic)}
 
 
-def critic_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int) -> dict:
-    return critic_run(critic_config("megatron", tp, pp, cp), inputs["value_model"])
+def critic_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int, vpp: int | None) -> dict:
+    return critic_run(critic_config("megatron", tp, pp, cp, vpp), inputs["value_model"])
 
 
 @pytest.fixture(scope="module")
@@ -312,10 +334,10 @@ def value_model_dir(tiny_model_dir4, tmp_path_factory):
 PARTS = {"actor": actor_part, "actor_bf16": actor_bf16_part, "critic": critic_part, "reward_model": reward_model_part}
 
 
-def _layout_rank_main(rank, world, init_file, inputs, out_dir, tp, pp, cp):
+def _layout_rank_main(rank, world, init_file, inputs, out_dir, tp, pp, cp, vpp):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     for name, part in PARTS.items():
-        torch.save(part(inputs, out_dir, tp, pp, cp), os.path.join(out_dir, f"{name}_rank{rank}.pt"))
+        torch.save(part(inputs, out_dir, tp, pp, cp, vpp), os.path.join(out_dir, f"{name}_rank{rank}.pt"))
     dist.destroy_process_group()
 
 
@@ -324,23 +346,25 @@ class LayoutRun:
     tp: int
     pp: int
     cp: int
+    vpp: int | None
     out_dir: Path
 
     def results(self, part: str) -> list[dict]:
         return [torch.load(self.out_dir / f"{part}_rank{rank}.pt") for rank in range(2)]
 
 
-@pytest.fixture(scope="module", params=[(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["tp2", "pp2", "cp2"])
+@pytest.fixture(scope="module", params=[(2, 1, 1, None), (1, 2, 1, None), (1, 2, 1, 2), (1, 1, 2, None)],
+                ids=["tp2", "pp2", "pp2vpp2", "cp2"])
 def megatron_layout(request, tiny_model_dir4, value_model_dir, reward_model_case, tmp_path_factory) -> LayoutRun:
     """The Megatron side of the comparisons with FSDP (actor in fp32 and bf16, critic, reward
-    model) on one TP x PP x CP layout, in one spawn of two gloo ranks: a spawn costs each rank
-    ~10 s of imports."""
-    tp, pp, cp = request.param
-    out_dir = tmp_path_factory.mktemp(f"megatron_tp{tp}_pp{pp}_cp{cp}")
+    model) on one TP x PP x CP layout (PP with or without virtual stages), in one spawn of two
+    gloo ranks: a spawn costs each rank ~10 s of imports."""
+    tp, pp, cp, vpp = request.param
+    out_dir = tmp_path_factory.mktemp(f"megatron_tp{tp}_pp{pp}_cp{cp}_vpp{vpp}")
     inputs = {"model": tiny_model_dir4, "value_model": value_model_dir, **reward_model_case}
-    mp.start_processes(_layout_rank_main, args=(2, str(out_dir / "init"), inputs, str(out_dir), tp, pp, cp),
+    mp.start_processes(_layout_rank_main, args=(2, str(out_dir / "init"), inputs, str(out_dir), tp, pp, cp, vpp),
                        nprocs=2, start_method="spawn")
-    return LayoutRun(tp, pp, cp, out_dir)
+    return LayoutRun(tp, pp, cp, vpp, out_dir)
 
 
 def test_megatron_critic_matches_fsdp(megatron_layout, value_model_dir):
@@ -409,9 +433,8 @@ def test_dispatch_follows_the_data_parallel_layout():
     (["actor_rollout_ref.actor.megatron.context_parallel_size=2", "actor_rollout_ref.actor.use_kl_loss=true",
       "actor_rollout_ref.ref.megatron.context_parallel_size=1"],
      "must match.*actor_rollout_ref.actor: TP=1, PP=1, EP=1, CP=2, actor_rollout_ref.ref: TP=1, PP=1, EP=1, CP=1"),
-    (["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
-      "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2"],
-     "virtual pipeline stages need NCCL"),
+    (["actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2"],
+     "virtual_pipeline_model_parallel_size=2 needs pipeline_model_parallel_size > 1"),
     (["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2", "actor_rollout_ref.actor.use_kl_loss=true",
       "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=1"],
      "must match.*actor_rollout_ref.actor: TP=1, PP=2, EP=1, CP=1, actor_rollout_ref.ref: TP=1, PP=1, EP=1, CP=1"),

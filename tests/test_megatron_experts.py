@@ -2,7 +2,8 @@
 ranks, each holding half of every layer's experts) against the FSDP engine on the same two ranks,
 model, batches and seed: equal log-probs, loss, grad norm and weight update; the weights it gives
 back are transformers' own (experts stacked) to the bit; a resumed engine continues exactly. With
-context parallelism as well (CP=2, EP=2), equal to one FSDP process on the same rows."""
+context parallelism as well (CP=2, EP=2), or tensor and sequence parallelism (TP=2, EP=1 or 2),
+equal to one FSDP process on the same rows."""
 
 from __future__ import annotations
 
@@ -68,12 +69,18 @@ def _rank_main(rank, world, init_file, model_dirs, out_dir):
     # of every sequence and half of the experts.
     from megatron.core import parallel_state
 
-    parallel_state.destroy_model_parallel()
-    for family, model_dir in model_dirs.items():
-        cfg = actor_config("megatron", cp=2, extra=EXPERT_PARALLEL)
-        engine = make_engine(cfg, model_dir)
-        results["cp", family] = {"infer": engine.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None),
-                                 "first": step(engine, cfg, 1), "dp": engine.dp_size}
+    # Tensor parallelism with megatron's sequence parallelism (verl's default), the experts
+    # whole on both ranks (EP=1) or split (EP=2).
+    layouts = {"cp": dict(cp=2, extra=EXPERT_PARALLEL), "tp_ep1": dict(tp=2),
+               "tp_ep2": dict(tp=2, extra=EXPERT_PARALLEL)}
+    for name, layout in layouts.items():
+        parallel_state.destroy_model_parallel()
+        for family, model_dir in model_dirs.items():
+            cfg = actor_config("megatron", **layout)
+            engine = make_engine(cfg, model_dir)
+            results[name, family] = {"infer": engine.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None),
+                                     "first": step(engine, cfg, 1), "dp": engine.dp_size,
+                                     "sequence_parallel": engine.config.sequence_parallel}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -108,16 +115,19 @@ def test_expert_parallel_megatron_matches_fsdp(expert_runs, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_context_and_expert_parallel_megatron_matches_one_fsdp_process(expert_runs, tiny_moe_model_dirs, family):
-    """CP=2 with EP=2 on two ranks against the FSDP engine on one process, the same rows."""
+@pytest.mark.parametrize("layout", ["cp", "tp_ep1", "tp_ep2"])
+def test_context_or_tensor_parallel_megatron_matches_one_fsdp_process(expert_runs, tiny_moe_model_dirs, family,
+                                                                       layout):
+    """CP=2 with EP=2, and TP=2 (sequence parallel) with EP=1 or 2, on two ranks against the FSDP
+    engine on one process, the same rows."""
     cfg = actor_config("fsdp2")
     fsdp = make_engine(cfg, tiny_moe_model_dirs[family])
     expected_infer = fsdp.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None)
     expected = step(fsdp, cfg, 1)
     mask = rollout_batch(1)["response_mask"].bool()
     for runs in expert_runs:
-        result = runs["cp", family]
-        assert result["dp"] == 1
+        result = runs[layout, family]
+        assert result["dp"] == 1 and result["sequence_parallel"] == layout.startswith("tp")
         for key in ("log_probs", "entropy"):
             assert (result["infer"][key] - expected_infer[key])[mask].abs().max() <= 1e-5
         for key in ("actor/loss", "actor/grad_norm"):
@@ -127,8 +137,8 @@ def test_context_and_expert_parallel_megatron_matches_one_fsdp_process(expert_ru
 @pytest.mark.parametrize("ranks, ep, tp, expected", [
     (3, 3, 1, "expert_model_parallel_size=3 does not divide the model's 4 experts"),
     (3, 2, 1, r"expert_model_parallel_size \(2\) x pipeline_model_parallel_size \(1\) must divide the number of ranks \(3"),
-    (2, 1, 2, "tensor_model_parallel_size=2: megatron trains a mixture-of-experts model under tensor parallelism "
-              "only with its sequence parallelism"),
+    (2, 1, 2, "tensor_model_parallel_size=2 with sequence_parallel=false: megatron trains a mixture-of-experts "
+              "model under tensor parallelism only with its sequence parallelism"),
 ])
 def test_expert_layouts_the_model_cannot_take_are_refused_at_start(tiny_moe_model_dirs, ranks, ep, tp, expected):
     from hybrid_rl.config import ConfigError, check_model_limits, validate_config
@@ -137,7 +147,8 @@ def test_expert_layouts_the_model_cannot_take_are_refused_at_start(tiny_moe_mode
     cfg = validate_config(compose_config([
         f"trainer.n_gpus_per_node={ranks}", "trainer.device=cpu", "data.train_batch_size=6",
         "actor_rollout_ref.actor.ppo_mini_batch_size=6", f"actor_rollout_ref.actor.megatron.expert_model_parallel_size={ep}",
-        f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}"],
+        f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}",
+        "actor_rollout_ref.actor.megatron.sequence_parallel=false"],
         config_name="ppo_megatron_trainer"))
     with pytest.raises(ConfigError, match=expected):
         check_model_limits(cfg, tiny_moe_model_dirs["mixtral"])

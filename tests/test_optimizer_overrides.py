@@ -49,3 +49,16 @@ def test_megatron_cuda_kernel_switches_give_way_on_cpu(caplog):
            "moe_token_dispatcher_type=flex not applied" in caplog.text
     on_gpu = transformer_overrides(key, verl, torch.device("cuda"))
     assert "moe_grouped_gemm" not in on_gpu and on_gpu["moe_enable_deepep"] is True
+
+
+def test_megatron_unbatched_pipeline_messages_give_way_on_cpu(caplog):
+    """The CPU device layer tags megatron's batched pipeline messages; its unbatched ones hang on
+    gloo, so asking for them is dropped there (and kept on GPU)."""
+    from hybrid_rl.engines.megatron.engine import transformer_overrides
+
+    asked = {"batch_p2p_comm": False, "overlap_p2p_comm": True, "deallocate_pipeline_outputs": True}
+    key = "actor_rollout_ref.actor.megatron.override_transformer_config"
+    assert transformer_overrides(key, asked, torch.device("cpu")) == {"deallocate_pipeline_outputs": True}
+    assert "batch_p2p_comm=False, overlap_p2p_comm=True not applied on CPU" in caplog.text
+    assert transformer_overrides(key, {"batch_p2p_comm": True}, torch.device("cpu")) == {"batch_p2p_comm": True}
+    assert transformer_overrides(key, asked, torch.device("cuda")) == asked

@@ -26,10 +26,11 @@ CHATS = [[{"role": "user", "content": "What is 12 + 34?"}],
 ANSWERS = ["The answer is 46. #### 46", "15", "-17 and 1,024 dollars"]
 
 
-def build_reward_model(path, tokenizer, num_labels=1, seed=0, model_class=LlamaForSequenceClassification) -> str:
+def build_reward_model(path, tokenizer, num_labels=1, seed=0, model_class=LlamaForSequenceClassification,
+                       num_layers: int = 2) -> str:
     """A small random reward model (`model_class`: a token classifier for a process reward model)."""
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                          num_labels=num_labels)

@@ -33,17 +33,15 @@ def context_parallel_size(megatron_cfg: Any) -> int:
     return int(megatron_cfg.get("context_parallel_size") or 1)
 
 
-def check_experts(section: str, megatron_cfg: Any, layout: convert.Layout, world: int, tp: int, pp: int, pool: str,
-                  device_type: str) -> None:
+def check_experts(section: str, megatron_cfg: Any, layout: convert.Layout, world: int, tp: int, pp: int,
+                  pool: str) -> None:
     """Expert parallelism: a mixture-of-experts model, experts dealt evenly, whole groups of
     ranks; experts are never split over tensor-parallel ranks here. megatron trains a mixture of
-    experts under tensor parallelism only with its sequence parallelism, which needs Transformer
-    Engine (CUDA)."""
-    if layout.experts is not None and tp > 1 and device_type == "cpu":
-        raise ValueError(f"{section}.tensor_model_parallel_size={tp}: megatron trains a mixture-of-experts model "
-                         "under tensor parallelism only with its sequence parallelism, which needs Transformer "
-                         "Engine on CUDA; on CPU keep tensor_model_parallel_size=1 and split the experts with "
-                         "expert_model_parallel_size.")
+    experts under tensor parallelism only with its sequence parallelism."""
+    if layout.experts is not None and tp > 1 and not megatron_cfg.get("sequence_parallel", False):
+        raise ValueError(f"{section}.tensor_model_parallel_size={tp} with sequence_parallel=false: megatron trains "
+                         "a mixture-of-experts model under tensor parallelism only with its sequence parallelism; "
+                         f"set {section}.sequence_parallel=true (verl's default).")
     ep, etp = expert_parallel_size(megatron_cfg), megatron_cfg.get("expert_tensor_parallel_size")
     if etp is not None and int(etp) != 1:
         raise ValueError(f"{section}.expert_tensor_parallel_size={etp}: this engine keeps each expert whole on one "
@@ -64,8 +62,7 @@ def check_experts(section: str, megatron_cfg: Any, layout: convert.Layout, world
                          f"divide the number of ranks ({world}, {pool}.nnodes x {pool}.n_gpus_per_node).")
 
 
-def check_layout(key: str, megatron_cfg: Any, layout: convert.Layout, world: int, device_type: str,
-                 pool: str = "trainer") -> None:
+def check_layout(key: str, megatron_cfg: Any, layout: convert.Layout, world: int, pool: str = "trainer") -> None:
     """Refuse, naming the key and the fix, a layout this engine cannot run for this model on
     `world` ranks (`pool`.nnodes x `pool`.n_gpus_per_node)."""
     tp, pp, vpp = parallel_sizes(megatron_cfg)
@@ -94,14 +91,8 @@ def check_layout(key: str, megatron_cfg: Any, layout: convert.Layout, world: int
     if layout.num_layers % (pp * (vpp or 1)):
         raise ValueError(f"{section}.pipeline_model_parallel_size={pp} x virtual_pipeline_model_parallel_size="
                          f"{vpp or 1} does not divide the model's {layout.num_layers} layers.")
-    check_experts(section, megatron_cfg, layout, world, tp, pp, pool, device_type)
+    check_experts(section, megatron_cfg, layout, world, tp, pp, pool)
     check_dist_weights(key, megatron_cfg)
-    if vpp is not None and device_type == "cpu":
-        # Measured with megatron-core 0.16.1: over gloo the interleaved schedule's training pass
-        # pairs activations with the wrong micro-batches (batched p2p) or hangs (unbatched).
-        raise ValueError(f"{section}.virtual_pipeline_model_parallel_size={vpp}: virtual pipeline stages "
-                         "need NCCL (trainer.device=cuda); on CPU set it to null and keep "
-                         "pipeline_model_parallel_size.")
 
 
 def check_dist_weights(key: str, megatron_cfg: Any) -> None:
@@ -137,8 +128,7 @@ def check_roles(cfg: Any, hf_config: Any, roles: dict[str, bool], role_configs: 
         layout = convert.Layout.from_hf_config((role_configs or {}).get(key, hf_config))
         pool = "reward_model" if key in own_pool else "trainer"
         ranks = _section(cfg, pool)
-        check_layout(key, _section(cfg, key).megatron, layout, ranks.nnodes * ranks.n_gpus_per_node,
-                     cfg.trainer.device, pool)
+        check_layout(key, _section(cfg, key).megatron, layout, ranks.nnodes * ranks.n_gpus_per_node, pool)
     # The roles in one process share its megatron groups (a reward model in its own pool has its own).
     sizes = {key: (*parallel_sizes(_section(cfg, key).megatron)[:2], expert_parallel_size(_section(cfg, key).megatron),
                    context_parallel_size(_section(cfg, key).megatron))

@@ -112,11 +112,47 @@ class _HostStream:
 
 _HOST_STREAM = _HostStream()  # one stream: megatron compares the current stream with its side stream
 
+# Tags of the two directions of pipeline traffic: activations go to the next stage, gradients to
+# the previous one.
+_FORWARD_TAG, _BACKWARD_TAG = 1, 2
+
+
+def _tagged_p2p_ops(*, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next, group,
+                    prev_pipeline_rank, next_pipeline_rank):
+    """megatron's `_batched_p2p_ops` with each message tagged by its direction. gloo pairs the
+    sends and receives between two ranks in the order they are posted, by tag; with two pipeline
+    ranks the previous and the next stage are the same rank, and megatron posts a stage's
+    gradient to it before its activation while the other side waits for the activation first,
+    so untagged messages of the same shape (the interleaved schedule's, or the shape exchange's)
+    swap silently."""
+    ops = [torch.distributed.P2POp(op, tensor, peer, group, tag) for op, tensor, peer, tag in (
+        (torch.distributed.isend, tensor_send_prev, prev_pipeline_rank, _BACKWARD_TAG),
+        (torch.distributed.irecv, tensor_recv_prev, prev_pipeline_rank, _FORWARD_TAG),
+        (torch.distributed.isend, tensor_send_next, next_pipeline_rank, _FORWARD_TAG),
+        (torch.distributed.irecv, tensor_recv_next, next_pipeline_rank, _BACKWARD_TAG)) if tensor is not None]
+    return torch.distributed.batch_isend_irecv(ops) if ops else []
+
+
+def _tagged_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+    """megatron's `P2PCommunicator._communicate_shapes` (variable sequence lengths: each
+    message's shape goes first) over the tagged messages of `_tagged_p2p_ops`."""
+    def shape_of(tensor):
+        return None if tensor is None else torch.tensor(tensor.size(), dtype=torch.int64)
+
+    received = [torch.zeros(3, dtype=torch.int64) if wanted else None for wanted in (recv_prev, recv_next)]
+    for request in _tagged_p2p_ops(tensor_send_prev=shape_of(tensor_send_prev), tensor_recv_prev=received[0],
+                                   tensor_send_next=shape_of(tensor_send_next), tensor_recv_next=received[1],
+                                   group=self.pp_group, prev_pipeline_rank=self.prev_rank,
+                                   next_pipeline_rank=self.next_rank):
+        request.wait()
+    return [[0, 0, 0] if shape is None else shape.tolist() for shape in received]
+
 
 @contextlib.contextmanager
 def cpu_device_layer():
     """Run megatron-core calls on the CPU (see the module docstring); re-entrant."""
     from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.pipeline_parallel import p2p_communication
     from megatron.core.tensor_parallel import random as mp_random
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
@@ -139,6 +175,8 @@ def cpu_device_layer():
         (torch.cuda.random, "get_rng_state", lambda *args, **kwargs: torch.get_rng_state()),
         (mp_random, "_get_cuda_rng_state", lambda *args, **kwargs: torch.get_rng_state()),
         (mp_random, "_set_cuda_rng_state", lambda state, *args, **kwargs: torch.set_rng_state(state)),
+        (p2p_communication, "_batched_p2p_ops", _tagged_p2p_ops),
+        (p2p_communication.P2PCommunicator, "_communicate_shapes", _tagged_shapes),
         (clip_grads, "clip_grad_by_total_norm_fp32", _clip_in_place),
         (optimizer, "clip_grad_by_total_norm_fp32", _clip_in_place),
     ]

@@ -116,7 +116,7 @@ class MegatronEngine(TrainEngine):
         hf_config = model_config(spec.path, spec.model_cfg)
         self.layout = convert.Layout.from_hf_config(hf_config, value_head=spec.head in (Head.VALUE, Head.SCORE),
                                                     head_bias=spec.head is Head.VALUE)
-        check_layout(ROLE_KEYS[spec.role], megatron_cfg, self.layout, dist.get_world_size(), device.type)
+        check_layout(ROLE_KEYS[spec.role], megatron_cfg, self.layout, dist.get_world_size())
         tp, pp, vpp = parallel_sizes(megatron_cfg)
         ep, cp = expert_parallel_size(megatron_cfg), context_parallel_size(megatron_cfg)
         seed = int(megatron_cfg.get("seed", 42))
@@ -148,12 +148,6 @@ class MegatronEngine(TrainEngine):
             overrides.update(half)
             te = mmodel.has_transformer_engine(device)
             sequence_parallel = bool(megatron_cfg.get("sequence_parallel", False)) and tp > 1
-            if sequence_parallel and not te:
-                # Only memory is at stake: the local spec's torch norms cannot split the sequence.
-                logger.warning("%s.megatron.sequence_parallel=true needs Transformer Engine on CUDA; this run "
-                               "keeps whole sequences on every tensor-parallel rank (same numbers, more "
-                               "activation memory).", spec.role)
-                sequence_parallel = False
             self.config = mmodel.transformer_config(hf_config, self.layout, vpp, sequence_parallel, overrides)
             # Built on the CPU (the same initial weights on every device), then moved, as megatron-LM does.
             self.models = [chunk.to(device) for chunk in mmodel.build_model(hf_config, self.layout, self.config,
@@ -307,10 +301,10 @@ class MegatronEngine(TrainEngine):
             raise NotImplementedError(f"The Megatron engine computes log-probs, entropies, values and scores, not "
                                       f"{output.value}: use strategy=fsdp2 for the full-vocabulary KL "
                                       "(kl_loss_type=full).")
-        # The interleaved schedule runs micro-batches in groups of PP; fillers (no response
-        # tokens, so no loss and no gradient) complete the last group.
-        fillers = self._filler_count(len(micros))
-        batch = micros + [_filler(micros[0]) for _ in range(fillers)]
+        # The interleaved schedule runs micro-batches in groups of PP; fillers (the first
+        # micro-batch again, its loss times zero: no gradient, outputs dropped) complete them.
+        fillers = self._filler_count(len(micros), training=loss_fn is not None)
+        batch = [(micro, False) for micro in micros] + [(micros[0], True)] * fillers
         steps = len(batch)
         # Sequence parallelism splits a rank's positions over TP; context parallelism a row into
         # 2 x CP chunks.
@@ -319,7 +313,7 @@ class MegatronEngine(TrainEngine):
             2 * cp if cp > 1 else 1)
 
         def forward_step(data_iterator, model):
-            micro = next(data_iterator)
+            micro, filler = next(data_iterator)
             ids, positions, predict = mmodel.left_aligned(micro)
             if output is Output.SCORES:  # a reward model reads each row's last real token
                 predict = micro["attention_mask"].sum(1, keepdim=True) - 1
@@ -351,7 +345,7 @@ class MegatronEngine(TrainEngine):
                 loss, terms = loss_fn(out, micro)
                 # The schedule divides every loss by the micro-batch count, and multiplies it by CP
                 # for megatron's gradient averaging over the data- and context-parallel ranks.
-                return loss * steps, terms
+                return loss * (0 if filler else steps), terms
 
             return outputs, loss_func
 
@@ -360,18 +354,27 @@ class MegatronEngine(TrainEngine):
             results = get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iterators if len(iterators) > 1 else iterators[0],
                 model=self.chunks, num_microbatches=steps,
-                seq_length=max(-(-m["input_ids"].shape[1] // pad_to) * pad_to for m in batch),
-                micro_batch_size=max(m["input_ids"].shape[0] for m in batch), forward_only=loss_fn is None)
+                seq_length=max(-(-m["input_ids"].shape[1] // pad_to) * pad_to for m in micros),
+                micro_batch_size=max(m["input_ids"].shape[0] for m in micros), forward_only=loss_fn is None)
         results = results[:len(micros)]
         if loss_fn is None and self.pp_size > 1:
             results = self._from_last_stage(results, micros, OUTPUT_KEYS[output])
         return results
 
-    def _filler_count(self, count: int) -> int:
-        if not self.config.virtual_pipeline_model_parallel_size:
+    def _filler_count(self, count: int, training: bool) -> int:
+        """Fillers for the interleaved schedule: whole groups of micro-batches, and in training
+        enough of them that the first stage does not run every forward pass before its first
+        backward while the last stage already alternates. There, a stage's tensors go with
+        their shapes first (variable sequence lengths), and the alternating stage's exchange
+        would wait on the first stage for a gradient it sends only after the exchange."""
+        vpp = self.config.virtual_pipeline_model_parallel_size
+        if not vpp:
             return 0
         group = self.config.microbatch_group_size_per_vp_stage or self.pp_size
-        return max(group, -(-count // group) * group) - count
+        # megatron's warm-up forward passes on the first stage (schedules.get_pp_rank_microbatches).
+        first_stage_warmup = (self.pp_size - 1) * 2 + (vpp - 1) * group
+        least = first_stage_warmup // vpp + 1 if training else group
+        return -(-max(count, least) // group) * group - count
 
     def _from_last_stage(self, results: list[dict], micros: list[dict], keys: tuple[str, ...]) -> list[dict]:
         """The last stage's outputs on every stage, so every rank of a replica returns them."""
@@ -561,16 +564,17 @@ def transformer_overrides(key: str, section: Any, device: torch.device) -> dict:
         if dropped:
             logger.warning("%s: %s not applied (CUDA kernels; megatron's torch code computes the same on CPU).",
                            key, ", ".join(dropped))
+        # The CPU device layer tags the batched pipeline messages (see cpu.py); megatron's
+        # unbatched ones hang on gloo.
+        unbatched = [f"{name}={overrides.pop(name)}" for name, batched in (("batch_p2p_comm", True),
+                                                                           ("overlap_p2p_comm", False))
+                     if overrides.get(name, batched) != batched]
+        if unbatched:
+            logger.warning("%s: %s not applied on CPU (pipeline stages exchange batched messages over gloo).",
+                           key, ", ".join(unbatched))
     if isinstance(overrides.get("attention_backend"), str):
         overrides["attention_backend"] = AttnBackend[overrides["attention_backend"]]
     return overrides
-
-
-def _filler(micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A micro-batch shaped like `micro` with no response tokens."""
-    if "response_mask" not in micro:  # a forward only: its outputs are dropped
-        return micro
-    return {**micro, "response_mask": torch.zeros_like(micro["response_mask"])}
 
 
 def _pad_columns(tensor: torch.Tensor, multiple: int) -> torch.Tensor:

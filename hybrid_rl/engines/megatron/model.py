@@ -116,11 +116,22 @@ def build_model(hf_config, layout: convert.Layout, config, transformer_engine: b
 
         spec = get_gpt_layer_local_spec(normalization="RMSNorm", **layers)
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
+        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = TorchRMSNorm
+        if layout.qk_norm:
+            attention = spec.submodules.self_attention.submodules
+            attention.q_layernorm = attention.k_layernorm = TorchRMSNorm
     chunks = []
     for stage in range(config.virtual_pipeline_model_parallel_size or 1):
         vp_stage = _vp_stage(config, stage)
+        if not transformer_engine:  # the final norm too, which megatron would take from its own choice
+            from megatron.core.transformer.transformer_block import (
+                TransformerBlockSubmodules, get_num_layers_to_build,
+            )
+
+            block = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage),
+                                               layer_norm=TorchRMSNorm)
         chunk = GPTModel(
-            config, spec, vocab_size=layout.padded_vocab(tp),
+            config, spec if transformer_engine else block, vocab_size=layout.padded_vocab(tp),
             max_sequence_length=hf_config.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -133,12 +144,24 @@ def build_model(hf_config, layout: convert.Layout, config, transformer_engine: b
     return chunks
 
 
+class TorchRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm for the local layer spec, under sequence parallelism too (megatron's own
+    wrapper refuses it): a norm works token by token, so on a rank's part of the sequence it is
+    unchanged; only its weight's gradient, from that part alone, must be summed over the
+    tensor-parallel ranks, which megatron does for parameters marked `sequence_parallel`."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
 class ValueHead(torch.nn.Linear):
     """The critic's or a reward model's scalar head in place of GPTModel's output layer: hidden
     -> 1, with a bias as transformers' token-classification `score` (the critic), without one as
     its sequence-classification `score` (a reward model); replicated on the TP ranks. Under
     sequence parallelism it gathers the sequence first, so every TP rank computes the same values
-    and the same head gradients."""
+    and the same head gradients; the gathered states' gradient, the same on every TP rank, is then
+    split back, not summed over the ranks as for a vocabulary-parallel head."""
 
     def __init__(self, config, init_std: float, seed: int, bias: bool = True):
         super().__init__(config.hidden_size, 1, bias=bias, dtype=config.params_dtype)
@@ -152,7 +175,7 @@ class ValueHead(torch.nn.Linear):
         if self.sequence_parallel:
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-            hidden = gather_from_sequence_parallel_region(hidden)
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         return super().forward(hidden), None
 
 
