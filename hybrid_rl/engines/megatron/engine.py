@@ -161,7 +161,7 @@ class MegatronEngine(TrainEngine):
             else:
                 exact = mmodel.load_hf_weights(self.models, self.config, spec.path, self.layout, float32_copies)
             chunk_size = hf_model.forward_options(spec.model_cfg, dtype, device).head_chunk_size
-            self.head = mmodel.ResponsePositionsHead(self.models, not self.config.sequence_parallel, chunk_size,
+            self.head = mmodel.ResponsePositionsHead(self.models, self.config.sequence_parallel, chunk_size,
                                                      self.layout.vocab)
             self.chunks = [self._half(m) for m in self.models]
             if trainable:
@@ -333,13 +333,8 @@ class MegatronEngine(TrainEngine):
                     out = {"values": outputs[..., 0].float()}
                 elif output is Output.SCORES:
                     out = {"scores": outputs[:, 0, 0].float()}
-                else:
-                    if self.head.enabled:  # the head gave (log-prob, entropy) pairs
-                        log_probs, entropy = outputs.float().unbind(-1)
-                    else:
-                        log_probs, entropy = mmodel.logits_to_log_probs(
-                            outputs, micro["responses"], temperature, self.layout.vocab, with_entropy)
-                    out = dict(zip(OUTPUT_KEYS[output], (log_probs, entropy)))
+                else:  # the head gave (log-prob, entropy) pairs
+                    out = dict(zip(OUTPUT_KEYS[output], outputs.float().unbind(-1)))
                 if loss_fn is None:
                     return outputs.new_zeros(()), out
                 loss, terms = loss_fn(out, micro)

@@ -158,10 +158,9 @@ class TorchRMSNorm(torch.nn.RMSNorm):
 class ValueHead(torch.nn.Linear):
     """The critic's or a reward model's scalar head in place of GPTModel's output layer: hidden
     -> 1, with a bias as transformers' token-classification `score` (the critic), without one as
-    its sequence-classification `score` (a reward model); replicated on the TP ranks. Under
-    sequence parallelism it gathers the sequence first, so every TP rank computes the same values
-    and the same head gradients; the gathered states' gradient, the same on every TP rank, is then
-    split back, not summed over the ranks as for a vocabulary-parallel head."""
+    its sequence-classification `score` (a reward model); replicated on the TP ranks, it takes
+    whole sequences (`ResponsePositionsHead` gathers them under sequence parallelism), so every TP
+    rank computes the same values and the same head gradients."""
 
     def __init__(self, config, init_std: float, seed: int, bias: bool = True):
         super().__init__(config.hidden_size, 1, bias=bias, dtype=config.params_dtype)
@@ -169,13 +168,8 @@ class ValueHead(torch.nn.Linear):
             self.weight.copy_(torch.randn(self.weight.shape, generator=torch.Generator().manual_seed(seed)) * init_std)
             if bias:
                 self.bias.zero_()
-        self.sequence_parallel = config.sequence_parallel
 
     def forward(self, hidden: torch.Tensor, weight=None, runtime_gather_output=None):
-        if self.sequence_parallel:
-            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-
-            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         return super().forward(hidden), None
 
 
@@ -439,23 +433,31 @@ class ResponsePositionsHead:
     times over for the softmax and entropy that backward needs), as the FSDP engine's chunked head
     does. The backward pass computes each chunk's logits again.
 
-    Not with sequence parallelism, where the output layer gathers the sequence from the TP
-    ranks itself (`enabled` False: the head runs everywhere and `outputs` narrows after).
+    Under sequence parallelism the hook first gathers the TP ranks' parts of the sequence (as
+    megatron's GPTModel does for its last-token logits), and the output layer then runs as
+    without it on the gathered states: each rank's gradient of them, summed over the TP ranks by
+    the layer's backward (a vocabulary-parallel LM head) or the same on every rank (a replicated
+    value head), is split back to the rank's own part.
     """
 
-    def __init__(self, chunks: list[torch.nn.Module], enabled: bool, chunk_size: int, vocab: int):
-        self.enabled, self.chunk_size, self.vocab = enabled, chunk_size, vocab
+    def __init__(self, chunks: list[torch.nn.Module], sequence_parallel: bool, chunk_size: int, vocab: int):
+        self.sequence_parallel, self.chunk_size, self.vocab = sequence_parallel, chunk_size, vocab
         self.place, self.log_probs = None, None
-        if enabled:
-            for chunk in chunks:
-                if chunk.post_process:
-                    layer = chunk.output_layer
-                    layer.register_forward_pre_hook(self._narrow)
-                    if not isinstance(layer, ValueHead):
-                        layer.forward = self._log_probs_forward(layer.forward)
+        for chunk in chunks:
+            if chunk.post_process:
+                layer = chunk.output_layer
+                layer.register_forward_pre_hook(self._narrow)
+                if not isinstance(layer, ValueHead):
+                    layer.forward = self._log_probs_forward(layer.forward)
+                    if sequence_parallel:  # its input is whole sequences now (megatron's own switch)
+                        layer.sequence_parallel, layer.allreduce_dgrad = False, True
 
     def _narrow(self, module, args):
         hidden, place = args[0], self.place
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         if place.owned is None:  # (T, B, H), as the output layer expects (S, B, H)
             index = place.local.t().unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
             return (hidden.gather(0, index), *args[1:])
@@ -488,7 +490,7 @@ class ResponsePositionsHead:
     def at(self, place: Placement, log_probs: tuple[torch.Tensor, float, bool] | None = None):
         """Within the block the head runs at `place`; with `log_probs` (responses (B, T_response),
         temperature, with_entropy) an LM head returns their log-probs and entropies."""
-        self.place, self.log_probs = place, log_probs if self.enabled else None
+        self.place, self.log_probs = place, log_probs
         try:
             yield
         finally:
@@ -498,15 +500,13 @@ class ResponsePositionsHead:
         """The head's outputs (B, T_response, X) at the response positions, on every
         context-parallel rank."""
         if place.owned is None:
-            return head_outputs if self.enabled else at_positions(head_outputs, place.local)
+            return head_outputs
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
-        if self.enabled:  # (1, N, X) at the positions this rank holds
-            mine = head_outputs.new_zeros(*place.owned.shape, head_outputs.shape[-1]).index_put(
-                (place.owned,), head_outputs[0])
-        else:
-            mine = at_positions(head_outputs, place.local) * place.owned.unsqueeze(-1)
+        # (1, N, X) at the positions this rank holds
+        mine = head_outputs.new_zeros(*place.owned.shape, head_outputs.shape[-1]).index_put(
+            (place.owned,), head_outputs[0])
         # Each output is computed on one rank; backward hands each rank the gradient of all.
         return reduce_from_tensor_model_parallel_region(mine, group=parallel_state.get_context_parallel_group())
 
