@@ -29,11 +29,7 @@ logger = logging.getLogger(__name__)
 ROLLOUT_ENGINES = ("vllm", "hf")
 # verl's names that are not built here, and what to use instead.
 VERL_ONLY_ROLLOUT_ENGINES = {name: "use vllm (or hf)" for name in ("sglang", "trtllm")}
-VERL_ONLY_ADV_ESTIMATORS = {
-    **{name: "needs actor.calculate_sum_pi_squared, which is not built; use grpo or rloo"
-       for name in ("optimal_token_baseline", "tir_optimal_token_baseline")},
-    "grpo_vectorized": "use grpo", "rloo_vectorized": "use rloo",
-}
+VERL_ONLY_ADV_ESTIMATORS = {"grpo_vectorized": "use grpo", "rloo_vectorized": "use rloo"}
 DEVICES = ("auto", "cpu", "cuda")
 # What a checkpoint holds (verl's names): the first three always, a Hugging Face copy on request.
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
@@ -196,6 +192,16 @@ def validate_config(cfg: DictConfig) -> DictConfig:
                           "log-probs of the PPO ratio, which then corrects for the behaviour policy itself: there is "
                           "no second set of log-probs for rollout_is / rollout_rs to compare them with. Set "
                           "bypass_mode=false to use those (the actor then recomputes the old log-probs).")
+    sum_pi_squared = cfg.actor_rollout_ref.actor.calculate_sum_pi_squared
+    if algo.adv_estimator in ("optimal_token_baseline", "tir_optimal_token_baseline") and not sum_pi_squared:
+        raise ConfigError(f"algorithm.adv_estimator={algo.adv_estimator} weighs every token by Σπ² of the actor's "
+                          "next-token distribution: set actor_rollout_ref.actor.calculate_sum_pi_squared=true (as "
+                          "verl's OTB example does).")
+    if sum_pi_squared and correction.bypass_mode:
+        raise ConfigError("actor_rollout_ref.actor.calculate_sum_pi_squared=true needs the actor's own log-prob pass, "
+                          "which algorithm.rollout_correction.bypass_mode=true skips (the engine's log-probs are the "
+                          "old ones; an asynchronous rollout pool sets it by default): set "
+                          "algorithm.rollout_correction.bypass_mode=false.")
     if not cfg.actor_rollout_ref.hybrid_engine:
         _check_rollout_pool(cfg)
 

@@ -228,8 +228,10 @@ RULES: tuple[Rule, ...] = tuple([
             "*.ppo_micro_batch_size", "*.log_prob_micro_batch_size", "critic.forward_micro_batch_size"),
     *_rules(NOT_YET, "vision-language models are not supported yet", "*.freeze_vision_tower"),
     *_rules(NOT_YET, "not built yet", "actor_rollout_ref.actor.policy_loss.dro_beta",
-            "actor_rollout_ref.actor.calculate_sum_pi_squared", "actor_rollout_ref.actor.use_prefix_grouper",
-            "critic.loss_scale_factor"),
+            "actor_rollout_ref.actor.use_prefix_grouper", "critic.loss_scale_factor"),
+    *_rules(WORKS, "the actor's log-prob pass also returns Σπ² of every next-token distribution (from the "
+            "engines' chunked heads, FSDP and Megatron), which algorithm.adv_estimator=optimal_token_baseline "
+            "and tir_optimal_token_baseline need", "actor_rollout_ref.actor.calculate_sum_pi_squared"),
     *_rules(NO_EFFECT, "entropy is always computed and logged (actor/entropy)",
             "actor_rollout_ref.actor.calculate_entropy"),
     *_rules(NOT_YET, "checkpoints always hold model, optimizer and trainer state; for a Hugging Face "
@@ -379,8 +381,8 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NOT_YET, "weights are always loaded from model.path", "*.load_weight"),
     *_rules(NOT_YET, "MoE router replay is not built", "*.router_replay.mode"),
     *_rules(NO_EFFECT, "read only with router_replay.mode, which is not supported yet", "*.router_replay.*"),
-    *_rules(NO_EFFECT, "read only with actor.calculate_sum_pi_squared, which is not supported yet",
-            "actor_rollout_ref.actor.sum_pi_squared_checkpointing"),
+    *_rules(NO_EFFECT, "Σπ² is computed in the no-gradient log-prob pass, one head chunk at a time: there is "
+            "nothing to checkpoint", "actor_rollout_ref.actor.sum_pi_squared_checkpointing"),
     *_rules(NO_EFFECT, "vLLM loads the pushed weights by their Hugging Face names; no layer map is consulted",
             "actor_rollout_ref.rollout.layer_name_map.*"),
     *_rules(NOT_YET, "rollout caching for debugging is not built", "actor_rollout_ref.rollout.skip.enable",

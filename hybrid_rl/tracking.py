@@ -38,7 +38,8 @@ CONSOLE_KEYS = (
 
 class Tracker:
     def __init__(self, loggers: list[str], run_dir: str, total_steps: int, progress_bar: bool = True,
-                 project: str = "hybrid_rl", experiment: str = "run", config: dict | None = None):
+                 project: str = "hybrid_rl", experiment: str = "run", config: dict | None = None,
+                 label: str = "steps"):
         self.loggers = set(loggers)
         self.run_dir = run_dir
         os.makedirs(run_dir, exist_ok=True)
@@ -50,7 +51,7 @@ class Tracker:
             self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
         self.wandb = _start_wandb(project, experiment, run_dir, config) if "wandb" in self.loggers else None
         self.mlflow = _start_mlflow(project, experiment, run_dir, config) if "mlflow" in self.loggers else None
-        self.bar = tqdm(total=total_steps, desc="GRPO", unit="step", dynamic_ncols=True,
+        self.bar = tqdm(total=total_steps, desc=label, unit="step", dynamic_ncols=True,
                         disable=not progress_bar)
 
     def log(self, metrics: dict[str, float], step: int) -> None:

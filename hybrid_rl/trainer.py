@@ -158,6 +158,8 @@ def _add_on_last_token(token_values: torch.Tensor, lengths: torch.Tensor, per_re
 
 
 IN_FLIGHT_FILE = "in_flight_batches.pkl"
+# What an advantage estimator may read besides rewards and masks, when the step produced it.
+ADVANTAGE_EXTRAS = ("values", "reward_baselines", "step_mask", "old_log_probs", "sum_pi_squared", "rollout_is_weights")
 
 
 @dataclass
@@ -207,7 +209,8 @@ class Trainer:
         self.bypass = bool(correction.bypass_mode)
         self.recompute_old_log_probs = not self.bypass and bool(
             actor.ppo_epochs > 1 or actor.ppo_mini_batch_size < cfg.data.train_batch_size
-            or cfg.algorithm.use_kl_in_reward or correction.rollout_is or correction.rollout_rs)
+            or cfg.algorithm.use_kl_in_reward or correction.rollout_is or correction.rollout_rs
+            or actor.calculate_sum_pi_squared)
         # A rollout pool of its own generates up to rollout.max_staleness batches ahead.
         self.async_rollout = not cfg.actor_rollout_ref.hybrid_engine
         self.n_ranks = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
@@ -397,7 +400,8 @@ class Trainer:
         cfg = self.cfg
         tracker = Tracker(cfg.trainer.logger, cfg.trainer.default_local_dir, self.total_steps,
                           cfg.trainer.progress_bar, project=cfg.trainer.project_name,
-                          experiment=cfg.trainer.experiment_name, config=OmegaConf.to_container(cfg, resolve=True))
+                          experiment=cfg.trainer.experiment_name, config=OmegaConf.to_container(cfg, resolve=True),
+                          label=cfg.algorithm.adv_estimator)
         self.summary = RunSummary(total_steps=self.total_steps,
                                   metrics_file=tracker.jsonl.name if tracker.jsonl else None)
         start = time.perf_counter()
@@ -622,7 +626,7 @@ class Trainer:
                 metrics.update(self.reward_kl_and_rollout_correction(batch))
                 advantages, returns = self.advantage_fn(
                     batch["token_level_rewards"], batch["response_mask"], index=batch["uid"], config=cfg.algorithm,
-                    **{key: batch[key] for key in ("values", "reward_baselines", "step_mask") if key in batch})
+                    **{key: batch[key] for key in ADVANTAGE_EXTRAS if key in batch})
                 batch["advantages"] = shape_advantages(advantages, batch["response_mask"], cfg.algorithm)
                 batch["returns"] = returns
 

@@ -63,6 +63,10 @@ CASES = {
     "gpg": ["algorithm.adv_estimator=gpg", f"{A}policy_loss.loss_mode=gpg", f"{A}kl_loss_type=full",
             f"{A}full_kl_chunk_size=7"],
     "grpo_process": ["algorithm.adv_estimator=grpo_process", f"{A}kl_loss_type=low_var_kl+"],
+    "optimal_token_baseline": ["algorithm.adv_estimator=optimal_token_baseline", f"{A}calculate_sum_pi_squared=true",
+                               "algorithm.rollout_correction.rollout_is=token"],
+    "tir_optimal_token_baseline": ["algorithm.adv_estimator=tir_optimal_token_baseline",
+                                   f"{A}calculate_sum_pi_squared=true"],
 }
 
 EXPECTED_METRICS = {

@@ -47,7 +47,9 @@ def test_verl_grpo_command_line_composes_and_validates():
 ])
 def test_every_registered_name_and_alias_validates(key, registry):
     for name in registry.names():
-        validate_config(compose_config([f"{key}={name}"]))
+        # The optimal token baseline needs the actor's Σπ² (refused without it: below).
+        needs = ["actor_rollout_ref.actor.calculate_sum_pi_squared=true"] if "optimal_token" in name else []
+        validate_config(compose_config([f"{key}={name}", *needs]))
 
 
 def test_unknown_key_is_rejected_by_hydra():
@@ -62,7 +64,9 @@ def test_unknown_key_is_rejected_by_hydra():
     ("actor_rollout_ref.actor.policy_loss.loss_mode=ppo2", ["loss_mode", "vanilla"]),
     ("actor_rollout_ref.rollout.name=sglang", ["rollout.name=sglang is not supported yet (use vllm (or hf))"]),
     ("actor_rollout_ref.rollout.name=sglangx", ["rollout.name='sglangx' is not valid", "vllm", "hf"]),
-    ("algorithm.adv_estimator=optimal_token_baseline", ["optimal_token_baseline is not supported yet", "grpo"]),
+    ("algorithm.adv_estimator=grpo_vectorized", ["grpo_vectorized is not supported yet", "use grpo"]),
+    ("algorithm.adv_estimator=optimal_token_baseline", ["optimal_token_baseline weighs every token by Σπ²",
+                                                        "actor_rollout_ref.actor.calculate_sum_pi_squared=true"]),
     ("trainer.logger=[console,wandbx]", ["trainer.logger='wandbx'", "tensorboard", "wandb", "mlflow"]),
     ("trainer.logger=[console,swanlab]", ["trainer.logger=swanlab is not supported yet", "jsonl", "mlflow"]),
     ("actor_rollout_ref.actor.optim.lr=0", ["optim.lr=0", "positive"]),
@@ -87,6 +91,15 @@ def test_bad_choice_or_value(override, fragments):
         validate_config(compose_config([override]))
     for fragment in fragments:
         assert fragment in str(err.value)
+
+
+def test_sum_pi_squared_needs_the_actors_log_prob_pass():
+    """The optimal token baseline's Σπ² comes from the actor's log-prob pass, which bypass mode
+    (the engine's log-probs as the old ones) skips."""
+    otb = ["algorithm.adv_estimator=optimal_token_baseline", "actor_rollout_ref.actor.calculate_sum_pi_squared=true"]
+    validate_config(compose_config(otb))
+    with pytest.raises(ConfigError, match="calculate_sum_pi_squared=true needs the actor's own log-prob pass"):
+        validate_config(compose_config([*otb, "algorithm.rollout_correction.bypass_mode=true"]))
 
 
 def test_vllm_engine_arguments_under_names_vllm_dropped_are_translated_as_verl_does():

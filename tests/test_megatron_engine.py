@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
+from hybrid_rl.algorithms import sum_pi_squared_from_logits
 from hybrid_rl.controller.decorator import RankLayout, output_ranks, split_by_layout
 from hybrid_rl.engines import Head, ModelSpec, Output, build_engine
 from hybrid_rl.main import compose_config
@@ -33,6 +34,7 @@ def actor_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int, vpp: int |
     cfg = actor_config("megatron", tp, pp, extra=SMALL_HEAD_CHUNKS, cp=cp, vpp=vpp)
     engine = make_engine(cfg, inputs["model"])
     infer = engine.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None)
+    sum_pi_squared = engine.infer(rollout_batch(1), Output.LOG_PROBS_SUM_PI_SQUARED, 0.7, 3, None)
     before = weights(engine)
     first = step(engine, cfg, 1)
     after = weights(engine)
@@ -55,7 +57,8 @@ def actor_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int, vpp: int |
     return {"output": engine.is_output_rank, "dp": (engine.dp_rank, engine.dp_size), "infer": infer,
             "before": before, "after": after, "first": first, "second": (second, second_weights),
             "resumed": (resumed_second, resumed_weights), "recomputed": recomputed,
-            "sequence_parallel": engine.config.sequence_parallel, "whole_sequences": whole}
+            "sequence_parallel": engine.config.sequence_parallel, "whole_sequences": whole,
+            "sum_pi_squared": sum_pi_squared}
 
 
 def actor_bf16_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int, vpp: int | None) -> dict:
@@ -74,15 +77,22 @@ def test_megatron_engine_matches_fsdp_and_resumes_exactly(megatron_layout, tiny_
     cfg = actor_config("fsdp2")
     fsdp = make_engine(cfg, tiny_model_dir4)
     expected_infer = fsdp.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None)
+    expected_sum_pi_squared = fsdp.infer(rollout_batch(1), Output.LOG_PROBS_SUM_PI_SQUARED, 0.7, 3, None)
+    logits = fsdp.infer(rollout_batch(1), Output.LOGITS, 0.7, 3, None)["logits"]
     expected = step(fsdp, cfg, 1)
     expected_after = weights(fsdp)
     mask = rollout_batch(1)["response_mask"].bool()
+    # The FSDP engine's chunked head: Σπ² of its own full logits, and the same log-probs.
+    assert (expected_sum_pi_squared["sum_pi_squared"] - sum_pi_squared_from_logits(logits))[mask].abs().max() <= 1e-6
+    assert torch.equal(expected_sum_pi_squared["log_probs"], expected_infer["log_probs"])
     results = megatron_layout.results("actor")
     assert [r["output"] for r in results] == ([True, False] if megatron_layout.pp == 1 else [False, True])
     assert all(r["dp"] == (0, 1) for r in results)
     # verl's default sequence_parallel=true splits the sequence over the TP ranks.
     assert all(r["sequence_parallel"] == (megatron_layout.tp > 1) for r in results)
     for result in results:
+        for key in ("log_probs", "sum_pi_squared"):
+            assert (result["sum_pi_squared"][key] - expected_sum_pi_squared[key])[mask].abs().max() <= 1e-5
         runs = [(result["infer"], result["first"], result["after"])]
         if result["whole_sequences"] is not None:
             sequence_parallel, *run = result["whole_sequences"]

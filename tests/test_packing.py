@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hybrid_rl import seqlen_balancing
-from hybrid_rl.algorithms import entropy_from_logits, token_log_probs
+from hybrid_rl.algorithms import entropy_from_logits, sum_pi_squared_from_logits, token_log_probs
 from hybrid_rl.engines import hf_model, packing
 from hybrid_rl.protocol import Batch
 from hybrid_rl.workers.rollout import assemble_rollout
@@ -172,6 +172,26 @@ def test_chunked_head_matches_float64_reference(dtype):
     assert torch.allclose(entropy.double(), ref_ent, atol=1e-5)
     assert torch.allclose(got[0], hidden.grad, rtol=1e-4, atol=1e-5)
     assert torch.allclose(got[1], weight.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_chunked_head_gives_sum_pi_squared_instead_of_entropy():
+    """`sum_pi_squared`: the second output is Σ_v softmax(z)_v² (the optimal token baseline's
+    input), chunk by chunk; the log-probs and their gradients are unchanged, and nothing flows
+    back through Σπ²."""
+    torch.manual_seed(2)
+    hidden = torch.randn(13, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (13,))
+    log_probs, sum_sq = packing.head_log_probs(hidden, weight, targets, 0.8, chunk_size=4, sum_pi_squared=True)
+    (log_probs.sum() + sum_sq.sum()).backward()
+    got = hidden.grad.clone()
+    hidden.grad = weight.grad = None
+    logits = hidden.double() @ weight.double().T / 0.8
+    assert torch.allclose(sum_sq.double(), torch.softmax(logits, -1).square().sum(-1), atol=1e-6)
+    assert torch.allclose(sum_pi_squared_from_logits(logits), torch.softmax(logits, -1).square().sum(-1))
+    token_log_probs(logits, targets).sum().backward()
+    assert torch.allclose(log_probs.double(), token_log_probs(logits, targets).detach(), atol=1e-5)
+    assert torch.allclose(got.double(), hidden.grad.double(), rtol=1e-4, atol=1e-5)
 
 
 def test_chunked_head_gradcheck():

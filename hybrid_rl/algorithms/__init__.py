@@ -5,7 +5,9 @@ Pure functions on (batch, response_len) tensors, selected by config name through
 
 from .advantage import ADV_ESTIMATORS, GROUP_ESTIMATORS, compute_grpo_outcome_advantage, get_advantage_estimator, group_ids, group_mean_std
 from .aggregation import LOSS_AGG_MODES, aggregate_loss
-from .functional import entropy_from_logits, masked_mean, masked_sum, masked_var, masked_whiten, token_log_probs
+from .functional import (
+    entropy_from_logits, masked_mean, masked_sum, masked_var, masked_whiten, sum_pi_squared_from_logits, token_log_probs,
+)
 from .kl import KL_ESTIMATORS, kl_penalty
 from .policy_loss import POLICY_LOSSES, get_policy_loss
 from .registry import Registry
@@ -61,6 +63,7 @@ __all__ = [
     "overlong_penalty",
     "shape_advantages",
     "shape_scores",
+    "sum_pi_squared_from_logits",
     "token_log_probs",
     "whiten_advantages",
 ]

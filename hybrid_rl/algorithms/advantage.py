@@ -22,7 +22,8 @@ from .registry import Registry
 
 ADV_ESTIMATORS = Registry("advantage estimator")
 # Estimators whose baseline compares the n responses to one prompt (n=1 leaves them no baseline).
-GROUP_ESTIMATORS = ("grpo", "rloo", "grpo_passk", "opo", "gpg", "reinforce_plus_plus_baseline", "grpo_process")
+GROUP_ESTIMATORS = ("grpo", "rloo", "grpo_passk", "opo", "gpg", "reinforce_plus_plus_baseline", "grpo_process",
+                    "optimal_token_baseline", "tir_optimal_token_baseline")
 
 
 def group_ids(index: Sequence | np.ndarray | torch.Tensor, device: torch.device | None = None) -> tuple[torch.Tensor, int]:
@@ -387,6 +388,120 @@ def grpo_process_advantage(
     dense = torch.zeros_like(token_level_rewards).index_put_((rows, cols), normed)
     adv = _reverse_cumsum(dense) * response_mask
     return adv, adv
+
+
+def _otb_inputs(name: str, token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                rollout_is_weights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The optimal token baseline's returns G, cumulative path weights W (both (B, T)) and
+    dense group ids."""
+    shape = token_level_rewards.shape
+    ids, num_groups = _grouping(name, index, shape[0], token_level_rewards.device)
+    what = "set actor_rollout_ref.actor.calculate_sum_pi_squared=true, so that the actor's log-prob pass returns them"
+    old_log_probs = _require_extra(name, "old_log_probs", old_log_probs, what, shape)
+    sum_pi_squared = _require_extra(name, "sum_pi_squared", sum_pi_squared, what, shape)
+    mask = response_mask.to(token_level_rewards.dtype)
+    returns = _reverse_cumsum(token_level_rewards * mask)
+    # ||score of token j||² ≈ 1 − 2π_j + Σ_v π_v², scaled by ρ̄_j² under truncated importance sampling.
+    weight = 1 - 2 * old_log_probs.exp() + sum_pi_squared
+    if rollout_is_weights is not None:
+        weight = weight * rollout_is_weights.square()
+    return returns, (weight * mask).cumsum(-1), ids, num_groups
+
+
+def _otb_baselines(returns: torch.Tensor, path: torch.Tensor, lengths: torch.Tensor, ids: torch.Tensor,
+                   num_groups: int, zero_tail: bool, epsilon: float) -> torch.Tensor:
+    """B_{g,k} = Σ_{i∈g} G_{i,k} W_{i,k} / (Σ_{i∈g} W_{i,k} + ε) over rows laid out so that
+    column k is comparable across a group (past a row's `lengths`, G = W = 0); 0 for a group of
+    one. With `zero_tail`, a group's single longest row gets B = 0 past the second-longest length."""
+    numerator = returns.new_zeros(num_groups, returns.shape[1]).index_add_(0, ids, returns * path)
+    denominator = returns.new_zeros(num_groups, returns.shape[1]).index_add_(0, ids, path)
+    count = torch.zeros(num_groups, device=ids.device).index_add_(0, ids, torch.ones_like(ids, dtype=torch.float))
+    baselines = (numerator / (denominator + epsilon))[ids] * (count[ids] > 1).unsqueeze(-1)
+    if zero_tail:
+        columns = torch.arange(returns.shape[1], device=returns.device)
+        for group in range(num_groups):
+            rows = (ids == group).nonzero(as_tuple=True)[0]
+            if len(rows) < 2:
+                continue
+            group_lengths, order = lengths[rows].sort(descending=True)
+            if group_lengths[0] > group_lengths[1]:
+                baselines[rows[order[0]]] *= columns < group_lengths[1]
+    return baselines
+
+
+@ADV_ESTIMATORS.register("optimal_token_baseline")
+@torch.no_grad()
+def optimal_token_baseline_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    index=None,
+    config: Mapping[str, Any] | None = None,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    handle_zero_tail: bool = False,
+    epsilon: float = 1e-8,
+    **extra,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optimal token baseline (verl's OTB): a baseline per group and position, weighted by each
+    path's accumulated variance; extra ``old_log_probs`` and ``sum_pi_squared`` (B, T), the
+    actor's log-prob of each sampled token and Σ_v π_v² of its next-token distribution, and
+    ``rollout_is_weights`` ρ̄ (B, T) when rollout importance sampling is on.
+
+    G_{i,t} = Σ_{u≥t} r_{i,u}·m_{i,u}; w_{i,t} = (1 − 2·exp(old_{i,t}) + Σπ²_{i,t})·ρ̄²_{i,t};
+    W_{i,t} = Σ_{u≤t} w_{i,u}·m_{i,u}; B_{g,t} = Σ_{i∈g} G_{i,t} W_{i,t} m_{i,t} / (Σ_{i∈g} W_{i,t}
+    m_{i,t} + ε) (a group of one: B = 0; with ``handle_zero_tail`` a group's unique longest
+    response gets B = 0 past the second-longest length); advantages = (G − B)·m, returns = G.
+    """
+    returns, path, ids, num_groups = _otb_inputs("optimal_token_baseline", token_level_rewards, response_mask,
+                                                 index, old_log_probs, sum_pi_squared, rollout_is_weights)
+    mask = response_mask.to(returns.dtype)
+    baselines = _otb_baselines(returns * mask, path * mask, mask.sum(-1), ids, num_groups, handle_zero_tail, epsilon)
+    return (returns - baselines) * mask, returns
+
+
+@ADV_ESTIMATORS.register("tir_optimal_token_baseline")
+@torch.no_grad()
+def tir_optimal_token_baseline_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    index=None,
+    config: Mapping[str, Any] | None = None,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    handle_zero_tail: bool = True,
+    epsilon: float = 1e-8,
+    **extra,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The optimal token baseline for multi-turn rollouts (verl's TIR variant), whose responses
+    hold tool outputs outside the mask: as ``optimal_token_baseline``, but the group compares its
+    responses at their k-th *trained* token, not at the k-th position. Each row's G and W at its
+    masked-in positions are packed to the left, B_{g,k} computed on the packed rows (with
+    ``handle_zero_tail`` on by default), and A = G − B put back at those positions (0 elsewhere;
+    rows with no trained token are left out of their group). returns = G.
+    """
+    returns, path, ids, num_groups = _otb_inputs("tir_optimal_token_baseline", token_level_rewards, response_mask,
+                                                 index, old_log_probs, sum_pi_squared, rollout_is_weights)
+    trained = response_mask.bool()
+    lengths = trained.sum(-1)
+    # Packed column of each trained token: its rank among its row's trained tokens.
+    column = trained.long().cumsum(-1) - 1
+    rows, cols = trained.nonzero(as_tuple=True)
+    width = int(lengths.max()) if len(lengths) else 0
+    packed_returns = returns.new_zeros(len(lengths), width).index_put_((rows, column[rows, cols]), returns[rows, cols])
+    packed_path = returns.new_zeros(len(lengths), width).index_put_((rows, column[rows, cols]), path[rows, cols])
+    # Rows with nothing trained join no group.
+    present = lengths > 0
+    kept_ids, kept_groups = group_ids(ids[present].tolist(), ids.device)
+    baselines = returns.new_zeros(len(lengths), width)
+    baselines[present] = _otb_baselines(packed_returns[present], packed_path[present], lengths[present], kept_ids,
+                                        kept_groups, handle_zero_tail, epsilon)
+    advantages = torch.zeros_like(returns)
+    advantages[rows, cols] = packed_returns[rows, column[rows, cols]] - baselines[rows, column[rows, cols]]
+    return advantages, returns
 
 
 def get_advantage_estimator(name: str):

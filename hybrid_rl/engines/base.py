@@ -49,6 +49,8 @@ class Output(enum.Enum):
 
     LOG_PROBS = "log_probs"  # {"log_probs"}
     LOG_PROBS_ENTROPY = "log_probs_entropy"  # {"log_probs", "entropy"}
+    # {"log_probs", "sum_pi_squared"}: Σ_v π_v² of each next-token distribution too (no gradient)
+    LOG_PROBS_SUM_PI_SQUARED = "log_probs_sum_pi_squared"
     LOGITS = "logits"  # {"logits"}: (B, T, V) float32, divided by the temperature
     VALUES = "values"  # {"values"}: V(s_t), read at the position before each response token
     SCORES = "scores"  # {"scores"}: (B,) a reward model's score, read at each row's last real token

@@ -205,8 +205,12 @@ class FSDPEngine(TrainEngine):
         if output is Output.LOGITS:
             return {"logits": hf_model.response_logits(self.module, micro, temperature, self.options)}
         with_entropy = output is Output.LOG_PROBS_ENTROPY
-        log_probs, entropy = hf_model.response_log_probs(self.module, micro, temperature, self.options, with_entropy)
-        return {"log_probs": log_probs, "entropy": entropy} if with_entropy else {"log_probs": log_probs}
+        sum_pi_squared = output is Output.LOG_PROBS_SUM_PI_SQUARED
+        log_probs, second = hf_model.response_log_probs(self.module, micro, temperature, self.options, with_entropy,
+                                                        sum_pi_squared)
+        if with_entropy or sum_pi_squared:
+            return {"log_probs": log_probs, "entropy" if with_entropy else "sum_pi_squared": second}
+        return {"log_probs": log_probs}
 
     def forward_backward(self, micros: list[dict[str, torch.Tensor]], output: Output, temperature: float,
                          loss_fn: Callable | None = None) -> list[dict]:

@@ -307,15 +307,16 @@ def head_dtype(head: torch.nn.Module, options: ForwardOptions) -> torch.dtype:
 
 
 def response_log_probs(model: torch.nn.Module, micro: dict[str, torch.Tensor], temperature: float,
-                       options: ForwardOptions, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                       options: ForwardOptions, with_entropy: bool = True,
+                       sum_pi_squared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs (B, T) of the response tokens at `temperature` and the entropies of those
-    next-token distributions (zeros unless `with_entropy`), computed in chunks without a
-    (B, T, V) logits tensor."""
+    next-token distributions (zeros unless `with_entropy`; Σ_v π_v² instead with
+    `sum_pi_squared`), computed in chunks without a (B, T, V) logits tensor."""
 
     def head_fn(hidden, targets, head):
         log_probs, entropy = packing.head_log_probs(hidden, head.weight, targets, temperature,
                                                     options.head_chunk_size, head_dtype(head, options),
-                                                    with_entropy, into_grad=True)
+                                                    with_entropy, into_grad=True, sum_pi_squared=sum_pi_squared)
         return torch.stack([log_probs, entropy], dim=-1)
 
     out = response_head_outputs(model, micro, options, head_fn)

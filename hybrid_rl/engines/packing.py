@@ -194,7 +194,8 @@ class _HeadLogProbs(torch.autograd.Function):
     written into the same few (chunk x vocab) buffers (`_ChunkBuffers`): on CPU a fresh tensor
     of that size costs more in page faults than the element-wise op that fills it. Without
     entropy (log-prob-only passes) the forward skips the pass over the vocabulary that entropy
-    needs and returns zeros.
+    needs and returns zeros. With `sum_pi_squared` that pass gives Σ_v p_v² instead (for the
+    optimal token baseline), a constant to backward.
 
     With `into_grad` the weight's gradient is added straight into a float32 `weight.grad` (as
     megatron's gradient-accumulation fusion does) and autograd gets None for it: no fresh
@@ -203,7 +204,8 @@ class _HeadLogProbs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size, compute_dtype, with_entropy, into_grad):
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, compute_dtype, with_entropy, into_grad,
+                sum_pi_squared=False):
         log_probs = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
         entropy = torch.zeros_like(log_probs)
         w = weight.to(compute_dtype)
@@ -213,7 +215,10 @@ class _HeadLogProbs(torch.autograd.Function):
             end = start + chunk_size
             log_p = buffers.log_softmax(hidden[start:end], w, temperature, keep_as=chunk if ctx.kept else None)
             log_probs[start:end] = log_p.gather(-1, targets[start:end, None]).squeeze(-1)
-            if with_entropy:
+            if sum_pi_squared:
+                p = torch.exp(log_p, out=buffers.probs[:len(log_p)])
+                entropy[start:end] = p.mul_(p).sum(-1)
+            elif with_entropy:
                 p = torch.exp(log_p, out=buffers.probs[:len(log_p)])
                 entropy[start:end] = -p.mul_(log_p).sum(-1)
         # The cast weight is kept for backward rather than cast again (one head's worth of memory).
@@ -221,7 +226,7 @@ class _HeadLogProbs(torch.autograd.Function):
         ctx.weight_dtype = weight.dtype
         ctx.grad_owner = weight if into_grad and weight.is_leaf and weight.dtype == torch.float32 else None
         ctx.temperature, ctx.chunk_size, ctx.compute_dtype = temperature, chunk_size, compute_dtype
-        ctx.with_entropy = with_entropy
+        ctx.with_entropy = with_entropy and not sum_pi_squared
         ctx.set_materialize_grads(False)
         return log_probs, entropy
 
@@ -268,7 +273,7 @@ class _HeadLogProbs(torch.autograd.Function):
             grad_weight = None  # already added to the weight's .grad
         elif grad_weight is not None:
             grad_weight = grad_weight.to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 KEPT_LOG_SOFTMAX_BYTES = 512 * 2**20  # per process, on CPU
@@ -370,15 +375,16 @@ def _chunk_buffers(chunk_size: int, positions: int, weight: torch.Tensor, dtype:
 
 def head_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
                    chunk_size: int, compute_dtype: torch.dtype | None = None,
-                   with_entropy: bool = True, into_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   with_entropy: bool = True, into_grad: bool = False,
+                   sum_pi_squared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of `targets` and entropies under the LM head `weight` for hidden states (..., H)
-    with targets (...); both float32 of the targets' shape (entropies zero unless `with_entropy`).
-    `into_grad`: a float32 leaf `weight` gets its gradient added to `weight.grad` directly (see
-    `_HeadLogProbs`)."""
+    with targets (...); both float32 of the targets' shape (entropies zero unless `with_entropy`;
+    with `sum_pi_squared` the second is Σ_v π_v² instead, not differentiated). `into_grad`: a
+    float32 leaf `weight` gets its gradient added to `weight.grad` directly (see `_HeadLogProbs`)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
     dtype = compute_dtype or hidden.dtype
     log_probs, entropy = _HeadLogProbs.apply(flat, weight, targets.reshape(-1), temperature, chunk_size, dtype,
-                                             with_entropy, into_grad)
+                                             with_entropy, into_grad, sum_pi_squared)
     return log_probs.view(targets.shape), entropy.view(targets.shape)
 
 

@@ -153,8 +153,15 @@ class ActorRolloutRefWorker(ModelWorker):
 
     @register(dispatch=Dispatch.DP_COMPUTE, mesh="actor")
     def compute_log_prob(self, batch: Batch) -> Batch:
+        """`old_log_probs`, and with `actor.calculate_sum_pi_squared` (the optimal token
+        baseline's input) `sum_pi_squared`: Σ_v π_v² of each next-token distribution."""
         role_cfg = self.cfg.actor_rollout_ref.rollout
-        return Batch(tensors={"old_log_probs": self._log_probs(self.actor, batch, role_cfg)})
+        if not self.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared:
+            return Batch(tensors={"old_log_probs": self._log_probs(self.actor, batch, role_cfg)})
+        max_tokens = role_cfg.log_prob_max_token_len_per_gpu if role_cfg.log_prob_use_dynamic_bsz else None
+        out = self.actor.infer(batch, Output.LOG_PROBS_SUM_PI_SQUARED, batch.meta.temperature,
+                               role_cfg.log_prob_micro_batch_size_per_gpu, max_tokens)
+        return Batch(tensors={"old_log_probs": out["log_probs"], "sum_pi_squared": out["sum_pi_squared"]})
 
     @register(dispatch=Dispatch.DP_COMPUTE, mesh="ref")
     def compute_ref_log_prob(self, batch: Batch) -> Batch:

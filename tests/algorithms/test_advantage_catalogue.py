@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 
 from hybrid_rl.algorithms import ADV_ESTIMATORS, GROUP_ESTIMATORS, get_advantage_estimator
 
-NEW = ["gae", "grpo_passk", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo", "gpg", "grpo_process"]
+NEW = ["gae", "grpo_passk", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo", "gpg", "grpo_process",
+       "optimal_token_baseline", "tir_optimal_token_baseline"]
 
 
 def _batch(seed, batch=12, length=7, num_groups=4, min_group=1):
@@ -327,6 +328,75 @@ def test_grpo_process_single_step_reward_group():
     torch.testing.assert_close(adv, torch.tensor([[3.0, 3.0, 0.0], [0.0, 0.0, 0.0]]) / (1 + 1e-6))
 
 
+def _otb_reference(rewards, mask, index, old, sum_sq, is_weights, compact, zero_tail):
+    """OTB by loops: per row the reward-to-go and the running sum of (1 − 2π + Σπ²)·ρ̄², read at
+    every position (``compact``: at the k-th masked-in token instead), a baseline per group and
+    column as the W-weighted mean of the group's returns."""
+    series = []
+    for i, (r, m) in enumerate(zip(_rows(rewards), mask)):
+        to_go = [sum(r[u] * m[u] for u in range(t, len(r))) for t in range(len(r))]
+        path, total = [], 0.0
+        for t in range(len(r)):
+            w = 1 - 2 * math.exp(old[i][t]) + sum_sq[i][t]
+            total += w * (is_weights[i][t] ** 2 if is_weights is not None else 1.0) * m[t]
+            path.append(total)
+        kept = [t for t in range(len(r)) if m[t]] if compact else list(range(len(r)))
+        series.append((to_go, path, kept, int(sum(m))))
+    advantages = [[0.0] * rewards.shape[1] for _ in range(rewards.shape[0])]
+    for group in set(index):
+        members = [i for i in range(len(index)) if index[i] == group and (series[i][3] > 0 or not compact)]
+        longest = sorted((series[i][3] for i in members), reverse=True)
+        for i in members:
+            to_go, path, kept, length = series[i]
+            for k, t in enumerate(kept):
+                if not mask[i][t]:
+                    continue
+                column = [(series[j][0][series[j][2][k]], series[j][1][series[j][2][k]])
+                          for j in members if k < len(series[j][2]) and mask[j][series[j][2][k]]]
+                baseline = (sum(g * w for g, w in column) / (sum(w for _, w in column) + 1e-8)
+                            if len(members) > 1 else 0.0)
+                unique_longest = len(longest) > 1 and length == longest[0] > longest[1]
+                if zero_tail and unique_longest and k >= longest[1]:
+                    baseline = 0.0
+                advantages[i][t] = to_go[t] - baseline
+    return advantages, [s[0] for s in series]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("name, compact", [("optimal_token_baseline", False), ("tir_optimal_token_baseline", True)])
+@pytest.mark.parametrize("importance_sampling", [False, True])
+def test_optimal_token_baseline_matches_reference(seed, name, compact, importance_sampling):
+    rewards, mask, index = _batch(seed, min_group=2)
+    if not compact:  # the plain estimator's columns are positions: responses right-padded
+        lengths = np.random.default_rng(seed).integers(0, rewards.shape[1] + 1, size=rewards.shape[0])
+        mask = (torch.arange(rewards.shape[1]) < torch.from_numpy(lengths)[:, None]).double()
+    rng = np.random.default_rng(seed + 1)
+    old = torch.from_numpy(np.log(rng.uniform(0.05, 1.0, size=rewards.shape)))
+    sum_sq = torch.from_numpy(rng.uniform(0.05, 1.0, size=rewards.shape))
+    weights = torch.from_numpy(rng.uniform(0.5, 2.0, size=rewards.shape)) if importance_sampling else None
+    adv, ret = get_advantage_estimator(name)(rewards, mask, index=index, old_log_probs=old, sum_pi_squared=sum_sq,
+                                             rollout_is_weights=weights)
+    exp_adv, exp_ret = _otb_reference(rewards, _rows(mask), list(index), _rows(old), _rows(sum_sq),
+                                      None if weights is None else _rows(weights), compact, zero_tail=compact)
+    _close(adv, exp_adv)
+    _close(ret, exp_ret)
+
+
+def test_optimal_token_baseline_zero_tail_and_singletons():
+    """A group's unique longest response keeps its whole return past the second-longest one
+    (``handle_zero_tail``); a group of one gets no baseline at all."""
+    rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 2.0]])
+    mask = torch.tensor([[1.0, 1, 1, 1], [1.0, 1, 0, 0], [1.0, 1, 1, 1]])
+    extras = dict(old_log_probs=torch.full((3, 4), -0.5), sum_pi_squared=torch.full((3, 4), 0.4))
+    index = ["a", "a", "b"]
+    plain, _ = get_advantage_estimator("optimal_token_baseline")(rewards, mask, index=index, **extras)
+    tail, _ = get_advantage_estimator("optimal_token_baseline")(rewards, mask, index=index, handle_zero_tail=True,
+                                                                 **extras)
+    assert torch.equal(plain[2], torch.tensor([2.0, 2.0, 2.0, 2.0]))  # alone in its group
+    assert torch.equal(tail[0, 2:], torch.tensor([1.0, 0.0])) and not torch.equal(plain[0, 2:], tail[0, 2:])
+    assert torch.equal(plain[:, :2], tail[:, :2])
+
+
 # ---------------------------------------------------------------- registry and errors
 
 
@@ -340,7 +410,7 @@ def test_group_estimators_are_those_that_need_an_index(name):
     estimators that compare responses within a group."""
     rewards = torch.ones(4, 3)
     extras = {"step_mask": torch.ones(4, 3, dtype=torch.bool), "values": torch.zeros(4, 3),
-              "reward_baselines": torch.zeros(4)}
+              "reward_baselines": torch.zeros(4), "old_log_probs": torch.zeros(4, 3), "sum_pi_squared": torch.ones(4, 3)}
     estimator = get_advantage_estimator(name)
     if name not in GROUP_ESTIMATORS:
         estimator(rewards, torch.ones(4, 3), **extras)
@@ -355,6 +425,7 @@ def test_group_estimators_are_those_that_need_an_index(name):
     ("gae", "'gae' needs extra 'values'"),
     ("remax", "'remax' needs extra 'reward_baselines'.*greedy baseline rollout"),
     ("grpo_process", "'grpo_process' needs extra 'step_mask'"),
+    ("optimal_token_baseline", "'optimal_token_baseline' needs extra 'old_log_probs'.*calculate_sum_pi_squared=true"),
 ])
 def test_missing_extras_give_clear_errors(name, match):
     with pytest.raises(ValueError, match=match):
@@ -368,7 +439,8 @@ def test_extra_shapes_checked_and_unknown_extras_ignored():
     with pytest.raises(ValueError, match="reward_baselines has 3 values for 12 rows"):
         get_advantage_estimator("remax")(rewards, mask, reward_baselines=torch.zeros(3))
     extras = {"values": torch.zeros_like(rewards), "reward_baselines": torch.zeros(12, dtype=torch.float64),
-              "step_mask": torch.ones_like(mask, dtype=torch.bool), "unrelated": object()}
+              "step_mask": torch.ones_like(mask, dtype=torch.bool), "old_log_probs": torch.full_like(rewards, -1.0).float(),
+              "sum_pi_squared": torch.full_like(rewards, 0.3).float(), "unrelated": object()}
     idx = np.array([f"g{i // 2}" for i in range(12)], dtype=object)  # pairs, so grpo_passk applies
     for name in ADV_ESTIMATORS.names():
         adv, ret = get_advantage_estimator(name)(rewards.float(), mask.float(), index=idx, config=None, **extras)

@@ -47,7 +47,8 @@ for _message in (r"(Transformer Engine and )?Apex (is|are) not installed", r"ful
 
 # What forward_backward returns per micro-batch for each output it computes.
 OUTPUT_KEYS = {Output.LOG_PROBS: ("log_probs",), Output.LOG_PROBS_ENTROPY: ("log_probs", "entropy"),
-               Output.VALUES: ("values",), Output.SCORES: ("scores",)}
+               Output.LOG_PROBS_SUM_PI_SQUARED: ("log_probs", "sum_pi_squared"), Output.VALUES: ("values",),
+               Output.SCORES: ("scores",)}
 ROLE_KEYS = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "critic": "critic",
              "reward_model": "reward_model"}
 FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
@@ -323,7 +324,8 @@ class MegatronEngine(TrainEngine):
                 ids, positions = mmodel.this_rank_part(ids), mmodel.this_rank_part(positions)
             with_entropy = output is Output.LOG_PROBS_ENTROPY
             scalar = output in (Output.VALUES, Output.SCORES)
-            head_log_probs = None if scalar else (micro["responses"], temperature, with_entropy)
+            head_log_probs = None if scalar else (micro["responses"], temperature, with_entropy,
+                                                  output is Output.LOG_PROBS_SUM_PI_SQUARED)
             with self.head.at(place, head_log_probs):
                 outputs = model(ids, positions, None)
 

@@ -468,14 +468,15 @@ class ResponsePositionsHead:
         def forward(hidden, *args, **kwargs):
             if self.log_probs is None:
                 return logits_forward(hidden, *args, **kwargs)
-            responses, temperature, with_entropy = self.log_probs
+            responses, temperature, with_entropy, sum_pi_squared = self.log_probs
             # In the narrowed hidden states' order.
             targets = responses.t().reshape(-1) if self.place.owned is None else responses[self.place.owned]
             flat = hidden.reshape(-1, 1, hidden.shape[-1])
 
             def chunk_outputs(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
                 logits = logits_forward(h, *args, **kwargs)[0][:, 0]
-                return torch.stack(logits_to_log_probs(logits, t, temperature, self.vocab, with_entropy), dim=-1)
+                return torch.stack(logits_to_log_probs(logits, t, temperature, self.vocab, with_entropy,
+                                                       sum_pi_squared), dim=-1)
 
             # One empty chunk when there is no response position (a pipeline filler), so the
             # output still depends on the weights as the schedule's backward expects.
@@ -487,9 +488,10 @@ class ResponsePositionsHead:
         return forward
 
     @contextlib.contextmanager
-    def at(self, place: Placement, log_probs: tuple[torch.Tensor, float, bool] | None = None):
+    def at(self, place: Placement, log_probs: tuple[torch.Tensor, float, bool, bool] | None = None):
         """Within the block the head runs at `place`; with `log_probs` (responses (B, T_response),
-        temperature, with_entropy) an LM head returns their log-probs and entropies."""
+        temperature, with_entropy, sum_pi_squared) an LM head returns their log-probs and
+        entropies (or Σ_v π_v²)."""
         self.place, self.log_probs = place, log_probs
         try:
             yield
@@ -512,12 +514,14 @@ class ResponsePositionsHead:
 
 
 def logits_to_log_probs(logits: torch.Tensor, responses: torch.Tensor, temperature: float,
-                        vocab: int, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The response tokens' log-probs and entropies from the last stage's (B, T, padded V)
-    logits at the positions that predict them."""
-    from hybrid_rl.algorithms import entropy_from_logits, token_log_probs
+                        vocab: int, with_entropy: bool, sum_pi_squared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The response tokens' log-probs and entropies (Σ_v π_v² instead with `sum_pi_squared`)
+    from the last stage's (B, T, padded V) logits at the positions that predict them."""
+    from hybrid_rl.algorithms import entropy_from_logits, sum_pi_squared_from_logits, token_log_probs
 
     logits = logits[..., :vocab].float() / temperature  # the TP padding rows are not tokens
     log_probs = token_log_probs(logits, responses)
+    if sum_pi_squared:
+        return log_probs, sum_pi_squared_from_logits(logits)
     entropy = entropy_from_logits(logits) if with_entropy else torch.zeros_like(log_probs)
     return log_probs, entropy
