@@ -415,7 +415,7 @@ def _otb_baselines(returns: torch.Tensor, path: torch.Tensor, lengths: torch.Ten
     one. With `zero_tail`, a group's single longest row gets B = 0 past the second-longest length."""
     numerator = returns.new_zeros(num_groups, returns.shape[1]).index_add_(0, ids, returns * path)
     denominator = returns.new_zeros(num_groups, returns.shape[1]).index_add_(0, ids, path)
-    count = torch.zeros(num_groups, device=ids.device).index_add_(0, ids, torch.ones_like(ids, dtype=torch.float))
+    count, _ = group_count_sum(lengths.to(returns.dtype), ids, num_groups)
     baselines = (numerator / (denominator + epsilon))[ids] * (count[ids] > 1).unsqueeze(-1)
     if zero_tail:
         columns = torch.arange(returns.shape[1], device=returns.device)

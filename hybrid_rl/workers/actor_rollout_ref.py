@@ -144,31 +144,30 @@ class ActorRolloutRefWorker(ModelWorker):
         return True
 
     # ------------------------------------------------------------------ log-probs
-    def _log_probs(self, engine, batch: Batch, role_cfg) -> torch.Tensor:
-        """Response log-probs of `batch` under `engine`'s model, in micro-batches of
-        `log_prob_micro_batch_size_per_gpu` rows or `log_prob_max_token_len_per_gpu` tokens."""
+    def _log_probs(self, engine, batch: Batch, role_cfg, output: Output = Output.LOG_PROBS) -> dict[str, torch.Tensor]:
+        """Response log-probs of `batch` under `engine`'s model (with what else `output` names),
+        in micro-batches of `log_prob_micro_batch_size_per_gpu` rows or
+        `log_prob_max_token_len_per_gpu` tokens."""
         max_tokens = role_cfg.log_prob_max_token_len_per_gpu if role_cfg.log_prob_use_dynamic_bsz else None
-        return engine.infer(batch, Output.LOG_PROBS, batch.meta.temperature,
-                            role_cfg.log_prob_micro_batch_size_per_gpu, max_tokens)["log_probs"]
+        return engine.infer(batch, output, batch.meta.temperature, role_cfg.log_prob_micro_batch_size_per_gpu,
+                            max_tokens)
 
     @register(dispatch=Dispatch.DP_COMPUTE, mesh="actor")
     def compute_log_prob(self, batch: Batch) -> Batch:
         """`old_log_probs`, and with `actor.calculate_sum_pi_squared` (the optimal token
         baseline's input) `sum_pi_squared`: Σ_v π_v² of each next-token distribution."""
-        role_cfg = self.cfg.actor_rollout_ref.rollout
-        if not self.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared:
-            return Batch(tensors={"old_log_probs": self._log_probs(self.actor, batch, role_cfg)})
-        max_tokens = role_cfg.log_prob_max_token_len_per_gpu if role_cfg.log_prob_use_dynamic_bsz else None
-        out = self.actor.infer(batch, Output.LOG_PROBS_SUM_PI_SQUARED, batch.meta.temperature,
-                               role_cfg.log_prob_micro_batch_size_per_gpu, max_tokens)
-        return Batch(tensors={"old_log_probs": out["log_probs"], "sum_pi_squared": out["sum_pi_squared"]})
+        sum_pi_squared = self.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared
+        out = self._log_probs(self.actor, batch, self.cfg.actor_rollout_ref.rollout,
+                              Output.LOG_PROBS_SUM_PI_SQUARED if sum_pi_squared else Output.LOG_PROBS)
+        return Batch(tensors={"old_log_probs": out.pop("log_probs"), **out})
 
     @register(dispatch=Dispatch.DP_COMPUTE, mesh="ref")
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         if self.ref is None:
             raise RuntimeError("No reference policy: set actor_rollout_ref.actor.use_kl_loss=true "
                                "or algorithm.use_kl_in_reward=true to create one.")
-        return Batch(tensors={"ref_log_prob": self._log_probs(self.ref, batch, self.cfg.actor_rollout_ref.ref)})
+        ref = self._log_probs(self.ref, batch, self.cfg.actor_rollout_ref.ref)
+        return Batch(tensors={"ref_log_prob": ref["log_probs"]})
 
     # ------------------------------------------------------------------ training
     @register(dispatch=Dispatch.DP_COMPUTE, mesh="actor")
