@@ -16,6 +16,7 @@ from hybrid_rl.algorithms import ADV_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS
 from hybrid_rl.config_keys import check_verl_keys
 from hybrid_rl.controller.worker_group import PLACEMENT_STRATEGIES
 from hybrid_rl.engines import ENGINES, lora, ulysses
+from hybrid_rl.engines.megatron import lora as megatron_lora
 from hybrid_rl.engines.megatron.checks import check_roles as check_megatron_roles
 from hybrid_rl.engines.megatron.checks import context_parallel_size as megatron_context_parallel_size
 from hybrid_rl.engines.megatron.checks import parallel_sizes as megatron_parallel_sizes
@@ -507,29 +508,56 @@ def resolve_dtypes(cfg: DictConfig) -> None:
 
 
 def check_lora(cfg: DictConfig) -> None:
-    """verl's LoRA keys: the FSDP engine's actor only, a non-negative rank, an adapter folder."""
+    """verl's two families of LoRA keys: `model.lora_rank` ... for the FSDP engine (peft),
+    `model.lora.*` for the Megatron engine; a non-negative rank, a positive alpha, a peft
+    adapter folder."""
     model = cfg.actor_rollout_ref.model
-    rank = model.lora_rank
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise ConfigError(f"actor_rollout_ref.model.lora_rank={rank!r} must be a whole number >= 0 (0: no LoRA; "
-                          "8-64 are usual).")
-    path = model.lora_adapter_path
-    if not rank and not path:
+    strategy = cfg.actor_rollout_ref.actor.strategy
+    section = model.get("lora") or {}
+    key = "actor_rollout_ref.model.lora_rank"
+    for name, rank in ((key, model.lora_rank), ("actor_rollout_ref.model.lora.rank", section.get("rank", 0))):
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ConfigError(f"{name}={rank!r} must be a whole number >= 0 (0: no LoRA; 8-64 are usual).")
+    if model.lora_rank or model.lora_adapter_path:
+        if megatron_lora.enabled(model):
+            raise ConfigError("actor_rollout_ref.model.lora_rank and actor_rollout_ref.model.lora.rank are both set: "
+                              "lora_rank is the FSDP engine's LoRA, lora.* the Megatron engine's; set one.")
+        if strategy == "megatron":
+            raise ConfigError("actor_rollout_ref.model.lora_rank is the FSDP engine's LoRA key; with "
+                              "actor_rollout_ref.actor.strategy=megatron set actor_rollout_ref.model.lora.rank "
+                              "(and lora.alpha, lora.target_modules) instead, as in verl.")
+        alpha, alpha_key, path, path_key = (model.lora_alpha, "actor_rollout_ref.model.lora_alpha",
+                                            model.lora_adapter_path, "actor_rollout_ref.model.lora_adapter_path")
+    elif megatron_lora.enabled(model):
+        if strategy != "megatron":
+            raise ConfigError(f"actor_rollout_ref.model.lora.rank is the Megatron engine's LoRA key; with "
+                              f"actor_rollout_ref.actor.strategy={strategy} set actor_rollout_ref.model.lora_rank "
+                              "(and lora_alpha, target_modules) instead, as in verl.")
+        _check_megatron_lora(section)
+        alpha, alpha_key, path, path_key = (section.get("alpha"), "actor_rollout_ref.model.lora.alpha",
+                                            section.get("adapter_path"), "actor_rollout_ref.model.lora.adapter_path")
+    else:
         return
-    if not isinstance(model.lora_alpha, (int, float)) or isinstance(model.lora_alpha, bool) or model.lora_alpha <= 0:
-        raise ConfigError(f"actor_rollout_ref.model.lora_alpha={model.lora_alpha!r} must be a positive number "
-                          "(the adapter's output is scaled by lora_alpha / lora_rank).")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
+        raise ConfigError(f"{alpha_key}={alpha!r} must be a positive number (the adapter's output is scaled by "
+                          "alpha / rank).")
     if path and not os.path.isfile(os.path.join(os.path.expanduser(str(path)), lora.ADAPTER_CONFIG)):
-        raise ConfigError(f"actor_rollout_ref.model.lora_adapter_path={path!r} is not a peft adapter folder (no "
-                          "adapter_config.json there); give the folder that PeftModel.save_pretrained (or "
-                          "hybrid-rl-export --adapter-only) wrote.")
-    _choice(cfg.actor_rollout_ref.actor.strategy, ("fsdp", "fsdp2"), "actor_rollout_ref.actor.strategy",
-            {"megatron": "LoRA runs on the FSDP engine only; set actor_rollout_ref.actor.strategy=fsdp2 or "
-                         "actor_rollout_ref.model.lora_rank=0"})
+        raise ConfigError(f"{path_key}={path!r} is not a peft adapter folder (no adapter_config.json there); give "
+                          "the folder that PeftModel.save_pretrained (or hybrid-rl-export --adapter-only) wrote.")
     if cfg.trainer.iterative.enable and cfg.trainer.iterative.reset_reference and needs_reference(cfg):
         raise ConfigError("trainer.iterative.reset_reference=true with LoRA: the reference policy is the base model "
                           "with the adapter off and cannot move to the actor; set "
                           "trainer.iterative.reset_reference=false or actor_rollout_ref.model.lora_rank=0.")
+
+
+def _check_megatron_lora(section: DictConfig) -> None:
+    """What the Megatron engine's LoRA builds of verl's `model.lora` section."""
+    key = "actor_rollout_ref.model.lora"  # its type, dropout and dtype: config_keys refuses what is not built
+    if section.get("target_modules") and section.get("exclude_modules"):
+        raise ConfigError(f"{key}.target_modules and {key}.exclude_modules are both set: exclude_modules adapts every "
+                          f"linear layer but those it names; set {key}.target_modules=[] to use it.")
+    for name in ("lora_A_init_method", "lora_B_init_method"):
+        _choice(section.get(name), megatron_lora.INIT_METHODS, f"{key}.{name}")
 
 
 def _role_processes(cfg: DictConfig) -> dict[str, int]:

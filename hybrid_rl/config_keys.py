@@ -243,13 +243,26 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(WORKS, "LoRA on the FSDP engine (peft); the reference policy is the base model with the adapter off",
             *(f"actor_rollout_ref.model.{k}" for k in ("lora_rank", "lora_alpha", "target_modules", "exclude_modules",
                                                        "lora_adapter_path"))),
-    *_rules(NOT_YET, "LoRA on the Megatron engine (megatron-bridge's model.lora.*) is not built yet; the FSDP "
-            "engine's LoRA is set by actor_rollout_ref.model.lora_rank",
-            "actor_rollout_ref.model.lora.rank", "actor_rollout_ref.model.lora.adapter_path"),
+    *_rules(WORKS, "LoRA on the Megatron engine (megatron-bridge's fused `lora` type, on megatron-core's own "
+            "layers): adapters beside the parallel linears, split over TP as they are; the reference policy is the "
+            "base model with the adapters off; adapter_path: a peft adapter folder",
+            *(f"actor_rollout_ref.model.lora.{k}" for k in ("rank", "alpha", "target_modules", "exclude_modules",
+                                                            "lora_A_init_method", "lora_B_init_method",
+                                                            "adapter_path"))),
+    *_rules(NOT_YET, "the Megatron engine's LoRA adapts each fused layer (qkv, gate/up) with one adapter, verl's "
+            "type=lora; canonical_lora, dora and vlm_lora are not built yet", "actor_rollout_ref.model.lora.type"),
+    *_rules(NOT_YET, "adapters without dropout", "actor_rollout_ref.model.lora.dropout"),
+    *_rules(NO_EFFECT, "read only with lora.dropout, which is not supported yet",
+            "actor_rollout_ref.model.lora.dropout_position"),
+    *_rules(NOT_YET, "adapters are kept in the model's dtype (float32 optimizer copies)",
+            "actor_rollout_ref.model.lora.dtype"),
+    *_rules(NOT_YET, "megatron-bridge's all-to-all expert adapters are not built",
+            "actor_rollout_ref.model.lora.a2a_experimental"),
+    *_rules(NO_EFFECT, "the rollout always gets merged weights (W + alpha/rank x BA), only the adapted ones after "
+            "the first sync", "actor_rollout_ref.model.lora.merge"),
+    *_rules(NO_EFFECT, "vision-language models are not supported", "actor_rollout_ref.model.lora.freeze_*"),
     *_rules(NOT_YET, "LoRA for this model is not built yet (the actor's is: actor_rollout_ref.model.lora_rank)",
             "*.model.lora_adapter_path", "*.model.lora_rank"),
-    *_rules(NO_EFFECT, "read only with LoRA on the Megatron engine (model.lora.rank), which is not built yet",
-            "actor_rollout_ref.model.lora.*"),
     *_rules(NO_EFFECT, "read only with LoRA, which is not supported for this model yet", "*.model.lora_alpha",
             "*.model.target_modules", "*.model.exclude_modules"),
     *_rules(NOT_YET, "not built yet", "*.model.hf_config_path", "*.model.external_lib",

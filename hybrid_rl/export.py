@@ -36,6 +36,7 @@ import torch
 from hybrid_rl.checkpoint import POINTER, STATE, STEP_DIR, CheckpointManager
 from hybrid_rl.engines import lora
 from hybrid_rl.engines.megatron import convert
+from hybrid_rl.engines.megatron import lora as megatron_lora
 from hybrid_rl.hardware import TORCH_DTYPES
 
 logger = logging.getLogger(__name__)
@@ -354,7 +355,14 @@ def export_checkpoint(checkpoint: str, out_dir: str, role: str = "actor", dtype:
         raise ExportError(f"{role_dir} holds a whole model, not a LoRA adapter; export it without --adapter-only.")
     if convert.is_dist_checkpoint(role_dir):
         layout = convert.Layout.from_hf_config(config, value_head=role == "critic")
-        state = convert.hf_state_from_dist_checkpoint(state, layout)
+        # A LoRA run's checkpoint holds its adapters alone.
+        adapters = {key: t for key, t in state.items() if megatron_lora.is_adapter_tensor(key)}
+        try:
+            state = {**convert.hf_state_from_dist_checkpoint({k: t for k, t in state.items() if k not in adapters},
+                                                             layout),
+                     **megatron_lora.hf_adapter_state(adapters, layout, lora.ADAPTER)}
+        except ValueError as exc:
+            raise ExportError(f"{role_dir}: {exc}") from None
     if adapter:
         from hybrid_rl.models import ModelPathError, resolve_model_path
 

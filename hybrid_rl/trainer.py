@@ -38,6 +38,8 @@ from hybrid_rl.controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool
 from hybrid_rl.controller.worker_group import PendingCall
 from hybrid_rl.models import resolve_model_path
 from hybrid_rl.data import EpochSampler, RLDataset, collate_prompts
+from hybrid_rl.engines import lora
+from hybrid_rl.engines.megatron import lora as megatron_lora
 from hybrid_rl.iterative import IterationSamples, load_step_scorer
 from hybrid_rl.metrics import (Timer, compute_data_metrics, multi_turn_metrics, per_source_means,
                                reduce_worker_metrics, reward_source_metrics, throughput_metrics)
@@ -118,9 +120,11 @@ def out_of_memory_advice(cfg: DictConfig, engine_settings: dict | None = None) -
                 "(actor_rollout_ref.rollout.free_cache_engine=false keeps them on the GPU). Turn those off, "
                 "or give the job nodes with more memory.")
     levers = []
-    if not int(model.lora_rank):
-        levers.append("actor_rollout_ref.model.lora_rank=16 (no gradients or optimizer state for the base "
-                      "weights, and no separate reference model)")
+    if not lora.enabled(model) and not megatron_lora.enabled(model):
+        key = ("actor_rollout_ref.model.lora.rank" if cfg.actor_rollout_ref.actor.strategy == "megatron"
+               else "actor_rollout_ref.model.lora_rank")
+        levers.append(f"{key}=16 (no gradients or optimizer state for the base weights, and no separate "
+                      "reference model)")
     if not model.enable_gradient_checkpointing:
         levers.append("actor_rollout_ref.model.enable_gradient_checkpointing=true")
     if rollout.name == "vllm" and cfg.actor_rollout_ref.hybrid_engine:

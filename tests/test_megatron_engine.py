@@ -15,10 +15,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
+from safetensors.torch import load_file
 
 from hybrid_rl.algorithms import sum_pi_squared_from_logits
 from hybrid_rl.controller.decorator import RankLayout, output_ranks, split_by_layout
 from hybrid_rl.engines import Head, ModelSpec, Output, build_engine
+from hybrid_rl.export import export_checkpoint
 from hybrid_rl.main import compose_config
 from hybrid_rl.protocol import Batch
 from tests.conftest import build_tiny_model
@@ -59,6 +61,40 @@ def actor_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int, vpp: int |
             "resumed": (resumed_second, resumed_weights), "recomputed": recomputed,
             "sequence_parallel": engine.config.sequence_parallel, "whole_sequences": whole,
             "sum_pi_squared": sum_pi_squared}
+
+
+def lora_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int, vpp: int | None) -> dict:
+    """LoRA on the Megatron engine (verl's model.lora.*), starting from a peft adapter folder."""
+    lora = (f"actor_rollout_ref.model.lora.adapter_path={inputs['lora_adapter']}",)
+    cfg = actor_config("megatron", tp, pp, extra=SMALL_HEAD_CHUNKS + lora, cp=cp, vpp=vpp)
+    engine = make_engine(cfg, inputs["model"])
+    infer = engine.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None)
+    with engine.adapter_disabled():
+        base = engine.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None)
+    first, after = step(engine, cfg, 1), weights(engine)
+    trained = sorted(name for name, _ in engine.per_tensor_weights(None, only_trained=True))
+    folder = os.path.join(out_dir, "lora_ckpt")
+    engine.save_checkpoint(folder)
+    second = (step(engine, cfg, 2), weights(engine))
+    resumed = make_engine(cfg, inputs["model"])
+    resumed.load_checkpoint(folder)
+    resumed_second = (step(resumed, cfg, 2), weights(resumed))
+    whole = None
+    if tp > 1:  # the adapters' exchanges without sequence parallelism
+        cfg = actor_config("megatron", tp, pp, extra=SMALL_HEAD_CHUNKS + lora + NO_SEQUENCE_PARALLEL, cp=cp)
+        plain = make_engine(cfg, inputs["model"])
+        whole = (plain.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None), step(plain, cfg, 1),
+                 weights(plain))
+    try:
+        make_engine(actor_config("megatron", tp, pp, extra=("actor_rollout_ref.model.lora.rank=4",
+                                                            "actor_rollout_ref.model.lora.target_modules=[dense]"),
+                                 cp=cp, vpp=vpp), inputs["model"])
+        unmatched = None
+    except ValueError as exc:
+        unmatched = str(exc)
+    return {"output": engine.is_output_rank, "infer": infer, "base": base, "first": first, "after": after,
+            "trained": trained, "checkpoint": folder, "second": second, "resumed": resumed_second,
+            "whole_sequences": whole, "unmatched": unmatched}
 
 
 def actor_bf16_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int, vpp: int | None) -> dict:
@@ -116,6 +152,138 @@ def test_megatron_engine_matches_fsdp_and_resumes_exactly(megatron_layout, tiny_
         assert all(torch.equal(recomputed_weights[k], result["after"][k]) for k in recomputed_weights)
     loss = next(r["first"] for r in results if r["output"])["actor/loss"]
     assert loss == pytest.approx(expected["actor/loss"], rel=1e-4)
+
+
+FUSED = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",)),
+         ("mlp", ("gate_proj", "up_proj")), ("mlp", ("down_proj",)))
+
+
+@pytest.fixture(scope="module")
+def fused_lora_adapter(tiny_model_dir4, tmp_path_factory) -> str:
+    """A peft adapter of every projection, rank 4, where query, key and value (and gate and up)
+    share A, as one adapter of a fused Megatron layer does; B is not zero, so it changes outputs."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir4, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=[
+        name for _, names in FUSED for name in names]))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for block, names in FUSED:
+                modules = [getattr(getattr(layer, block), name) for name in names]
+                a = torch.randn(modules[0].lora_A["default"].weight.shape, generator=g) * 0.3
+                for module in modules:
+                    module.lora_A["default"].weight.copy_(a)
+                    b = module.lora_B["default"].weight
+                    b.copy_(torch.randn(b.shape, generator=g) * 0.05)
+    folder = tmp_path_factory.mktemp("fused_lora")
+    peft_model.save_pretrained(folder)
+    return str(folder)
+
+
+def fused_lora_reference(model_dir: str, adapter: str) -> dict:
+    """The fused adapter computed by hand in one process: peft's layers with one shared A
+    parameter per fused group, the test loss over the whole batch (one mini-batch), the global
+    gradient norm clipped to 1 and one AdamW step, then W + scaling x B A for every weight."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(model, adapter, is_trainable=True)
+    for layer in model.model.layers:
+        for block, names in FUSED:
+            first, *others = [getattr(getattr(layer, block), name) for name in names]
+            for other in others:
+                other.lora_A["default"].weight = first.lora_A["default"].weight
+    batch = rollout_batch(1)
+    prompt = batch["input_ids"].shape[1] - batch["responses"].shape[1]
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"]).logits[:, prompt - 1:-1] / 0.7
+    log_probs_all = logits.log_softmax(-1)
+    log_probs = log_probs_all.gather(-1, batch["responses"][..., None])[..., 0]
+    entropy = -(log_probs_all.exp() * log_probs_all).sum(-1)
+    mask = batch["response_mask"]
+    loss = -((log_probs * batch["advantages"] + 0.01 * entropy) * mask).sum() / mask.sum()
+    loss.backward()
+    params = [p for p in model.parameters() if p.requires_grad]  # each shared A once
+    norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+    torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0).step()
+    with torch.no_grad():
+        after = dict(peft_model.merge_and_unload().state_dict())
+    after["lm_head.weight"] = after["model.embed_tokens.weight"]
+    return {"log_probs": log_probs.detach(), "entropy": entropy.detach(), "loss": float(loss.detach()), "grad_norm": float(norm),
+            "after": after}
+
+
+def test_megatron_lora_computes_the_fused_adapter_exactly_and_resumes(megatron_layout, tiny_model_dir4,
+                                                                     fused_lora_adapter, tmp_path):
+    """verl's model.lora.* on the Megatron engine against the same adapter computed by hand, in
+    every layout (under TP with and without sequence parallelism): log-probs, gradient norm and
+    the merged weights after one step; the adapters off give the base model (the reference
+    policy); only the adapted weights are synced as trained; a resumed run continues exactly from
+    a checkpoint of the adapters alone, which exports merged or as a peft adapter."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    expected = fused_lora_reference(tiny_model_dir4, fused_lora_adapter)
+    base = make_engine(actor_config("fsdp2"), tiny_model_dir4).infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7,
+                                                                     3, None)
+    mask = rollout_batch(1)["response_mask"].bool()
+    before = {name: t for name, t in weights(make_engine(actor_config("fsdp2"), tiny_model_dir4)).items()}
+    adapted = sorted(f"model.layers.{i}.{block}.{name}.weight" for i in range(4) for block, names in FUSED
+                     for name in names)
+    results = megatron_layout.results("lora")
+    for result in results:
+        assert (result["base"]["log_probs"] - base["log_probs"])[mask].abs().max() <= 1e-5
+        assert (result["infer"]["log_probs"] - base["log_probs"])[mask].abs().max() > 0.05  # the adapter acts
+        assert result["trained"] == adapted
+        runs = [(result["infer"], result["first"], result["after"])]
+        if result["whole_sequences"] is not None:
+            runs.append(result["whole_sequences"])
+        for infer, first, after in runs:
+            for key in ("log_probs", "entropy"):
+                assert (infer[key] - expected[key])[mask].abs().max() <= 1e-5
+            assert first["actor/grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)
+            assert set(after) == set(expected["after"])
+            update = torch.cat([(after[k] - before[k]).flatten() for k in adapted])
+            expected_update = torch.cat([(expected["after"][k] - before[k]).flatten() for k in adapted])
+            assert (update - expected_update).norm() / expected_update.norm() <= 1e-3
+            assert all(torch.equal(after[k], before[k]) for k in after if k not in adapted)  # the base is frozen
+        assert result["resumed"][0] == result["second"][0]
+        assert all(torch.equal(result["second"][1][k], result["resumed"][1][k]) for k in result["second"][1])
+        assert "target_modules=['dense']" in result["unmatched"] and "linear_qkv" in result["unmatched"]
+    loss = next(r["first"] for r in results if r["output"])["actor/loss"]
+    assert loss == pytest.approx(expected["loss"], rel=1e-4)
+    model_tensors = [key for key in FileSystemReader(results[0]["checkpoint"]).read_metadata().state_dict_metadata
+                     if not key.startswith("optimizer")]
+    assert model_tensors and all("_adapter.lora_" in key for key in model_tensors)
+    # hybrid-rl-export of that checkpoint (taken after the first step): merged, and the adapter
+    # alone for peft, as for the FSDP engine's LoRA.
+    step_dir = export_step_folder(results[0]["checkpoint"], tiny_model_dir4, tmp_path / "global_step_1")
+    merged = load_file(os.path.join(export_checkpoint(str(step_dir), str(tmp_path / "merged")), "model.safetensors"))
+    after = results[0]["after"]
+    assert all((merged[k] - after[k]).abs().max() <= 1e-6 for k in merged) and set(merged) <= set(after)
+    adapter_dir = export_checkpoint(str(step_dir), str(tmp_path / "adapter"), adapter_only=True)
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir4, dtype=torch.float32),
+                                           adapter_dir)
+    state = peft_model.merge_and_unload().state_dict()
+    assert all((state[k] - after[k]).abs().max() <= 1e-6 for k in adapted)
+
+
+def export_step_folder(engine_checkpoint: str, model_dir: str, step_dir: Path) -> Path:
+    """A trainer's checkpoint step folder around an engine's checkpoint of the actor."""
+    import json
+    import shutil
+
+    shutil.copytree(engine_checkpoint, step_dir / "actor")
+    shutil.copytree(model_dir, step_dir / "huggingface", ignore=shutil.ignore_patterns("*.safetensors"))
+    (step_dir / "trainer_state.json").write_text(json.dumps(
+        {"config": {"actor_rollout_ref": {"model": {"path": model_dir}}}}))
+    return step_dir
 
 
 def test_megatron_engine_trains_in_bf16(megatron_layout, tiny_model_dir4):
@@ -341,7 +509,7 @@ def value_model_dir(tiny_model_dir4, tmp_path_factory):
     return str(folder)
 
 
-PARTS = {"actor": actor_part, "actor_bf16": actor_bf16_part, "critic": critic_part, "reward_model": reward_model_part}
+PARTS = {"actor": actor_part, "actor_bf16": actor_bf16_part, "lora": lora_part, "critic": critic_part, "reward_model": reward_model_part}
 
 
 def _layout_rank_main(rank, world, init_file, inputs, out_dir, tp, pp, cp, vpp):
@@ -365,13 +533,15 @@ class LayoutRun:
 
 @pytest.fixture(scope="module", params=[(2, 1, 1, None), (1, 2, 1, None), (1, 2, 1, 2), (1, 1, 2, None)],
                 ids=["tp2", "pp2", "pp2vpp2", "cp2"])
-def megatron_layout(request, tiny_model_dir4, value_model_dir, reward_model_case, tmp_path_factory) -> LayoutRun:
+def megatron_layout(request, tiny_model_dir4, value_model_dir, reward_model_case, fused_lora_adapter,
+                    tmp_path_factory) -> LayoutRun:
     """The Megatron side of the comparisons with FSDP (actor in fp32 and bf16, critic, reward
     model) on one TP x PP x CP layout (PP with or without virtual stages), in one spawn of two
     gloo ranks: a spawn costs each rank ~10 s of imports."""
     tp, pp, cp, vpp = request.param
     out_dir = tmp_path_factory.mktemp(f"megatron_tp{tp}_pp{pp}_cp{cp}_vpp{vpp}")
-    inputs = {"model": tiny_model_dir4, "value_model": value_model_dir, **reward_model_case}
+    inputs = {"model": tiny_model_dir4, "value_model": value_model_dir, "lora_adapter": fused_lora_adapter,
+              **reward_model_case}
     mp.start_processes(_layout_rank_main, args=(2, str(out_dir / "init"), inputs, str(out_dir), tp, pp, cp, vpp),
                        nprocs=2, start_method="spawn")
     return LayoutRun(tp, pp, cp, vpp, out_dir)

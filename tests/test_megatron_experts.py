@@ -20,6 +20,8 @@ from tests.engine_helpers import actor_config, loss_fn, make_engine, rollout_bat
 pytestmark = pytest.mark.slow
 FAMILIES = ("qwen3_moe", "mixtral")
 EXPERT_PARALLEL = ("actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",)
+# B drawn too (not zero), so that the adapters change the outputs from the first step.
+EXPERT_LORA = ("actor_rollout_ref.model.lora.rank=4", "actor_rollout_ref.model.lora.lora_B_init_method=normal")
 
 
 def rank_batch(seed: int):
@@ -78,9 +80,19 @@ def _rank_main(rank, world, init_file, model_dirs, out_dir):
         for family, model_dir in model_dirs.items():
             cfg = actor_config("megatron", **layout)
             engine = make_engine(cfg, model_dir)
+            before = weights(engine)
             results[name, family] = {"infer": engine.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None),
                                      "first": step(engine, cfg, 1), "dp": engine.dp_size,
-                                     "sequence_parallel": engine.config.sequence_parallel}
+                                     "sequence_parallel": engine.config.sequence_parallel, "before": before,
+                                     "after": weights(engine)}
+            # LoRA (verl's model.lora.*) on the attention and every expert.
+            extra = layout.get("extra", ()) + EXPERT_LORA
+            cfg = actor_config("megatron", **{**layout, "extra": extra})
+            engine = make_engine(cfg, model_dir)
+            results[name, family]["lora"] = {
+                "infer": engine.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None),
+                "first": step(engine, cfg, 1),
+                "trained": sorted(name for name, _ in engine.per_tensor_weights(None, only_trained=True))}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -124,6 +136,7 @@ def test_context_or_tensor_parallel_megatron_matches_one_fsdp_process(expert_run
     fsdp = make_engine(cfg, tiny_moe_model_dirs[family])
     expected_infer = fsdp.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None)
     expected = step(fsdp, cfg, 1)
+    expected_after = weights(fsdp)
     mask = rollout_batch(1)["response_mask"].bool()
     for runs in expert_runs:
         result = runs[layout, family]
@@ -131,7 +144,32 @@ def test_context_or_tensor_parallel_megatron_matches_one_fsdp_process(expert_run
         for key in ("log_probs", "entropy"):
             assert (result["infer"][key] - expected_infer[key])[mask].abs().max() <= 1e-5
         for key in ("actor/loss", "actor/grad_norm"):
-            assert result["first"][key] == pytest.approx(expected[key], rel=1e-4)
+            assert result["first"][key] == pytest.approx(expected[key], rel=1e-6)
+        # Every weight, the experts' too (each TP rank runs them on its own tokens), moves as in one process.
+        for name in expected_after:
+            update = result["after"][name] - result["before"][name]
+            expected_update = expected_after[name] - result["before"][name]
+            assert (update - expected_update).norm() <= 1e-3 * expected_update.norm(), name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_expert_lora_is_the_same_in_every_layout(expert_runs, family):
+    """LoRA on the attention and on every expert's linears (drawn from each layer's model-wide
+    name, so the same in every layout): equal outputs and first update with CP=2 and EP=2, TP=2
+    and EP=1, TP=2 and EP=2; the synced weights as trained are the adapted ones, experts included."""
+    runs = [runs_of_rank[layout, family] for runs_of_rank in expert_runs for layout in ("cp", "tp_ep1", "tp_ep2")]
+    mask = rollout_batch(1)["response_mask"].bool()
+    reference = runs[0]["lora"]
+    assert (reference["infer"]["log_probs"] - runs[0]["infer"]["log_probs"])[mask].abs().max() > 1e-3
+    assert "model.layers.0.mlp.experts.down_proj" in reference["trained"]
+    assert "model.layers.0.self_attn.q_proj.weight" in reference["trained"]
+    assert not any("router" in name or "gate.weight" in name or "norm" in name for name in reference["trained"])
+    for run in runs[1:]:
+        lora = run["lora"]
+        assert (lora["infer"]["log_probs"] - reference["infer"]["log_probs"])[mask].abs().max() <= 1e-5
+        for key in ("actor/loss", "actor/grad_norm"):
+            assert lora["first"][key] == pytest.approx(reference["first"][key], rel=1e-4)
+        assert lora["trained"] == reference["trained"]
 
 
 @pytest.mark.parametrize("ranks, ep, tp, expected", [

@@ -121,6 +121,10 @@ def test_memory_advice_names_only_settings_not_yet_made():
     assert "with every memory-saving setting on" in lean
     # `auto` that chose vLLM's reload: nothing left to turn off there.
     assert "cpu_in_place_sync" not in out_of_memory_advice(compose_config([]), {"cpu_in_place_sync": False})
+    megatron = compose_config([], config_name="ppo_megatron_trainer")
+    assert "actor_rollout_ref.model.lora.rank=16" in out_of_memory_advice(megatron)
+    megatron_lean = compose_config(["actor_rollout_ref.model.lora.rank=8"], config_name="ppo_megatron_trainer")
+    assert "lora" not in out_of_memory_advice(megatron_lean)
     two_ranks = out_of_memory_advice(compose_config(["trainer.n_gpus_per_node=2"]))
     assert "trainer.n_gpus_per_node=2" in two_ranks
     gpu = out_of_memory_advice(compose_config(["trainer.device=cuda"]))

@@ -161,6 +161,11 @@ class TrainEngine(ABC):
         (`resident`) or send them to host memory (for `resident()`)."""
         raise NotImplementedError(f"The {type(self).__name__} cannot offload to host memory yet.")
 
+    @property
+    def has_adapter(self) -> bool:
+        """Whether the model trains a LoRA adapter (then `adapter_disabled` gives the base model)."""
+        return False
+
     def adapter_disabled(self) -> contextlib.AbstractContextManager:
         """Forward passes inside compute the model without its LoRA adapter (see `lora.AdapterDisabled`)."""
         raise NotImplementedError(f"The {type(self).__name__} has no LoRA adapter to disable.")

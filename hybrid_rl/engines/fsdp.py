@@ -265,6 +265,10 @@ class FSDPEngine(TrainEngine):
         for name, tensor in weights:
             yield name, tensor if dtype is None else tensor.to(dtype=dtype)
 
+    @property
+    def has_adapter(self) -> bool:
+        return self.peft is not None
+
     def adapter_disabled(self):
         if self.peft is None:
             return super().adapter_disabled()

@@ -52,7 +52,7 @@ class ActorRolloutRefWorker(ModelWorker):
         self.ref = None
         if needs_reference(cfg):
             # Under LoRA the base model, the actor's adapter switched off: no second copy.
-            self.ref = lora.AdapterDisabled(self.actor) if lora.enabled(model_cfg) else build_engine(
+            self.ref = lora.AdapterDisabled(self.actor) if self.actor.has_adapter else build_engine(
                 ModelSpec("ref", self.model_path, model_cfg), cfg.actor_rollout_ref.ref, self.device)
 
         rollout_cfg = cfg.actor_rollout_ref.rollout

@@ -31,6 +31,7 @@ from hybrid_rl.config_keys import plain
 from hybrid_rl.engines import hf_model
 from hybrid_rl.engines.base import Head, ModelSpec, Output, TrainEngine, all_reduce_scalar, lr_lambda
 from hybrid_rl.engines.megatron import convert
+from hybrid_rl.engines.megatron import lora as mlora
 from hybrid_rl.engines.megatron import model as mmodel
 from hybrid_rl.engines.megatron.checks import (
     check_layout, context_parallel_size, expert_parallel_size, parallel_sizes,
@@ -123,6 +124,10 @@ class MegatronEngine(TrainEngine):
         seed = int(megatron_cfg.get("seed", 42))
         dtype = hf_model.compute_dtype(megatron_cfg.get("dtype", "auto") or "auto", device)
         trainable = spec.optim_cfg is not None
+        # LoRA (verl's model.lora.*) on the policy being trained; its reference is the same
+        # model with the adapters off.
+        lora = mlora.LoraSettings.from_config(spec.model_cfg.lora) if (
+            trainable and spec.head is Head.LM and mlora.enabled(spec.model_cfg)) else None
         with self._megatron():
             mmodel.initialize_parallel(tp, pp, vpp, seed, ep, cp)
             if (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
@@ -147,7 +152,8 @@ class MegatronEngine(TrainEngine):
                         if overrides.get(key) is None:
                             overrides[key] = value
             overrides.update(half)
-            te = mmodel.has_transformer_engine(device)
+            # Adapters sit beside megatron's own parallel linears (the local spec on CUDA too).
+            te = mmodel.has_transformer_engine(device) and lora is None
             sequence_parallel = bool(megatron_cfg.get("sequence_parallel", False)) and tp > 1
             self.config = mmodel.transformer_config(hf_config, self.layout, vpp, sequence_parallel, overrides)
             # Built on the CPU (the same initial weights on every device), then moved, as megatron-LM does.
@@ -161,6 +167,14 @@ class MegatronEngine(TrainEngine):
                                                  self.layout.value_head, float32_copies)
             else:
                 exact = mmodel.load_hf_weights(self.models, self.config, spec.path, self.layout, float32_copies)
+            self.adapters = None
+            if lora is not None:
+                names = [mmodel.global_names(m, self.config, mmodel.vp_stage_of(self.config, i), modules=True)
+                         for i, m in enumerate(self.models)]
+                self.adapters = mlora.Adapters(self.models, names, lora, self.layout, seed)
+                if float32_copies:
+                    for index, tensors in enumerate(exact):
+                        tensors.update(self.adapters.float32_state(index))
             chunk_size = hf_model.forward_options(spec.model_cfg, dtype, device).head_chunk_size
             self.head = mmodel.ResponsePositionsHead(self.models, self.config.sequence_parallel, chunk_size,
                                                      self.layout.vocab)
@@ -435,11 +449,26 @@ class MegatronEngine(TrainEngine):
     # ------------------------------------------------------------------ weights and checkpoints
     def per_tensor_weights(self, dtype: torch.dtype | None,
                            only_trained: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        # Under LoRA, merged weights; only the adapted ones change in training.
+        only = self.adapters.adapted_weights() if only_trained and self.adapters is not None else None
         with self._megatron(), self.resident():
-            yield from mmodel.iter_hf_weights(self.models, self.config, self.layout, dtype)
+            yield from mmodel.iter_hf_weights(self.models, self.config, self.layout, dtype, self.adapters, only)
+
+    @property
+    def has_adapter(self) -> bool:
+        return self.adapters is not None
+
+    def adapter_disabled(self):
+        if self.adapters is None:
+            return super().adapter_disabled()
+        return self.adapters.disabled()
 
     def _sharded_state(self, loading: bool = False) -> dict:
-        state = {f"model{index}": model.sharded_state_dict() for index, model in enumerate(self.models)}
+        """The model's and optimizer's tensors a checkpoint holds: under LoRA the adapters'
+        only (the frozen base comes from the model folder)."""
+        state = {f"model{index}": {key: value for key, value in model.sharded_state_dict().items()
+                                   if self.adapters is None or mlora.is_adapter_tensor(key)}
+                 for index, model in enumerate(self.models)}
         state["optimizer"] = self.optimizer.sharded_state_dict(
             state, is_loading=loading, metadata={"distrib_optim_sharding_type": self.optimizer_sharding})
         return state
@@ -452,6 +481,8 @@ class MegatronEngine(TrainEngine):
             for part in self.optimizer_parts:  # before the first step (critic warm-up, an early stop)
                 _create_adam_state(part.optimizer)
             dist_checkpointing.save(self._sharded_state(), folder)
+            if self.adapters is not None:
+                self.adapters.save_peft_config(folder)
 
     def _load_sharded(self, folder: str) -> None:
         from megatron.core import dist_checkpointing
@@ -461,7 +492,10 @@ class MegatronEngine(TrainEngine):
                 _create_adam_state(part.optimizer)
             state = dist_checkpointing.load(self._sharded_state(loading=True), folder)
             for index, model in enumerate(self.models):
-                model.load_state_dict(state[f"model{index}"])
+                missing, _ = model.load_state_dict(state[f"model{index}"], strict=self.adapters is None)
+                if [key for key in missing if mlora.is_adapter_tensor(key)]:
+                    raise ValueError(f"The checkpoint {folder} lacks LoRA adapter tensors: it was not saved with this "
+                                     f"{mlora.KEY} setting.")
             self.optimizer.load_state_dict(state["optimizer"])
             # Without Apex / Transformer Engine, megatron-core 0.16.1's distributed optimizer
             # restores the step count into its param groups only: the parameters' Adam states

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hybrid_rl.engines.megatron import convert
 from hybrid_rl.engines.megatron.cpu import check_version, cpu_device_layer
+from hybrid_rl.engines.megatron.lora import Adapters, is_adapter_tensor
 
 
 def device_layer(device: torch.device):
@@ -122,7 +123,7 @@ def build_model(hf_config, layout: convert.Layout, config, transformer_engine: b
             attention.q_layernorm = attention.k_layernorm = TorchRMSNorm
     chunks = []
     for stage in range(config.virtual_pipeline_model_parallel_size or 1):
-        vp_stage = _vp_stage(config, stage)
+        vp_stage = vp_stage_of(config, stage)
         if not transformer_engine:  # the final norm too, which megatron would take from its own choice
             from megatron.core.transformer.transformer_block import (
                 TransformerBlockSubmodules, get_num_layers_to_build,
@@ -137,6 +138,14 @@ def build_model(hf_config, layout: convert.Layout, config, transformer_engine: b
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             share_embeddings_and_output_weights=layout.tied, position_embedding_type="rope",
             rotary_base=layout.rope_theta, parallel_output=False, vp_stage=vp_stage)
+        if layout.experts is not None and tp > 1 and parallel_state.get_expert_model_parallel_world_size() == 1:
+            # With EP=1 megatron takes the experts for dense weights, reduced over the data-parallel
+            # ranks only; but under TP (with sequence parallelism) each TP rank runs its whole
+            # experts (expert TP is 1) on its own tokens. Marked as expert weights, their gradients
+            # are summed over the expert-data-parallel group, which spans the TP ranks.
+            for name, param in chunk.named_parameters():
+                if convert.is_expert(name):
+                    param.allreduce = False
         if layout.value_head and chunk.post_process:
             chunk.output_layer = ValueHead(config, getattr(hf_config, "initializer_range", 0.02), seed,
                                            layout.head_bias)
@@ -173,8 +182,9 @@ class ValueHead(torch.nn.Linear):
         return super().forward(hidden), None
 
 
-def global_names(chunk: torch.nn.Module, config, vp_stage: int | None) -> dict[str, str]:
-    """This chunk's weight names -> names with model-wide layer and expert numbers (no `_extra_state`)."""
+def global_names(chunk: torch.nn.Module, config, vp_stage: int | None, modules: bool = False) -> dict[str, str]:
+    """This chunk's weight names (with `modules`, its module names) -> names with model-wide
+    layer and expert numbers (no `_extra_state`, no LoRA adapter tensors: they have no HF name)."""
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -182,12 +192,14 @@ def global_names(chunk: torch.nn.Module, config, vp_stage: int | None) -> dict[s
     local_experts = (config.num_moe_experts or 0) // parallel_state.get_expert_model_parallel_world_size()
     expert_offset = parallel_state.get_expert_model_parallel_rank() * local_experts
     value_head = isinstance(getattr(chunk, "output_layer", None), ValueHead)
+    names = (name for name, _ in chunk.named_modules()) if modules else (
+        name for name in chunk.state_dict() if not name.endswith("_extra_state") and not is_adapter_tensor(name))
     return {name: convert.with_expert_offset(convert.with_layer_offset(
                 name.replace("output_layer.", "value_head.") if value_head else name, offset), expert_offset)
-            for name in chunk.state_dict() if not name.endswith("_extra_state")}
+            for name in names}
 
 
-def _vp_stage(config, index: int) -> int | None:
+def vp_stage_of(config, index: int) -> int | None:
     return index if config.virtual_pipeline_model_parallel_size else None
 
 
@@ -277,7 +289,7 @@ def load_hf_weights(chunks: list[torch.nn.Module], config, path: str, layout: co
     for index, chunk in enumerate(chunks):
         state = chunk.state_dict()
         exact.append({})
-        for local, name in global_names(chunk, config, _vp_stage(config, index)).items():
+        for local, name in global_names(chunk, config, vp_stage_of(config, index)).items():
             if name.startswith("value_head.") and not set(convert.hf_names(name)) <= files.keys():
                 exact[-1][local] = state[local].float()  # a causal LM's folder: the critic's head is fresh
                 continue
@@ -293,13 +305,16 @@ def load_hf_weights(chunks: list[torch.nn.Module], config, path: str, layout: co
 
 
 @torch.no_grad()
-def iter_hf_weights(chunks: list[torch.nn.Module], config, layout: convert.Layout,
-                    dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_weights(chunks: list[torch.nn.Module], config, layout: convert.Layout, dtype: torch.dtype | None,
+                    adapters: Adapters | None = None, only: set[str] | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every weight as a full tensor with its HF name in `dtype` (None: float32), on every rank, one at a time:
     the TP shards are gathered, and each pipeline stage's tensors are broadcast to the others.
     With tied embeddings the first stage's embedding is sent as both `model.embed_tokens.weight`
     and `lm_head.weight`, as transformers' state dict has it (the last stage's copy is skipped).
-    A mixture-of-experts layer's experts come stacked, gathered from the expert-parallel ranks."""
+    A mixture-of-experts layer's experts come stacked, gathered from the expert-parallel ranks.
+    With LoRA `adapters`, adapted weights come merged; `only`: just the tensors of those
+    model-wide names."""
     from megatron.core import parallel_state
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -309,11 +324,13 @@ def iter_hf_weights(chunks: list[torch.nn.Module], config, layout: convert.Layou
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     device = next(chunks[0].parameters()).device
     states = [chunk.state_dict() for chunk in chunks]
+    if adapters is not None:
+        states = [adapters.merged_state(index, state) for index, state in enumerate(states)]
     # Global name -> this rank's tensors of it: one, or a layer's local experts (stacked below).
     mine: dict[str, list[torch.Tensor]] = {}
     for index, chunk in enumerate(chunks):
-        for local, name in global_names(chunk, config, _vp_stage(config, index)).items():
-            if not (layout.tied and name == "output_layer.weight"):
+        for local, name in global_names(chunk, config, vp_stage_of(config, index)).items():
+            if not (layout.tied and name == "output_layer.weight") and (only is None or name in only):
                 mine.setdefault(convert.stacked_expert_name(name), []).append(states[index][local].detach())
     # Every stage learns which stage holds which tensor, and its TP-merged shape and dtype.
     owned = [None] * dist.get_world_size(pp_group)

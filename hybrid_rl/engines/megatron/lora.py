@@ -1,0 +1,338 @@
+"""LoRA on the Megatron engine, with verl's Megatron keys (`actor_rollout_ref.model.lora.*`:
+`rank`, `alpha`, `target_modules` or `exclude_modules`, `lora_A_init_method`,
+`lora_B_init_method`, `adapter_path`).
+
+Each adapted layer is one of megatron's parallel linears (`linear_qkv`, `linear_proj`,
+`linear_fc1`, `linear_fc2`, an expert's too) with a `LoraAdapter` beside it (the child
+`<name>_adapter` of the same parent, so every base weight keeps its name): a forward hook adds
+scaling * B A x to the layer's output. The fused layers get one adapter each, as
+megatron-bridge's default `lora` type: query, key and value (and gate and up) share A. The
+adapter is split over TP as its layer is: beside a column-parallel layer A is whole and B holds
+this rank's output rows; beside a row-parallel one A holds this rank's input columns and B is
+whole. The whole factor's input (or output) is exchanged over TP ranks so that every rank
+computes what a single process would; under sequence parallelism it sees this rank's tokens only,
+so its gradient is summed over TP as a sequence-parallel norm's is (`sequence_parallel`).
+
+The base model is frozen (only adapters are in megatron's DDP buffers and optimizer), the
+reference policy is the model with its adapters switched off, the rollout and the exported model
+get merged weights W + scaling * B A (`merged_state`), and checkpoints hold the adapters alone.
+(megatron-bridge's LoRA imports Transformer Engine at module level and pins transformers < 5,
+so it cannot run here; this is the same arithmetic on megatron-core's own layers.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import json
+import os
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hybrid_rl.engines.megatron import convert
+
+KEY = "actor_rollout_ref.model.lora"
+TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+ADAPTER_SUFFIX = "_adapter"
+INIT_METHODS = ("xavier", "kaiming", "normal", "zero")
+# The HF projections of each fused Megatron layer, in `convert.hf_names` order.
+HF_PARTS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+            "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+
+
+def enabled(model_cfg: Any) -> bool:
+    """LoRA on the Megatron engine: `lora.rank` > 0 or an adapter to start from."""
+    section = model_cfg.get("lora") or {}
+    return int(section.get("rank", 0) or 0) > 0 or bool(section.get("adapter_path"))
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    exclude_modules: tuple[str, ...]
+    a_init: str
+    b_init: str
+    adapter_path: str | None
+
+    @classmethod
+    def from_config(cls, section: Any) -> "LoraSettings":
+        """From `model.lora`; with `adapter_path`, rank, alpha and targets are the adapter's own."""
+        path = section.get("adapter_path")
+        targets = tuple(section.get("target_modules") or ())
+        excluded = tuple(section.get("exclude_modules") or ())
+        rank, alpha = int(section.get("rank") or 0), float(section.get("alpha"))
+        if path:
+            with open(os.path.join(os.path.expanduser(str(path)), "adapter_config.json")) as handle:
+                saved = json.load(handle)
+            if saved.get("use_dora") or saved.get("use_rslora") or saved.get("modules_to_save") or (
+                    saved.get("bias", "none") != "none"):
+                raise ValueError(f"{KEY}.adapter_path={path!r}: DoRA, rsLoRA, biases and modules_to_save are not "
+                                 "supported; use a plain LoRA adapter.")
+            rank, alpha, excluded = int(saved["r"]), float(saved["lora_alpha"]), ()
+            targets = tuple(name for name, parts in HF_PARTS.items() if set(parts) & set(saved["target_modules"]))
+        return cls(rank, alpha, targets, excluded, str(section.get("lora_A_init_method") or "xavier"),
+                   str(section.get("lora_B_init_method") or "zero"), str(path) if path else None)
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def matches(self, name: str) -> bool:
+        """verl's / megatron-bridge's rule: a target is a layer's own name or a wildcard over
+        its full name (`*.layers.0.*.linear_qkv`); `exclude_modules` instead adapts every
+        layer except those it names."""
+        leaf = name.rsplit(".", 1)[-1]
+        if self.target_modules:
+            return any(leaf == t or fnmatch.fnmatchcase(name, t) for t in self.target_modules)
+        return not any(leaf == e or fnmatch.fnmatchcase(name, e) for e in self.exclude_modules)
+
+
+def _init(tensor: torch.Tensor, method: str, generator: torch.Generator) -> torch.Tensor:
+    """megatron-bridge's initialisations: xavier normal, kaiming uniform (a = sqrt 5, torch's
+    default for a linear), normal (std 0.02), zero."""
+    if method == "xavier":
+        fan_out, fan_in = tensor.shape
+        return tensor.normal_(0.0, (2.0 / (fan_in + fan_out)) ** 0.5, generator=generator)
+    if method == "kaiming":
+        bound = 1.0 / tensor.shape[1] ** 0.5  # kaiming_uniform_ with a = sqrt(5)
+        return tensor.uniform_(-bound, bound, generator=generator)
+    if method == "normal":
+        return tensor.normal_(0.0, 0.02, generator=generator)
+    return tensor.zero_()
+
+
+class LoraAdapter(torch.nn.Module):
+    """scaling * B A x beside one megatron parallel linear (`base`), split over TP as it is.
+    `name` is the layer's model-wide name (`decoder.layers.N....linear_qkv`)."""
+
+    def __init__(self, base: torch.nn.Module, name: str, settings: LoraSettings, layout: convert.Layout,
+                 seed: int):
+        from megatron.core.tensor_parallel import ColumnParallelLinear
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        super().__init__()
+        self.name, self.scaling, self.enabled = name, settings.scaling, True
+        self.column = isinstance(base, ColumnParallelLinear)
+        self.group = base.tp_group
+        tp, tp_rank = self.group.size(), self.group.rank()
+        # Experts' linears exchange nothing over TP (expert_tensor_parallel_size is 1).
+        self.exchange = tp > 1 and not base.explicit_expert_comm
+        self.sequence_parallel = self.exchange and base.sequence_parallel
+        self.weight_name = f"{name}.weight"
+        out_features, in_features = (base.output_size, base.input_size)
+        # Drawn whole from a generator of the layer's name, then split: the same adapter in every
+        # layout.
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        a = _init(torch.empty(settings.rank, in_features), settings.a_init, generator)
+        b = _init(torch.empty(out_features, settings.rank), settings.b_init, generator)
+        sharded = "lora_B" if self.column else "lora_A"
+        if tp > 1:
+            if self.column:
+                b = convert.split_tp(self.weight_name, b, tp, layout)[tp_rank]
+            else:
+                a = convert.split_tp(self.weight_name, a, tp, layout)[tp_rank]
+        device = base.weight.device
+        self.lora_A = torch.nn.Parameter(a.to(device))
+        self.lora_B = torch.nn.Parameter(b.to(device))
+        for param_name, param in (("lora_A", self.lora_A), ("lora_B", self.lora_B)):
+            if base.is_expert:  # megatron counts an expert's weights in the grad norm on every TP rank
+                set_tensor_model_parallel_attributes(param, True, 0, 1)
+            elif param_name == sharded and self.exchange:
+                set_tensor_model_parallel_attributes(param, True, 0 if self.column else 1, 1)
+            elif self.sequence_parallel:  # the whole factor sees this rank's tokens only
+                param.sequence_parallel = True
+            # An expert's adapter is reduced over the expert-data-parallel ranks, as its layer.
+            param.allreduce = getattr(base.weight, "allreduce", True)
+        self.gated = self.column and name.endswith("linear_fc1")
+        base.register_forward_hook(self._add_to_output)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import mappings
+
+        h = F.linear(x, self.lora_A)
+        if self.exchange:
+            if self.column:  # every rank needs A x of every token it computes outputs for
+                h = (mappings.gather_from_sequence_parallel_region(h, group=self.group) if self.sequence_parallel
+                     else mappings.copy_to_tensor_model_parallel_region(h, group=self.group))
+            else:  # A x summed over the ranks' input columns, as the layer's output is
+                h = (mappings.reduce_scatter_to_sequence_parallel_region(h, group=self.group)
+                     if self.sequence_parallel else mappings.reduce_from_tensor_model_parallel_region(h, group=self.group))
+        return F.linear(h, self.lora_B) * self.scaling
+
+    def _add_to_output(self, module, args, output):
+        if not self.enabled:
+            return output
+        out, bias = output
+        return out + self(args[0]), bias
+
+    @torch.no_grad()
+    def merged(self, weight: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of W + scaling * B A, in float32 (both layouts: B_local A_local)."""
+        return torch.addmm(weight.float(), self.lora_B.float(), self.lora_A.float(), alpha=self.scaling)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """The factors for megatron's dist-checkpointing, split as the layer's weight is
+        (gate and up halves of B each split, as megatron does for `linear_fc1`)."""
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        axes = ({"lora_B": 0} if self.column else {"lora_A": 1}) if self.exchange else {}
+        state = make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, axes,
+                                                    sharded_offsets, tp_group=self.group,
+                                                    dp_cp_group=(metadata or {}).get("dp_cp_group"))
+        if self.gated and self.exchange:
+            state[f"{prefix}lora_B"] = apply_swiglu_sharded_factory(
+                state[f"{prefix}lora_B"], sharded_offsets, (metadata or {}).get("singleton_local_shards", False))
+        return state
+
+
+def is_adapter_tensor(name: str) -> bool:
+    return f"{ADAPTER_SUFFIX}.lora_" in name
+
+
+class Adapters:
+    """The adapters of a model's chunks: attached, switched off, merged, loaded."""
+
+    def __init__(self, chunks: list[torch.nn.Module], module_names: list[dict[str, str]], settings: LoraSettings,
+                 layout: convert.Layout, seed: int):
+        """Freeze `chunks` and attach an adapter beside every matching linear; `module_names`
+        maps each chunk's module names to model-wide ones."""
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+        self.settings, self.layout = settings, layout
+        self.by_chunk: list[dict[str, LoraAdapter]] = []  # chunk-local layer name -> adapter
+        for chunk, names in zip(chunks, module_names):
+            for param in chunk.parameters():
+                param.requires_grad_(False)
+            adapters = {}
+            for local, module in list(chunk.named_modules()):
+                if (not isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or ".layers." not in local
+                        or not settings.matches(names[local])):
+                    continue
+                parent_name, _, leaf = local.rpartition(".")
+                adapter = LoraAdapter(module, names[local], settings, layout, seed)
+                chunk.get_submodule(parent_name).add_module(leaf + ADAPTER_SUFFIX, adapter)
+                adapters[local] = adapter
+            self.by_chunk.append(adapters)
+        if not any(self.by_chunk) and any(self._layer_count(c) for c in chunks):
+            leaves = sorted({n.rsplit(".", 1)[-1] for c in chunks for n, m in c.named_modules()
+                             if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and ".layers." in n})
+            raise ValueError(f"{KEY}.target_modules={list(settings.target_modules)} / exclude_modules="
+                             f"{list(settings.exclude_modules)} leave no layer to adapt; the model's linear layers are "
+                             f"{leaves} (or wildcards over full names, e.g. '*.layers.0.*.linear_qkv').")
+        if settings.adapter_path:
+            self._load_peft(settings.adapter_path)
+
+    @staticmethod
+    def _layer_count(chunk: torch.nn.Module) -> int:
+        decoder = getattr(chunk, "decoder", None)
+        return len(decoder.layers) if decoder is not None else 0
+
+    @contextlib.contextmanager
+    def disabled(self):
+        adapters = [a for chunk in self.by_chunk for a in chunk.values()]
+        for adapter in adapters:
+            adapter.enabled = False
+        try:
+            yield
+        finally:
+            for adapter in adapters:
+                adapter.enabled = True
+
+    def merged_state(self, index: int, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Chunk `index`'s state dict with every adapted weight merged and no adapter tensors."""
+        merged = {name: t for name, t in state.items() if not is_adapter_tensor(name)}
+        for local, adapter in self.by_chunk[index].items():
+            merged[f"{local}.weight"] = adapter.merged(state[f"{local}.weight"])
+        return merged
+
+    def adapted_weights(self) -> set[str]:
+        """Model-wide names of the weights this rank's adapters change."""
+        return {a.weight_name for chunk in self.by_chunk for a in chunk.values()}
+
+    def save_peft_config(self, folder: str) -> None:
+        """peft's `adapter_config.json` for the whole model's adapters (every rank's, gathered:
+        collective), written by rank 0: with it `hybrid-rl-export` rebuilds the adapter on the
+        base model (`hf_adapter_state`) and writes it merged or in peft's format."""
+        import torch.distributed as dist
+        from peft import LoraConfig
+
+        names = [None] * dist.get_world_size()
+        dist.all_gather_object(names, sorted(self.adapted_weights()))
+        modules = sorted({hf.removesuffix(".weight") for rank_names in names for name in rank_names
+                          for hf in convert.hf_names(name, self.layout)})
+        if dist.get_rank() == 0:
+            LoraConfig(r=self.settings.rank, lora_alpha=self.settings.alpha, target_modules=modules, lora_dropout=0.0,
+                       bias="none", task_type="CAUSAL_LM").save_pretrained(folder)
+
+    def float32_state(self, index: int) -> dict[str, torch.Tensor]:
+        """Chunk `index`'s adapter tensors in float32, under their state-dict names (for the
+        optimizer's main weights before the chunks are cast to half precision)."""
+        return {f"{local}{ADAPTER_SUFFIX}.{param}": getattr(a, param).float()
+                for local, a in self.by_chunk[index].items() for param in ("lora_A", "lora_B")}
+
+    @torch.no_grad()
+    def _load_peft(self, path: str) -> None:
+        """Start from a peft adapter folder of the HF model (what `PeftModel.save_pretrained`
+        and `hybrid-rl-export --adapter-only` write). A fused layer's parts must share A."""
+        from safetensors.torch import load_file
+
+        folder = os.path.expanduser(path)
+        files = [f for f in ("adapter_model.safetensors",) if os.path.isfile(os.path.join(folder, f))]
+        if not files:
+            raise ValueError(f"{KEY}.adapter_path={path!r} has no adapter_model.safetensors (a peft adapter folder).")
+        tensors = {name.removeprefix("base_model.model."): t for name, t in load_file(os.path.join(folder, files[0])).items()}
+        for adapters in self.by_chunk:
+            for adapter in adapters.values():
+                parts = convert.hf_names(adapter.weight_name, self.layout)
+                names = {f: [p.removesuffix(".weight") + f".{f}.weight" for p in parts] for f in ("lora_A", "lora_B")}
+                missing = [n for group in names.values() for n in group if n not in tensors]
+                if missing:
+                    raise ValueError(f"{KEY}.adapter_path={path!r} lacks {missing[:3]}: a Megatron layer's fused parts "
+                                     "are adapted together; give an adapter of all of "
+                                     f"{', '.join(HF_PARTS[adapter.name.rsplit('.', 1)[-1]])}.")
+                a_parts = [tensors[n] for n in names["lora_A"]]
+                if any(not torch.equal(a, a_parts[0]) for a in a_parts[1:]):
+                    raise ValueError(f"{KEY}.adapter_path={path!r}: {', '.join(names['lora_A'])} differ; the Megatron "
+                                     f"engine's LoRA adapts the fused {adapter.name.rsplit('.', 1)[-1]} with one A "
+                                     "(megatron-bridge's `lora` type), so they must be equal.")
+                tp, rank = adapter.group.size(), adapter.group.rank()
+                b = convert.to_megatron(adapter.weight_name, [tensors[n] for n in names["lora_B"]], self.layout)
+                a = a_parts[0]
+                if adapter.column:
+                    b = convert.split_tp(adapter.weight_name, b, tp, self.layout)[rank] if tp > 1 else b
+                else:
+                    a = convert.split_tp(adapter.weight_name, a, tp, self.layout)[rank] if tp > 1 else a
+                for param, value in (("lora_A", a), ("lora_B", b)):
+                    target = getattr(adapter, param)
+                    if value.shape != target.shape:
+                        raise ValueError(f"{KEY}.adapter_path={path!r}: {adapter.name}.{param} is {tuple(value.shape)} "
+                                         f"here, {tuple(target.shape)} in this model.")
+                    target.copy_(value)
+
+
+def hf_adapter_state(tensors: dict[str, torch.Tensor], layout: convert.Layout,
+                     adapter: str = "default") -> dict[str, torch.Tensor]:
+    """A Megatron dist-checkpoint's adapter tensors (read whole: layers stacked along dim 0, TP
+    shards merged) under the names peft gives them in the HF model (`adapter` is peft's adapter
+    name): a fused layer's A goes to each of its projections, its B is split as the weight is."""
+    state = {}
+    for key, stacked in tensors.items():
+        if not key.startswith("decoder.layers.") or convert.is_expert(key):
+            raise ValueError(f"{key}: only the adapters of dense decoder layers can be exported yet (not experts').")
+        path, _, factor = key[len("decoder.layers."):].rpartition(".")
+        for index, tensor in enumerate(stacked):
+            weight = f"decoder.layers.{index}.{path.removesuffix(ADAPTER_SUFFIX)}.weight"
+            if factor == "lora_B":
+                parts = convert.to_hf(weight, tensor, layout)
+            else:
+                parts = [(name, tensor) for name in convert.hf_names(weight, layout)]
+            for name, part in parts:
+                state[f"{name.removesuffix('.weight')}.{factor}.{adapter}.weight"] = part.clone()
+    return state
