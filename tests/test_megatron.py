@@ -63,7 +63,7 @@ def test_vocabulary_padding_and_column_splits_round_trip(gqa_layout):
     assert shards[0].shape == (12, 6) and torch.equal(convert.merge_tp(name, shards), proj)
     assert not convert.is_tensor_parallel("decoder.layers.0.input_layernorm.weight")
     with pytest.raises(KeyError, match="No Hugging Face name"):
-        convert.hf_names("decoder.layers.0.mlp.shared_experts.linear_fc1.weight")
+        convert.hf_names("decoder.layers.0.self_attention.linear_kv_down_proj.weight")  # MLA (DeepSeek)
 
 
 def test_unknown_architecture_is_refused(tiny_model_dir):

@@ -18,7 +18,7 @@ from hybrid_rl.engines import Output
 from tests.engine_helpers import actor_config, loss_fn, make_engine, rollout_batch, step, weights
 
 pytestmark = pytest.mark.slow
-FAMILIES = ("qwen3_moe", "mixtral")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
 EXPERT_PARALLEL = ("actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",)
 # B drawn too (not zero), so that the adapters change the outputs from the first step.
 EXPERT_LORA = ("actor_rollout_ref.model.lora.rank=4", "actor_rollout_ref.model.lora.lora_B_init_method=normal")

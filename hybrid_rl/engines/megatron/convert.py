@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-                 "MixtralForCausalLM", "Qwen3MoeForCausalLM")
+                 "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 # A critic's own folder (a value model saved by a run): the same backbones with a `score` head.
 VALUE_ARCHITECTURES = ("LlamaForTokenClassification", "Qwen2ForTokenClassification", "Qwen3ForTokenClassification",
                        "MistralForTokenClassification")
@@ -42,6 +42,7 @@ SCORE_ARCHITECTURES = ("LlamaForSequenceClassification", "Qwen2ForSequenceClassi
                        "Qwen3ForSequenceClassification", "MistralForSequenceClassification")
 # A mixture-of-experts family's file names: (block, gate projection, up projection, down projection).
 EXPERT_FILE_NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+                     "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
                      "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj")}
 
 
@@ -54,19 +55,23 @@ class Experts:
     top_k: int
     renormalize: bool  # the top-k routing weights are rescaled to sum to 1
     family: str  # a key of EXPERT_FILE_NAMES
+    # Qwen2-MoE's shared expert, beside the routed ones in every layer (0: none): its intermediate
+    # size; its output is scaled by a sigmoid gate, as megatron's `moe_shared_expert_gate`.
+    shared_inner: int = 0
 
     @classmethod
     def from_hf_config(cls, config) -> "Experts | None":
         if config.model_type == "mixtral":
             experts = cls(config.num_local_experts, config.intermediate_size, config.num_experts_per_tok, True,
                           "mixtral")
-        elif config.model_type == "qwen3_moe":
+        elif config.model_type in ("qwen2_moe", "qwen3_moe"):
             if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
-                raise ValueError("The Megatron engine converts Qwen3-MoE models whose every layer is a mixture of "
-                                 "experts (config.json: decoder_sparse_step=1, mlp_only_layers=[]); use "
+                raise ValueError(f"The Megatron engine converts {config.model_type} models whose every layer is a "
+                                 "mixture of experts (config.json: decoder_sparse_step=1, mlp_only_layers=[]); use "
                                  "strategy=fsdp2 for this one.")
             experts = cls(config.num_experts, config.moe_intermediate_size, config.num_experts_per_tok,
-                          bool(config.norm_topk_prob), "qwen3_moe")
+                          bool(config.norm_topk_prob), config.model_type,
+                          int(getattr(config, "shared_expert_intermediate_size", 0) or 0))
         else:
             return None
         if experts.top_k == 1 and experts.renormalize:
@@ -124,7 +129,8 @@ class Layout:
                    groups=getattr(config, "num_key_value_heads", None) or heads,
                    head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
                    vocab=config.vocab_size, tied=bool(config.tie_word_embeddings) and not value_head,
-                   qkv_bias=bool(getattr(config, "attention_bias", False) or config.model_type == "qwen2"),
+                   qkv_bias=bool(getattr(config, "attention_bias", False) or getattr(config, "qkv_bias", False)
+                                 or config.model_type == "qwen2"),
                    rope_theta=float(theta), value_head=value_head, head_bias=head_bias,
                    qk_norm=config.model_type in ("qwen3", "qwen3_moe"), experts=Experts.from_hf_config(config))
 
@@ -160,6 +166,9 @@ _LAYER_NAMES = {
     "mlp.linear_fc1.layer_norm_weight": ["post_attention_layernorm.weight"],
     "mlp.linear_fc1.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
     "mlp.linear_fc2.weight": ["mlp.down_proj.weight"],
+    "mlp.shared_experts.linear_fc1.weight": ["mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"],
+    "mlp.shared_experts.linear_fc2.weight": ["mlp.shared_expert.down_proj.weight"],
+    "mlp.shared_experts.gate_weight": ["mlp.shared_expert_gate.weight"],
 }
 _GLOBAL_NAMES = {
     "embedding.word_embeddings.weight": ["model.embed_tokens.weight"],
@@ -284,10 +293,10 @@ def merge_tp(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
 
 
 def is_tensor_parallel(name: str) -> bool:
-    """Whether TP ranks hold different shards of `name` (norms, the value head, a router and the
-    experts, with an expert tensor-parallel size of 1, are replicated)."""
-    return (not name.endswith(("norm.weight", "layer_norm_weight")) and not name.startswith("value_head.")
-            and not name.endswith("mlp.router.weight") and not is_expert(name))
+    """Whether TP ranks hold different shards of `name` (norms, the value head, a router, a shared
+    expert's gate and the experts, with an expert tensor-parallel size of 1, are replicated)."""
+    return (not name.endswith(("norm.weight", "layer_norm_weight", "mlp.router.weight", "shared_experts.gate_weight"))
+            and not name.startswith("value_head.") and not is_expert(name))
 
 
 # The model's tensors in a Megatron dist-checkpoint (the optimizer's are under "optimizer.").

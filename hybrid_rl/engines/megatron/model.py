@@ -65,7 +65,9 @@ def transformer_config(hf_config, layout: convert.Layout, vpp: int | None, seque
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
         expert_tensor_parallel_size=1, moe_grouped_gemm=False,
         # transformers adds no load-balancing loss to the model's output in training either.
-        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        moe_shared_expert_intermediate_size=layout.experts.shared_inner or None,
+        moe_shared_expert_gate=bool(layout.experts.shared_inner))
     settings = dict(
         num_layers=layout.num_layers, hidden_size=hf_config.hidden_size, num_attention_heads=layout.heads,
         num_query_groups=layout.groups, kv_channels=layout.head_dim, ffn_hidden_size=hf_config.intermediate_size,
