@@ -552,7 +552,10 @@ def check_lora(cfg: DictConfig) -> None:
 
 def _check_megatron_lora(section: DictConfig) -> None:
     """What the Megatron engine's LoRA builds of verl's `model.lora` section."""
-    key = "actor_rollout_ref.model.lora"  # its type, dropout and dtype: config_keys refuses what is not built
+    key = "actor_rollout_ref.model.lora"  # its dropout and dtype: config_keys refuses what is not built
+    _choice(section.get("type", "lora"), ("lora", "canonical_lora"), f"{key}.type",
+            {name: "LoRA adapters of the fused (type=lora) or separate (canonical_lora) projections"
+             for name in ("dora", "vlm_lora")})
     if section.get("target_modules") and section.get("exclude_modules"):
         raise ConfigError(f"{key}.target_modules and {key}.exclude_modules are both set: exclude_modules adapts every "
                           f"linear layer but those it names; set {key}.target_modules=[] to use it.")

@@ -249,8 +249,9 @@ RULES: tuple[Rule, ...] = tuple([
             *(f"actor_rollout_ref.model.lora.{k}" for k in ("rank", "alpha", "target_modules", "exclude_modules",
                                                             "lora_A_init_method", "lora_B_init_method",
                                                             "adapter_path"))),
-    *_rules(NOT_YET, "the Megatron engine's LoRA adapts each fused layer (qkv, gate/up) with one adapter, verl's "
-            "type=lora; canonical_lora, dora and vlm_lora are not built yet", "actor_rollout_ref.model.lora.type"),
+    *_rules(WORKS, "lora: one adapter per fused layer (qkv, gate/up); canonical_lora: one per projection "
+            "(target_modules linear_q, linear_k, linear_v, linear_fc1_gate, linear_fc1_up, linear_proj, linear_fc2); "
+            "dora and vlm_lora are refused at start as not supported yet", "actor_rollout_ref.model.lora.type"),
     *_rules(NOT_YET, "adapters without dropout", "actor_rollout_ref.model.lora.dropout"),
     *_rules(NO_EFFECT, "read only with lora.dropout, which is not supported yet",
             "actor_rollout_ref.model.lora.dropout_position"),

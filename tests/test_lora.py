@@ -191,7 +191,7 @@ def test_target_modules_that_match_nothing_name_the_key_and_the_layers(model_dir
     (["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.actor.strategy=megatron",
       "actor_rollout_ref.model.lora.lora_A_init_method=orthogonal"], r"lora_A_init_method='orthogonal' is not valid"),
     (["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.actor.strategy=megatron",
-      "actor_rollout_ref.model.lora.type=canonical_lora"], r"lora.type='canonical_lora' is not supported yet"),
+      "actor_rollout_ref.model.lora.type=dora"], r"lora.type=dora is not supported yet"),
     (["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.actor.strategy=megatron",
       "actor_rollout_ref.model.lora.dropout=0.05"], r"lora.dropout=0.05 is not supported yet"),
     (["actor_rollout_ref.model.lora.adapter_path=/nonexistent/adapter", "actor_rollout_ref.actor.strategy=megatron"],

@@ -85,6 +85,14 @@ def lora_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int, vpp: int | 
         plain = make_engine(cfg, inputs["model"])
         whole = (plain.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None), step(plain, cfg, 1),
                  weights(plain))
+    # canonical_lora: each projection its own adapter, as peft's of the HF model.
+    model, adapter = inputs["canonical_lora"]
+    cfg = actor_config("megatron", tp, pp, cp=cp, vpp=vpp, extra=SMALL_HEAD_CHUNKS + (
+        f"actor_rollout_ref.model.lora.adapter_path={adapter}", "actor_rollout_ref.model.lora.type=canonical_lora"))
+    canonical_engine = make_engine(cfg, model)
+    canonical = (canonical_engine.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None),
+                 step(canonical_engine, cfg, 1), weights(canonical_engine), os.path.join(out_dir, "canonical_ckpt"))
+    canonical_engine.save_checkpoint(canonical[3])
     try:
         make_engine(actor_config("megatron", tp, pp, extra=("actor_rollout_ref.model.lora.rank=4",
                                                             "actor_rollout_ref.model.lora.target_modules=[dense]"),
@@ -94,7 +102,7 @@ def lora_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int, vpp: int | 
         unmatched = str(exc)
     return {"output": engine.is_output_rank, "infer": infer, "base": base, "first": first, "after": after,
             "trained": trained, "checkpoint": folder, "second": second, "resumed": resumed_second,
-            "whole_sequences": whole, "unmatched": unmatched}
+            "whole_sequences": whole, "unmatched": unmatched, "canonical": canonical}
 
 
 def actor_bf16_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int, vpp: int | None) -> dict:
@@ -158,14 +166,14 @@ FUSED = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",
          ("mlp", ("gate_proj", "up_proj")), ("mlp", ("down_proj",)))
 
 
-@pytest.fixture(scope="module")
-def fused_lora_adapter(tiny_model_dir4, tmp_path_factory) -> str:
-    """A peft adapter of every projection, rank 4, where query, key and value (and gate and up)
-    share A, as one adapter of a fused Megatron layer does; B is not zero, so it changes outputs."""
+def lora_adapter_folder(model_dir: str, folder, shared_a: bool) -> str:
+    """A peft adapter of every projection, rank 4, B not zero (so it changes outputs); with
+    `shared_a` query, key and value (and gate and up) share A, as one adapter of a fused Megatron
+    layer does."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir4, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=[
         name for _, names in FUSED for name in names]))
     g = torch.Generator().manual_seed(3)
@@ -175,12 +183,25 @@ def fused_lora_adapter(tiny_model_dir4, tmp_path_factory) -> str:
                 modules = [getattr(getattr(layer, block), name) for name in names]
                 a = torch.randn(modules[0].lora_A["default"].weight.shape, generator=g) * 0.3
                 for module in modules:
-                    module.lora_A["default"].weight.copy_(a)
+                    module.lora_A["default"].weight.copy_(a if shared_a else torch.randn(a.shape, generator=g) * 0.3)
                     b = module.lora_B["default"].weight
                     b.copy_(torch.randn(b.shape, generator=g) * 0.05)
-    folder = tmp_path_factory.mktemp("fused_lora")
     peft_model.save_pretrained(folder)
     return str(folder)
+
+
+@pytest.fixture(scope="module")
+def fused_lora_adapter(tiny_model_dir4, tmp_path_factory) -> str:
+    return lora_adapter_folder(tiny_model_dir4, tmp_path_factory.mktemp("fused_lora"), shared_a=True)
+
+
+@pytest.fixture(scope="module")
+def canonical_lora_adapter(tiny_tokenizer, tmp_path_factory) -> tuple[str, str]:
+    """(model, adapter): 4 heads in 2 query groups, so that TP=2 splits whole groups, as
+    canonical_lora needs."""
+    model = build_tiny_model(tmp_path_factory.mktemp("four_layers_kv2"), tiny_tokenizer, num_layers=4,
+                             rope_theta=1e5, heads=4, kv_heads=2)
+    return model, lora_adapter_folder(model, tmp_path_factory.mktemp("canonical_lora"), shared_a=False)
 
 
 def fused_lora_reference(model_dir: str, adapter: str) -> dict:
@@ -272,6 +293,39 @@ def test_megatron_lora_computes_the_fused_adapter_exactly_and_resumes(megatron_l
                                            adapter_dir)
     state = peft_model.merge_and_unload().state_dict()
     assert all((state[k] - after[k]).abs().max() <= 1e-6 for k in adapted)
+
+
+def test_megatron_canonical_lora_matches_peft_on_the_fsdp_engine(megatron_layout, canonical_lora_adapter, tmp_path):
+    """lora.type=canonical_lora (one adapter per projection of a fused layer) from a peft adapter
+    folder against peft's LoRA of the same folder on the FSDP engine, in every layout: log-probs,
+    gradient norm, loss and the merged weights after one step; its checkpoint exports as peft's
+    adapter, each projection's A its own."""
+    model, adapter = canonical_lora_adapter
+    cfg = actor_config("fsdp2", extra=[f"actor_rollout_ref.model.lora_adapter_path={adapter}"])
+    fsdp = make_engine(cfg, model)
+    before = weights(fsdp)
+    expected_infer = fsdp.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None)
+    expected, expected_after = step(fsdp, cfg, 1), weights(fsdp)
+    mask = rollout_batch(1)["response_mask"].bool()
+    results = megatron_layout.results("lora")
+    for result in results:
+        infer, first, after, _ = result["canonical"]
+        for key in ("log_probs", "entropy"):
+            assert (infer[key] - expected_infer[key])[mask].abs().max() <= 1e-5
+        assert first["actor/grad_norm"] == pytest.approx(expected["actor/grad_norm"], rel=1e-4)
+        update = torch.cat([(after[k] - before[k]).flatten() for k in expected_after])
+        expected_update = torch.cat([(expected_after[k] - before[k]).flatten() for k in expected_after])
+        assert (update - expected_update).norm() / expected_update.norm() <= 1e-3
+    loss = next(r["canonical"][1] for r in results if r["output"])["actor/loss"]
+    assert loss == pytest.approx(expected["actor/loss"], rel=1e-4)
+    step_dir = export_step_folder(results[0]["canonical"][3], model, tmp_path / "global_step_1")
+    adapter_dir = export_checkpoint(str(step_dir), str(tmp_path / "adapter"), adapter_only=True)
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    exported = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), adapter_dir)
+    merged = exported.merge_and_unload().state_dict()
+    assert all((merged[k] - results[0]["canonical"][2][k]).abs().max() <= 1e-6 for k in merged)
 
 
 def export_step_folder(engine_checkpoint: str, model_dir: str, step_dir: Path) -> Path:
@@ -534,14 +588,14 @@ class LayoutRun:
 @pytest.fixture(scope="module", params=[(2, 1, 1, None), (1, 2, 1, None), (1, 2, 1, 2), (1, 1, 2, None)],
                 ids=["tp2", "pp2", "pp2vpp2", "cp2"])
 def megatron_layout(request, tiny_model_dir4, value_model_dir, reward_model_case, fused_lora_adapter,
-                    tmp_path_factory) -> LayoutRun:
+                    canonical_lora_adapter, tmp_path_factory) -> LayoutRun:
     """The Megatron side of the comparisons with FSDP (actor in fp32 and bf16, critic, reward
     model) on one TP x PP x CP layout (PP with or without virtual stages), in one spawn of two
     gloo ranks: a spawn costs each rank ~10 s of imports."""
     tp, pp, cp, vpp = request.param
     out_dir = tmp_path_factory.mktemp(f"megatron_tp{tp}_pp{pp}_cp{cp}_vpp{vpp}")
     inputs = {"model": tiny_model_dir4, "value_model": value_model_dir, "lora_adapter": fused_lora_adapter,
-              **reward_model_case}
+              "canonical_lora": canonical_lora_adapter, **reward_model_case}
     mp.start_processes(_layout_rank_main, args=(2, str(out_dir / "init"), inputs, str(out_dir), tp, pp, cp, vpp),
                        nprocs=2, start_method="spawn")
     return LayoutRun(tp, pp, cp, vpp, out_dir)

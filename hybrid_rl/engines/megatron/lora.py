@@ -1,12 +1,14 @@
 """LoRA on the Megatron engine, with verl's Megatron keys (`actor_rollout_ref.model.lora.*`:
-`rank`, `alpha`, `target_modules` or `exclude_modules`, `lora_A_init_method`,
+`type`, `rank`, `alpha`, `target_modules` or `exclude_modules`, `lora_A_init_method`,
 `lora_B_init_method`, `adapter_path`).
 
 Each adapted layer is one of megatron's parallel linears (`linear_qkv`, `linear_proj`,
 `linear_fc1`, `linear_fc2`, an expert's too) with a `LoraAdapter` beside it (the child
 `<name>_adapter` of the same parent, so every base weight keeps its name): a forward hook adds
-scaling * B A x to the layer's output. The fused layers get one adapter each, as
-megatron-bridge's default `lora` type: query, key and value (and gate and up) share A. The
+scaling * B A x to the layer's output. With `type=lora` (megatron-bridge's default) a fused layer
+gets one adapter: query, key and value (and gate and up) share A. With `type=canonical_lora`
+each of its projections has its own (`linear_q_adapter`, ..., `linear_fc1_up_adapter`), which
+adds to that projection's rows of the fused output, as peft's adapters of the HF model do. An
 adapter is split over TP as its layer is: beside a column-parallel layer A is whole and B holds
 this rank's output rows; beside a row-parallel one A holds this rank's input columns and B is
 whole. The whole factor's input (or output) is exchanged over TP ranks so that every rank
@@ -28,7 +30,7 @@ import json
 import os
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +44,9 @@ INIT_METHODS = ("xavier", "kaiming", "normal", "zero")
 # The HF projections of each fused Megatron layer, in `convert.hf_names` order.
 HF_PARTS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
             "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+# canonical_lora's names for the projections of a fused layer (megatron-bridge's), in the same order.
+CANONICAL_PARTS = {"linear_qkv": ("linear_q", "linear_k", "linear_v"), "linear_fc1": ("linear_fc1_gate", "linear_fc1_up")}
+PART_OF = {part: (fused, index) for fused, parts in CANONICAL_PARTS.items() for index, part in enumerate(parts)}
 
 
 def enabled(model_cfg: Any) -> bool:
@@ -59,11 +64,13 @@ class LoraSettings:
     a_init: str
     b_init: str
     adapter_path: str | None
+    canonical: bool = False  # one adapter per projection of a fused layer
 
     @classmethod
     def from_config(cls, section: Any) -> "LoraSettings":
         """From `model.lora`; with `adapter_path`, rank, alpha and targets are the adapter's own."""
         path = section.get("adapter_path")
+        canonical = section.get("type", "lora") == "canonical_lora"
         targets = tuple(section.get("target_modules") or ())
         excluded = tuple(section.get("exclude_modules") or ())
         rank, alpha = int(section.get("rank") or 0), float(section.get("alpha"))
@@ -75,9 +82,14 @@ class LoraSettings:
                 raise ValueError(f"{KEY}.adapter_path={path!r}: DoRA, rsLoRA, biases and modules_to_save are not "
                                  "supported; use a plain LoRA adapter.")
             rank, alpha, excluded = int(saved["r"]), float(saved["lora_alpha"]), ()
-            targets = tuple(name for name, parts in HF_PARTS.items() if set(parts) & set(saved["target_modules"]))
+            saved_leaves = {str(name).rsplit(".", 1)[-1] for name in saved["target_modules"]}
+            if canonical:  # each HF projection its own adapter
+                targets = tuple(CANONICAL_PARTS.get(fused, (fused,))[index] for fused, parts in HF_PARTS.items()
+                                for index, part in enumerate(parts) if part in saved_leaves)
+            else:
+                targets = tuple(fused for fused, parts in HF_PARTS.items() if set(parts) & saved_leaves)
         return cls(rank, alpha, targets, excluded, str(section.get("lora_A_init_method") or "xavier"),
-                   str(section.get("lora_B_init_method") or "zero"), str(path) if path else None)
+                   str(section.get("lora_B_init_method") or "zero"), str(path) if path else None, canonical)
 
     @property
     def scaling(self) -> float:
@@ -109,10 +121,11 @@ def _init(tensor: torch.Tensor, method: str, generator: torch.Generator) -> torc
 
 class LoraAdapter(torch.nn.Module):
     """scaling * B A x beside one megatron parallel linear (`base`), split over TP as it is.
-    `name` is the layer's model-wide name (`decoder.layers.N....linear_qkv`)."""
+    `name` is the layer's model-wide name (`decoder.layers.N....linear_qkv`), or with `part` (the
+    index of a projection of a fused layer, canonical LoRA) the projection's (`...linear_q`)."""
 
     def __init__(self, base: torch.nn.Module, name: str, settings: LoraSettings, layout: convert.Layout,
-                 seed: int):
+                 seed: int, part: int | None = None):
         from megatron.core.tensor_parallel import ColumnParallelLinear
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
@@ -124,8 +137,14 @@ class LoraAdapter(torch.nn.Module):
         # Experts' linears exchange nothing over TP (expert_tensor_parallel_size is 1).
         self.exchange = tp > 1 and not base.explicit_expert_comm
         self.sequence_parallel = self.exchange and base.sequence_parallel
-        self.weight_name = f"{name}.weight"
-        out_features, in_features = (base.output_size, base.input_size)
+        self.part = part
+        layer = f"{name.rpartition('.')[0]}.{PART_OF[name.rpartition('.')[2]][0]}" if part is not None else name
+        self.weight_name = f"{layer}.weight"
+        out_features, in_features = base.output_size, base.input_size
+        # A projection's rows of this rank's fused output (None: all of them).
+        self.rows = None if part is None else _part_rows(layer, part, base.output_size_per_partition, layout, tp)
+        if part is not None:
+            out_features = len(self.rows) * tp
         # Drawn whole from a generator of the layer's name, then split: the same adapter in every
         # layout.
         generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
@@ -133,7 +152,9 @@ class LoraAdapter(torch.nn.Module):
         b = _init(torch.empty(out_features, settings.rank), settings.b_init, generator)
         sharded = "lora_B" if self.column else "lora_A"
         if tp > 1:
-            if self.column:
+            if part is not None:  # a projection's rows are split over TP in equal blocks
+                b = b.chunk(tp)[tp_rank]
+            elif self.column:
                 b = convert.split_tp(self.weight_name, b, tp, layout)[tp_rank]
             else:
                 a = convert.split_tp(self.weight_name, a, tp, layout)[tp_rank]
@@ -149,7 +170,9 @@ class LoraAdapter(torch.nn.Module):
                 param.sequence_parallel = True
             # An expert's adapter is reduced over the expert-data-parallel ranks, as its layer.
             param.allreduce = getattr(base.weight, "allreduce", True)
-        self.gated = self.column and name.endswith("linear_fc1")
+        self.gated = self.column and part is None and name.endswith("linear_fc1")
+        if self.rows is not None:
+            self.rows = self.rows.to(device)
         base.register_forward_hook(self._add_to_output)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -169,12 +192,21 @@ class LoraAdapter(torch.nn.Module):
         if not self.enabled:
             return output
         out, bias = output
-        return out + self(args[0]), bias
+        if self.rows is None:
+            return out + self(args[0]), bias
+        return out.index_add(out.dim() - 1, self.rows, self(args[0]).to(out.dtype)), bias
 
     @torch.no_grad()
-    def merged(self, weight: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of W + scaling * B A, in float32 (both layouts: B_local A_local)."""
-        return torch.addmm(weight.float(), self.lora_B.float(), self.lora_A.float(), alpha=self.scaling)
+    def merged_into(self, weight: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of the float32 `weight` plus scaling * B A (both splits:
+        B_local A_local; a projection's adapter adds to its rows only)."""
+        delta = torch.mm(self.lora_B.float(), self.lora_A.float()) * self.scaling
+        return weight + delta if self.rows is None else weight.index_add(0, self.rows, delta)
+
+    def hf_modules(self, layout: convert.Layout) -> list[str]:
+        """The HF modules (peft's adapted module names) this adapter stands for."""
+        names = [n.removesuffix(".weight") for n in convert.hf_names(self.weight_name, layout)]
+        return names if self.part is None else [names[self.part]]
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """The factors for megatron's dist-checkpointing, split as the layer's weight is
@@ -192,6 +224,22 @@ class LoraAdapter(torch.nn.Module):
         return state
 
 
+def _part_rows(layer: str, part: int, local_out: int, layout: convert.Layout, tp: int) -> torch.Tensor:
+    """The rows of projection `part` in a TP rank's shard of the fused layer `layer`: of gate or
+    up, one half; of query, key or value, its rows in each of the rank's query groups."""
+    if layer.endswith("linear_fc1"):
+        half = local_out // 2
+        return torch.arange(part * half, (part + 1) * half)
+    if layout.groups % tp:
+        raise ValueError(f"{KEY}.type=canonical_lora needs the key/value heads ({layout.groups}) split evenly over "
+                         f"tensor_model_parallel_size={tp}; use type=lora, or a TP size that divides them.")
+    per_group, head = layout.heads // layout.groups, layout.head_dim
+    start, size = ((0, per_group * head), (per_group * head, head), ((per_group + 1) * head, head))[part]
+    block = (per_group + 2) * head
+    return torch.cat([torch.arange(group * block + start, group * block + start + size)
+                      for group in range(layout.groups // tp)])
+
+
 def is_adapter_tensor(name: str) -> bool:
     return f"{ADAPTER_SUFFIX}.lora_" in name
 
@@ -206,19 +254,29 @@ class Adapters:
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
         self.settings, self.layout = settings, layout
-        self.by_chunk: list[dict[str, LoraAdapter]] = []  # chunk-local layer name -> adapter
+        # Per chunk: chunk-local layer name -> its adapters (several: a fused layer's projections).
+        self.by_chunk: list[dict[str, list[LoraAdapter]]] = []
         for chunk, names in zip(chunks, module_names):
             for param in chunk.parameters():
                 param.requires_grad_(False)
             adapters = {}
             for local, module in list(chunk.named_modules()):
-                if (not isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or ".layers." not in local
-                        or not settings.matches(names[local])):
+                if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or ".layers." not in local:
                     continue
                 parent_name, _, leaf = local.rpartition(".")
-                adapter = LoraAdapter(module, names[local], settings, layout, seed)
-                chunk.get_submodule(parent_name).add_module(leaf + ADAPTER_SUFFIX, adapter)
-                adapters[local] = adapter
+                parent = chunk.get_submodule(parent_name)
+                if settings.canonical and leaf in CANONICAL_PARTS:  # `linear_qkv` itself names all three
+                    prefix = names[local].rpartition(".")[0]
+                    chosen = [(index, part) for index, part in enumerate(CANONICAL_PARTS[leaf])
+                              if settings.matches(f"{prefix}.{part}") or settings.matches(names[local])]
+                    for index, part in chosen:
+                        adapter = LoraAdapter(module, f"{prefix}.{part}", settings, layout, seed, index)
+                        parent.add_module(part + ADAPTER_SUFFIX, adapter)
+                        adapters.setdefault(local, []).append(adapter)
+                elif settings.matches(names[local]):
+                    adapter = LoraAdapter(module, names[local], settings, layout, seed)
+                    parent.add_module(leaf + ADAPTER_SUFFIX, adapter)
+                    adapters[local] = [adapter]
             self.by_chunk.append(adapters)
         if not any(self.by_chunk) and any(self._layer_count(c) for c in chunks):
             leaves = sorted({n.rsplit(".", 1)[-1] for c in chunks for n, m in c.named_modules()
@@ -236,7 +294,7 @@ class Adapters:
 
     @contextlib.contextmanager
     def disabled(self):
-        adapters = [a for chunk in self.by_chunk for a in chunk.values()]
+        adapters = list(self._all())
         for adapter in adapters:
             adapter.enabled = False
         try:
@@ -248,13 +306,19 @@ class Adapters:
     def merged_state(self, index: int, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Chunk `index`'s state dict with every adapted weight merged and no adapter tensors."""
         merged = {name: t for name, t in state.items() if not is_adapter_tensor(name)}
-        for local, adapter in self.by_chunk[index].items():
-            merged[f"{local}.weight"] = adapter.merged(state[f"{local}.weight"])
+        for local, adapters in self.by_chunk[index].items():
+            weight = state[f"{local}.weight"].float()
+            for adapter in adapters:
+                weight = adapter.merged_into(weight)
+            merged[f"{local}.weight"] = weight
         return merged
+
+    def _all(self) -> Iterator[LoraAdapter]:
+        return (a for chunk in self.by_chunk for adapters in chunk.values() for a in adapters)
 
     def adapted_weights(self) -> set[str]:
         """Model-wide names of the weights this rank's adapters change."""
-        return {a.weight_name for chunk in self.by_chunk for a in chunk.values()}
+        return {a.weight_name for a in self._all()}
 
     def save_peft_config(self, folder: str) -> None:
         """peft's `adapter_config.json` for the whole model's adapters (every rank's, gathered:
@@ -264,9 +328,8 @@ class Adapters:
         from peft import LoraConfig
 
         names = [None] * dist.get_world_size()
-        dist.all_gather_object(names, sorted(self.adapted_weights()))
-        modules = sorted({hf.removesuffix(".weight") for rank_names in names for name in rank_names
-                          for hf in convert.hf_names(name, self.layout)})
+        dist.all_gather_object(names, sorted({m for a in self._all() for m in a.hf_modules(self.layout)}))
+        modules = sorted({name for rank_names in names for name in rank_names})
         if dist.get_rank() == 0:
             LoraConfig(r=self.settings.rank, lora_alpha=self.settings.alpha, target_modules=modules, lora_dropout=0.0,
                        bias="none", task_type="CAUSAL_LM").save_pretrained(folder)
@@ -274,48 +337,49 @@ class Adapters:
     def float32_state(self, index: int) -> dict[str, torch.Tensor]:
         """Chunk `index`'s adapter tensors in float32, under their state-dict names (for the
         optimizer's main weights before the chunks are cast to half precision)."""
-        return {f"{local}{ADAPTER_SUFFIX}.{param}": getattr(a, param).float()
-                for local, a in self.by_chunk[index].items() for param in ("lora_A", "lora_B")}
+        return {f"{local.rpartition('.')[0]}.{a.name.rpartition('.')[2]}{ADAPTER_SUFFIX}.{param}": getattr(a, param).float()
+                for local, adapters in self.by_chunk[index].items() for a in adapters for param in ("lora_A", "lora_B")}
 
     @torch.no_grad()
     def _load_peft(self, path: str) -> None:
         """Start from a peft adapter folder of the HF model (what `PeftModel.save_pretrained`
-        and `hybrid-rl-export --adapter-only` write). A fused layer's parts must share A."""
+        and `hybrid-rl-export --adapter-only` write). With type=lora a fused layer's projections
+        must share A."""
         from safetensors.torch import load_file
 
-        folder = os.path.expanduser(path)
-        files = [f for f in ("adapter_model.safetensors",) if os.path.isfile(os.path.join(folder, f))]
-        if not files:
+        file = os.path.join(os.path.expanduser(path), "adapter_model.safetensors")
+        if not os.path.isfile(file):
             raise ValueError(f"{KEY}.adapter_path={path!r} has no adapter_model.safetensors (a peft adapter folder).")
-        tensors = {name.removeprefix("base_model.model."): t for name, t in load_file(os.path.join(folder, files[0])).items()}
-        for adapters in self.by_chunk:
-            for adapter in adapters.values():
-                parts = convert.hf_names(adapter.weight_name, self.layout)
-                names = {f: [p.removesuffix(".weight") + f".{f}.weight" for p in parts] for f in ("lora_A", "lora_B")}
-                missing = [n for group in names.values() for n in group if n not in tensors]
-                if missing:
-                    raise ValueError(f"{KEY}.adapter_path={path!r} lacks {missing[:3]}: a Megatron layer's fused parts "
-                                     "are adapted together; give an adapter of all of "
-                                     f"{', '.join(HF_PARTS[adapter.name.rsplit('.', 1)[-1]])}.")
-                a_parts = [tensors[n] for n in names["lora_A"]]
-                if any(not torch.equal(a, a_parts[0]) for a in a_parts[1:]):
-                    raise ValueError(f"{KEY}.adapter_path={path!r}: {', '.join(names['lora_A'])} differ; the Megatron "
-                                     f"engine's LoRA adapts the fused {adapter.name.rsplit('.', 1)[-1]} with one A "
-                                     "(megatron-bridge's `lora` type), so they must be equal.")
-                tp, rank = adapter.group.size(), adapter.group.rank()
+        tensors = {name.removeprefix("base_model.model."): t for name, t in load_file(file).items()}
+        for adapter in self._all():
+            modules = adapter.hf_modules(self.layout)
+            names = {f: [f"{m}.{f}.weight" for m in modules] for f in ("lora_A", "lora_B")}
+            missing = [n for group in names.values() for n in group if n not in tensors]
+            if missing:
+                raise ValueError(f"{KEY}.adapter_path={path!r} lacks {missing[:3]}, which {adapter.name} adapts (with "
+                                 "type=lora a fused layer's projections are adapted together).")
+            a_parts = [tensors[n] for n in names["lora_A"]]
+            if any(not torch.equal(a, a_parts[0]) for a in a_parts[1:]):
+                raise ValueError(f"{KEY}.adapter_path={path!r}: {', '.join(names['lora_A'])} differ; type=lora adapts "
+                                 f"the fused {adapter.name.rsplit('.', 1)[-1]} with one A (megatron-bridge's `lora`), "
+                                 "so they must be equal; type=canonical_lora gives each projection its own.")
+            tp, rank = adapter.group.size(), adapter.group.rank()
+            a = a_parts[0]
+            if adapter.part is not None:  # one projection's B, in equal row blocks over TP
+                b = tensors[names["lora_B"][0]]
+                b = b.chunk(tp)[rank] if tp > 1 else b
+            else:
                 b = convert.to_megatron(adapter.weight_name, [tensors[n] for n in names["lora_B"]], self.layout)
-                a = a_parts[0]
-                if adapter.column:
-                    b = convert.split_tp(adapter.weight_name, b, tp, self.layout)[rank] if tp > 1 else b
-                else:
-                    a = convert.split_tp(adapter.weight_name, a, tp, self.layout)[rank] if tp > 1 else a
-                for param, value in (("lora_A", a), ("lora_B", b)):
-                    target = getattr(adapter, param)
-                    if value.shape != target.shape:
-                        raise ValueError(f"{KEY}.adapter_path={path!r}: {adapter.name}.{param} is {tuple(value.shape)} "
-                                         f"here, {tuple(target.shape)} in this model.")
-                    target.copy_(value)
-
+                if tp > 1 and adapter.column:
+                    b = convert.split_tp(adapter.weight_name, b, tp, self.layout)[rank]
+                elif tp > 1:
+                    a = convert.split_tp(adapter.weight_name, a, tp, self.layout)[rank]
+            for param, value in (("lora_A", a), ("lora_B", b)):
+                target = getattr(adapter, param)
+                if value.shape != target.shape:
+                    raise ValueError(f"{KEY}.adapter_path={path!r}: {adapter.name}.{param} is {tuple(value.shape)} "
+                                     f"here, {tuple(target.shape)} in this model.")
+                target.copy_(value)
 
 def hf_adapter_state(tensors: dict[str, torch.Tensor], layout: convert.Layout,
                      adapter: str = "default") -> dict[str, torch.Tensor]:
@@ -327,12 +391,16 @@ def hf_adapter_state(tensors: dict[str, torch.Tensor], layout: convert.Layout,
         if not key.startswith("decoder.layers.") or convert.is_expert(key):
             raise ValueError(f"{key}: only the adapters of dense decoder layers can be exported yet (not experts').")
         path, _, factor = key[len("decoder.layers."):].rpartition(".")
+        module, _, leaf = path.removesuffix(ADAPTER_SUFFIX).rpartition(".")
+        fused, part = PART_OF.get(leaf, (leaf, None))
         for index, tensor in enumerate(stacked):
-            weight = f"decoder.layers.{index}.{path.removesuffix(ADAPTER_SUFFIX)}.weight"
-            if factor == "lora_B":
+            weight = f"decoder.layers.{index}.{module}.{fused}.weight"
+            if part is not None:  # a projection's own adapter (canonical LoRA)
+                parts = [(convert.hf_names(weight, layout)[part], tensor)]
+            elif factor == "lora_B":
                 parts = convert.to_hf(weight, tensor, layout)
             else:
                 parts = [(name, tensor) for name in convert.hf_names(weight, layout)]
-            for name, part in parts:
-                state[f"{name.removesuffix('.weight')}.{factor}.{adapter}.weight"] = part.clone()
+            for name, value in parts:
+                state[f"{name.removesuffix('.weight')}.{factor}.{adapter}.weight"] = value.clone()
     return state
