@@ -514,8 +514,8 @@ def check_lora(cfg: DictConfig) -> None:
     model = cfg.actor_rollout_ref.model
     strategy = cfg.actor_rollout_ref.actor.strategy
     section = model.get("lora") or {}
-    key = "actor_rollout_ref.model.lora_rank"
-    for name, rank in ((key, model.lora_rank), ("actor_rollout_ref.model.lora.rank", section.get("rank", 0))):
+    for name, rank in (("actor_rollout_ref.model.lora_rank", model.lora_rank),
+                       ("actor_rollout_ref.model.lora.rank", section.get("rank", 0))):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ConfigError(f"{name}={rank!r} must be a whole number >= 0 (0: no LoRA; 8-64 are usual).")
     if model.lora_rank or model.lora_adapter_path:

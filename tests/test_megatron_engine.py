@@ -100,9 +100,13 @@ def lora_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int, vpp: int | 
         unmatched = None
     except ValueError as exc:
         unmatched = str(exc)
+    # A target of one layer only: under PP the other stage has nothing to adapt, and that is fine.
+    first_layer = make_engine(actor_config("megatron", tp, pp, cp=cp, vpp=vpp, extra=(
+        "actor_rollout_ref.model.lora.rank=4", "actor_rollout_ref.model.lora.target_modules=['*.layers.0.*']")),
+        inputs["model"]).adapters.adapted_weights()
     return {"output": engine.is_output_rank, "infer": infer, "base": base, "first": first, "after": after,
             "trained": trained, "checkpoint": folder, "second": second, "resumed": resumed_second,
-            "whole_sequences": whole, "unmatched": unmatched, "canonical": canonical}
+            "whole_sequences": whole, "unmatched": unmatched, "canonical": canonical, "first_layer": first_layer}
 
 
 def actor_bf16_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int, vpp: int | None) -> dict:
@@ -274,6 +278,9 @@ def test_megatron_lora_computes_the_fused_adapter_exactly_and_resumes(megatron_l
         assert result["resumed"][0] == result["second"][0]
         assert all(torch.equal(result["second"][1][k], result["resumed"][1][k]) for k in result["second"][1])
         assert "target_modules=['dense']" in result["unmatched"] and "linear_qkv" in result["unmatched"]
+    assert set().union(*(r["first_layer"] for r in results)) == {
+        f"decoder.layers.0.{name}.weight" for name in ("self_attention.linear_qkv", "self_attention.linear_proj",
+                                                       "mlp.linear_fc1", "mlp.linear_fc2")}
     loss = next(r["first"] for r in results if r["output"])["actor/loss"]
     assert loss == pytest.approx(expected["loss"], rel=1e-4)
     model_tensors = [key for key in FileSystemReader(results[0]["checkpoint"]).read_metadata().state_dict_metadata

@@ -174,7 +174,9 @@ class MegatronEngine(TrainEngine):
                 self.adapters = mlora.Adapters(self.models, names, lora, self.layout, seed)
                 if float32_copies:
                     for index, tensors in enumerate(exact):
-                        tensors.update(self.adapters.float32_state(index))
+                        # The adapters' own values, before the chunks are cast to half precision.
+                        tensors.update({name: param.float() for name, param in self.models[index].named_parameters()
+                                        if mlora.is_adapter_tensor(name)})
             chunk_size = hf_model.forward_options(spec.model_cfg, dtype, device).head_chunk_size
             self.head = mmodel.ResponsePositionsHead(self.models, self.config.sequence_parallel, chunk_size,
                                                      self.layout.vocab)
@@ -492,10 +494,8 @@ class MegatronEngine(TrainEngine):
                 _create_adam_state(part.optimizer)
             state = dist_checkpointing.load(self._sharded_state(loading=True), folder)
             for index, model in enumerate(self.models):
-                missing, _ = model.load_state_dict(state[f"model{index}"], strict=self.adapters is None)
-                if [key for key in missing if mlora.is_adapter_tensor(key)]:
-                    raise ValueError(f"The checkpoint {folder} lacks LoRA adapter tensors: it was not saved with this "
-                                     f"{mlora.KEY} setting.")
+                # Under LoRA the checkpoint holds the adapters only (dist_checkpointing fails on a missing one).
+                model.load_state_dict(state[f"model{index}"], strict=self.adapters is None)
             self.optimizer.load_state_dict(state["optimizer"])
             # Without Apex / Transformer Engine, megatron-core 0.16.1's distributed optimizer
             # restores the step count into its param groups only: the parameters' Adam states

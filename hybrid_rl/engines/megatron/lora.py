@@ -35,6 +35,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
+from hybrid_rl.engines.base import all_reduce_scalar
 from hybrid_rl.engines.megatron import convert
 
 KEY = "actor_rollout_ref.model.lora"
@@ -278,7 +279,9 @@ class Adapters:
                     parent.add_module(leaf + ADAPTER_SUFFIX, adapter)
                     adapters[local] = [adapter]
             self.by_chunk.append(adapters)
-        if not any(self.by_chunk) and any(self._layer_count(c) for c in chunks):
+        # Counted over every rank: under PP a target may name only another stage's layers.
+        device = next(chunks[0].parameters()).device
+        if not all_reduce_scalar(sum(len(adapters) for adapters in self.by_chunk), device):
             leaves = sorted({n.rsplit(".", 1)[-1] for c in chunks for n, m in c.named_modules()
                              if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and ".layers." in n})
             raise ValueError(f"{KEY}.target_modules={list(settings.target_modules)} / exclude_modules="
@@ -286,11 +289,6 @@ class Adapters:
                              f"{leaves} (or wildcards over full names, e.g. '*.layers.0.*.linear_qkv').")
         if settings.adapter_path:
             self._load_peft(settings.adapter_path)
-
-    @staticmethod
-    def _layer_count(chunk: torch.nn.Module) -> int:
-        decoder = getattr(chunk, "decoder", None)
-        return len(decoder.layers) if decoder is not None else 0
 
     @contextlib.contextmanager
     def disabled(self):
@@ -333,12 +331,6 @@ class Adapters:
         if dist.get_rank() == 0:
             LoraConfig(r=self.settings.rank, lora_alpha=self.settings.alpha, target_modules=modules, lora_dropout=0.0,
                        bias="none", task_type="CAUSAL_LM").save_pretrained(folder)
-
-    def float32_state(self, index: int) -> dict[str, torch.Tensor]:
-        """Chunk `index`'s adapter tensors in float32, under their state-dict names (for the
-        optimizer's main weights before the chunks are cast to half precision)."""
-        return {f"{local.rpartition('.')[0]}.{a.name.rpartition('.')[2]}{ADAPTER_SUFFIX}.{param}": getattr(a, param).float()
-                for local, adapters in self.by_chunk[index].items() for a in adapters for param in ("lora_A", "lora_B")}
 
     @torch.no_grad()
     def _load_peft(self, path: str) -> None:
