@@ -508,51 +508,57 @@ def resolve_dtypes(cfg: DictConfig) -> None:
 
 
 def check_lora(cfg: DictConfig) -> None:
-    """verl's two families of LoRA keys: `model.lora_rank` ... for the FSDP engine (peft),
-    `model.lora.*` for the Megatron engine; a non-negative rank, a positive alpha, a peft
-    adapter folder."""
-    model = cfg.actor_rollout_ref.model
-    strategy = cfg.actor_rollout_ref.actor.strategy
+    """verl's two families of LoRA keys, for the actor and for the critic: `model.lora_rank` ...
+    for the FSDP engine (peft), `model.lora.*` for the Megatron engine; a non-negative rank, a
+    positive alpha, a peft adapter folder."""
+    roles = [("actor_rollout_ref", "actor_rollout_ref.actor.strategy", cfg.actor_rollout_ref.actor.strategy)]
+    if needs_critic(cfg):
+        roles.append(("critic", "critic.strategy", cfg.critic.strategy))
+    for role, strategy_key, strategy in roles:
+        if _check_role_lora(f"{role}.model", cfg[role].model, strategy_key, strategy) and \
+                role == "actor_rollout_ref" and cfg.trainer.iterative.enable and \
+                cfg.trainer.iterative.reset_reference and needs_reference(cfg):
+            raise ConfigError("trainer.iterative.reset_reference=true with LoRA: the reference policy is the base "
+                              "model with the adapter off and cannot move to the actor; set "
+                              "trainer.iterative.reset_reference=false or actor_rollout_ref.model.lora_rank=0.")
+
+
+def _check_role_lora(key: str, model: DictConfig, strategy_key: str, strategy: str) -> bool:
+    """One role's LoRA keys (`key` is its model section); whether LoRA is on."""
     section = model.get("lora") or {}
-    for name, rank in (("actor_rollout_ref.model.lora_rank", model.lora_rank),
-                       ("actor_rollout_ref.model.lora.rank", section.get("rank", 0))):
+    for name, rank in ((f"{key}.lora_rank", model.lora_rank), (f"{key}.lora.rank", section.get("rank", 0))):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ConfigError(f"{name}={rank!r} must be a whole number >= 0 (0: no LoRA; 8-64 are usual).")
     if model.lora_rank or model.lora_adapter_path:
         if megatron_lora.enabled(model):
-            raise ConfigError("actor_rollout_ref.model.lora_rank and actor_rollout_ref.model.lora.rank are both set: "
-                              "lora_rank is the FSDP engine's LoRA, lora.* the Megatron engine's; set one.")
+            raise ConfigError(f"{key}.lora_rank and {key}.lora.rank are both set: lora_rank is the FSDP engine's "
+                              "LoRA, lora.* the Megatron engine's; set one.")
         if strategy == "megatron":
-            raise ConfigError("actor_rollout_ref.model.lora_rank is the FSDP engine's LoRA key; with "
-                              "actor_rollout_ref.actor.strategy=megatron set actor_rollout_ref.model.lora.rank "
-                              "(and lora.alpha, lora.target_modules) instead, as in verl.")
-        alpha, alpha_key, path, path_key = (model.lora_alpha, "actor_rollout_ref.model.lora_alpha",
-                                            model.lora_adapter_path, "actor_rollout_ref.model.lora_adapter_path")
+            raise ConfigError(f"{key}.lora_rank is the FSDP engine's LoRA key; with {strategy_key}=megatron set "
+                              f"{key}.lora.rank (and lora.alpha, lora.target_modules) instead, as in verl.")
+        alpha, alpha_key, path, path_key = (model.lora_alpha, f"{key}.lora_alpha", model.lora_adapter_path,
+                                            f"{key}.lora_adapter_path")
     elif megatron_lora.enabled(model):
         if strategy != "megatron":
-            raise ConfigError(f"actor_rollout_ref.model.lora.rank is the Megatron engine's LoRA key; with "
-                              f"actor_rollout_ref.actor.strategy={strategy} set actor_rollout_ref.model.lora_rank "
-                              "(and lora_alpha, target_modules) instead, as in verl.")
-        _check_megatron_lora(section)
-        alpha, alpha_key, path, path_key = (section.get("alpha"), "actor_rollout_ref.model.lora.alpha",
-                                            section.get("adapter_path"), "actor_rollout_ref.model.lora.adapter_path")
+            raise ConfigError(f"{key}.lora.rank is the Megatron engine's LoRA key; with {strategy_key}={strategy} "
+                              f"set {key}.lora_rank (and lora_alpha, target_modules) instead, as in verl.")
+        _check_megatron_lora(f"{key}.lora", section)
+        alpha, alpha_key, path, path_key = (section.get("alpha"), f"{key}.lora.alpha", section.get("adapter_path"),
+                                            f"{key}.lora.adapter_path")
     else:
-        return
+        return False
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
         raise ConfigError(f"{alpha_key}={alpha!r} must be a positive number (the adapter's output is scaled by "
                           "alpha / rank).")
     if path and not os.path.isfile(os.path.join(os.path.expanduser(str(path)), lora.ADAPTER_CONFIG)):
         raise ConfigError(f"{path_key}={path!r} is not a peft adapter folder (no adapter_config.json there); give "
                           "the folder that PeftModel.save_pretrained (or hybrid-rl-export --adapter-only) wrote.")
-    if cfg.trainer.iterative.enable and cfg.trainer.iterative.reset_reference and needs_reference(cfg):
-        raise ConfigError("trainer.iterative.reset_reference=true with LoRA: the reference policy is the base model "
-                          "with the adapter off and cannot move to the actor; set "
-                          "trainer.iterative.reset_reference=false or actor_rollout_ref.model.lora_rank=0.")
+    return True
 
 
-def _check_megatron_lora(section: DictConfig) -> None:
-    """What the Megatron engine's LoRA builds of verl's `model.lora` section."""
-    key = "actor_rollout_ref.model.lora"  # its dropout and dtype: config_keys refuses what is not built
+def _check_megatron_lora(key: str, section: DictConfig) -> None:
+    """What the Megatron engine's LoRA builds of verl's `model.lora` section (`key`); its dropout
+    and dtype: config_keys refuses what is not built."""
     _choice(section.get("type", "lora"), ("lora", "canonical_lora"), f"{key}.type",
             {name: "LoRA adapters of the fused (type=lora) or separate (canonical_lora) projections"
              for name in ("dora", "vlm_lora")})

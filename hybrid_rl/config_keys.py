@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 logger = logging.getLogger(__name__)
 
 WORKS, NO_EFFECT, NOT_YET = "works", "no effect", "not supported yet"
+LORA_ROLES = ("actor_rollout_ref", "critic")  # the trained models with verl's LoRA keys
 # Offloading to host memory means nothing when the model already lives there.
 NO_EFFECT_ON_CPU = "no effect on CPU; not supported yet on GPU"
 REMOTE_SANDBOX = ("verl's remote sandbox service is not used; code rewards run in the local sandbox "
@@ -133,8 +134,6 @@ RULES: tuple[Rule, ...] = tuple([
             "critic.model.tokenizer_path", "critic.model.custom_chat_template"),
     *_rules(WORKS, "true (the default here): the critic's forward runs on packed rows of real tokens, as the "
             "actor's; false runs padded rows (same values, more compute)", "critic.model.use_remove_padding"),
-    *_rules(NOT_YET, "LoRA is not built yet", "critic.model.lora.rank", "critic.model.lora.adapter_path"),
-    *_rules(NO_EFFECT, "read only with LoRA, which is not supported yet", "critic.model.lora.*"),
     *_rules(NOT_YET, "multi-token prediction is not built yet", "critic.model.mtp.enable"),
     *_rules(NO_EFFECT, "read only with mtp.enable, which is not supported yet", "critic.model.mtp.*"),
     *_rules(NO_EFFECT, "every decoder layer is its own FSDP unit; this policy is not consulted",
@@ -240,29 +239,35 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NOT_YET, "checkpoints are written synchronously", "*.checkpoint.async_save"),
     *_rules(NOT_YET, "checkpoints always load strictly", "*.checkpoint.strict"),
     # --- model
-    *_rules(WORKS, "LoRA on the FSDP engine (peft); the reference policy is the base model with the adapter off",
-            *(f"actor_rollout_ref.model.{k}" for k in ("lora_rank", "lora_alpha", "target_modules", "exclude_modules",
-                                                       "lora_adapter_path"))),
+    *_rules(WORKS, "LoRA on the FSDP engine (peft); the reference policy is the base model with the adapter off; "
+            "the critic's value head trains whole beside its adapter",
+            *(f"{role}.model.{k}" for role in LORA_ROLES for k in ("lora_rank", "lora_alpha", "target_modules",
+                                                                 "exclude_modules", "lora_adapter_path"))),
     *_rules(WORKS, "LoRA on the Megatron engine (megatron-bridge's fused `lora` type, on megatron-core's own "
             "layers): adapters beside the parallel linears, split over TP as they are; the reference policy is the "
-            "base model with the adapters off; adapter_path: a peft adapter folder",
-            *(f"actor_rollout_ref.model.lora.{k}" for k in ("rank", "alpha", "target_modules", "exclude_modules",
-                                                            "lora_A_init_method", "lora_B_init_method",
-                                                            "adapter_path"))),
+            "base model with the adapters off, the critic's value head trains whole; adapter_path: a peft adapter "
+            "folder",
+            *(f"{role}.model.lora.{k}" for role in LORA_ROLES for k in ("rank", "alpha", "target_modules",
+                                                                      "exclude_modules", "lora_A_init_method",
+                                                                      "lora_B_init_method", "adapter_path"))),
     *_rules(WORKS, "lora: one adapter per fused layer (qkv, gate/up); canonical_lora: one per projection "
             "(target_modules linear_q, linear_k, linear_v, linear_fc1_gate, linear_fc1_up, linear_proj, linear_fc2); "
-            "dora and vlm_lora are refused at start as not supported yet", "actor_rollout_ref.model.lora.type"),
-    *_rules(NOT_YET, "adapters without dropout", "actor_rollout_ref.model.lora.dropout"),
+            "dora and vlm_lora are refused at start as not supported yet",
+            *(f"{role}.model.lora.type" for role in LORA_ROLES)),
+    *_rules(NOT_YET, "adapters without dropout", *(f"{role}.model.lora.dropout" for role in LORA_ROLES)),
     *_rules(NO_EFFECT, "read only with lora.dropout, which is not supported yet",
-            "actor_rollout_ref.model.lora.dropout_position"),
+            *(f"{role}.model.lora.dropout_position" for role in LORA_ROLES)),
     *_rules(NOT_YET, "adapters are kept in the model's dtype (float32 optimizer copies)",
-            "actor_rollout_ref.model.lora.dtype"),
+            *(f"{role}.model.lora.dtype" for role in LORA_ROLES)),
     *_rules(NOT_YET, "megatron-bridge's all-to-all expert adapters are not built",
-            "actor_rollout_ref.model.lora.a2a_experimental"),
+            *(f"{role}.model.lora.a2a_experimental" for role in LORA_ROLES)),
     *_rules(NO_EFFECT, "the rollout always gets merged weights (W + alpha/rank x BA), only the adapted ones after "
             "the first sync", "actor_rollout_ref.model.lora.merge"),
-    *_rules(NO_EFFECT, "vision-language models are not supported", "actor_rollout_ref.model.lora.freeze_*"),
-    *_rules(NOT_YET, "LoRA for this model is not built yet (the actor's is: actor_rollout_ref.model.lora_rank)",
+    *_rules(NO_EFFECT, "the critic's adapters stay apart from its weights (it is not synced anywhere)",
+            "critic.model.lora.merge"),
+    *_rules(NO_EFFECT, "vision-language models are not supported", "*.model.lora.freeze_*"),
+    *_rules(NOT_YET, "LoRA for this model is not built yet (the actor's and the critic's are: "
+            "actor_rollout_ref.model.lora_rank, critic.model.lora_rank)",
             "*.model.lora_adapter_path", "*.model.lora_rank"),
     *_rules(NO_EFFECT, "read only with LoRA, which is not supported for this model yet", "*.model.lora_alpha",
             "*.model.target_modules", "*.model.exclude_modules"),

@@ -15,8 +15,9 @@ or from the command line: `hybrid-rl-export CHECKPOINT OUT_DIR [--role] [--dtype
 also `python tools/export_hf.py ...`).
 
 A LoRA run's checkpoint holds only the adapter (next to peft's `adapter_config.json`): the export
-rebuilds it with peft on the run's base model (`actor_rollout_ref.model.path`, or `base_model`)
-and writes the merged model, or with `adapter_only` the adapter in peft's own format.
+rebuilds it with peft on the run's base model (`actor_rollout_ref.model.path`, the critic's
+`critic.model.path`, or `base_model`) and writes the merged model, or with `adapter_only` the
+adapter in peft's own format (a critic's with its value head, which trains whole).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from hybrid_rl.hardware import TORCH_DTYPES
 logger = logging.getLogger(__name__)
 
 ROLES = ("actor", "critic")
+MODEL_KEYS = {"actor": "actor_rollout_ref.model", "critic": "critic.model"}  # each role's model section
 HF_DIR = "huggingface"
 MODEL_KEY = "model"  # top-level key of the model's state dict inside the DCP checkpoint (see engines/fsdp.py)
 # Files of huggingface/ that the exported folder gets from save_pretrained instead of copying.
@@ -205,16 +207,24 @@ def _role_config(step: Path, role: str):
     return config, bool(model_cfg.trust_remote_code)
 
 
-def _with_adapter(state: dict[str, torch.Tensor], role_dir: Path, base_model: str, config, trust: bool):
-    """The base model with the checkpoint's LoRA adapter, as a peft model."""
+def _with_adapter(state: dict[str, torch.Tensor], role_dir: Path, base_model: str, config, trust: bool,
+                  auto_class: str):
+    """The base model (of transformers' `auto_class`) with the checkpoint's LoRA adapter, as a
+    peft model. A critic's head, trained whole, is peft's trained copy of it (`modules_to_save`);
+    the Megatron engine's checkpoints name it as the head itself."""
+    import transformers
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base_model, config=config, dtype=torch.float32,
-                                                 trust_remote_code=trust)
-    peft_model = get_peft_model(model, LoraConfig.from_pretrained(str(role_dir)))
+    model = getattr(transformers, auto_class).from_pretrained(base_model, config=config, dtype=torch.float32,
+                                                              trust_remote_code=trust)
+    peft_config = LoraConfig.from_pretrained(str(role_dir))
+    state = dict(state)
+    for head in set(peft_config.modules_to_save or ()):
+        for key in [k for k in state if k.startswith(f"{head}.") and lora.TRAINED_COPY not in k]:
+            state[f"{head}{lora.TRAINED_COPY}{key[len(head) + 1:]}"] = state.pop(key)
+    peft_model = get_peft_model(model, peft_config)
     result = peft_model.get_base_model().load_state_dict(state, strict=False)
-    not_set = [k for k in result.missing_keys if lora.is_adapter_tensor(k)]
+    not_set = [k for k in result.missing_keys if lora.is_trained_tensor(k)]
     if result.unexpected_keys or not_set:
         raise ExportError(
             f"The adapter in {role_dir} does not fit the base model {base_model}: "
@@ -333,7 +343,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, role: str = "actor", dtype:
     complete (written to a temporary sibling folder, then renamed).
 
     A LoRA checkpoint is merged into its base model (`base_model`, default the run's
-    `actor_rollout_ref.model.path`); with `adapter_only` the folder gets the adapter alone, as
+    `actor_rollout_ref.model.path`, or `critic.model.path`); with `adapter_only` the folder gets the adapter alone, as
     peft writes it (`adapter_config.json` + `adapter_model.safetensors`).
     """
     if dtype not in TORCH_DTYPES:
@@ -349,6 +359,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, role: str = "actor", dtype:
         raise ExportError(f"Output folder {out} is inside the checkpoint {step}; choose a folder outside it.")
 
     config, trust = _role_config(step, role)
+    auto_class = ROLE_CLASSES.get(role, "AutoModelForCausalLM")
     state = read_model_state(role_dir)
     adapter = (role_dir / lora.ADAPTER_CONFIG).is_file()
     if adapter_only and not adapter:
@@ -368,19 +379,19 @@ def export_checkpoint(checkpoint: str, out_dir: str, role: str = "actor", dtype:
 
         try:
             base = resolve_model_path(base_model or _stored_model_config(step, role).path,
-                                      "--base-model" if base_model else "the run's actor_rollout_ref.model.path")
+                                      "--base-model" if base_model else f"the run's {MODEL_KEYS[role]}.path")
         except ModelPathError as exc:
             raise ExportError(f"{role_dir} holds a LoRA adapter, which needs its base model: {exc} Pass the "
                               "model folder the run trained from with --base-model.") from None
-        peft_model = _with_adapter(state, role_dir, base, config, trust)
+        peft_model = _with_adapter(state, role_dir, base, config, trust, auto_class)
         state = None if adapter_only else peft_model.merge_and_unload().state_dict()
 
     def write(tmp: Path) -> None:
         if adapter_only:
             peft_model.save_pretrained(str(tmp))
         else:
-            save_hf_weights(state, config, tmp, ROLE_CLASSES.get(role, "AutoModelForCausalLM"), dtype=torch_dtype,
-                            trust_remote_code=trust, source=role_dir)
+            save_hf_weights(state, config, tmp, auto_class, dtype=torch_dtype, trust_remote_code=trust,
+                            source=role_dir)
         _copy_hf_files(step / HF_DIR, tmp)
 
     write_folder(out, write, overwrite)
@@ -429,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it already exists")
     ap.add_argument("--adapter-only", action="store_true",
                     help="a LoRA run's checkpoint: write the adapter alone in peft's format (default: merged model)")
-    ap.add_argument("--base-model", help="a LoRA run's base model folder (default: the run's actor_rollout_ref.model.path)")
+    ap.add_argument("--base-model", help="a LoRA run's base model folder (default: the run's actor_rollout_ref.model.path, "
+                    "for --role critic its critic.model.path)")
     args = ap.parse_args(argv)
 
     try:

@@ -197,10 +197,19 @@ def test_target_modules_that_match_nothing_name_the_key_and_the_layers(model_dir
     (["actor_rollout_ref.model.lora.adapter_path=/nonexistent/adapter", "actor_rollout_ref.actor.strategy=megatron"],
      r"lora.adapter_path='/nonexistent/adapter' is not a peft adapter folder"),
     (["actor_rollout_ref.model.lora_rank=8", "trainer.iterative.enable=true"], r"reset_reference=true with LoRA"),
+    # The critic's, under the same rules.
+    (["algorithm.adv_estimator=gae", "critic.model.lora_rank=8", "critic.strategy=megatron"],
+     r"critic.model.lora_rank is the FSDP engine's LoRA key; with critic.strategy=megatron set critic.model.lora.rank"),
+    (["algorithm.adv_estimator=gae", "critic.model.lora.rank=8"],
+     r"critic.model.lora.rank is the Megatron engine's LoRA key; with critic.strategy=fsdp2 set critic.model.lora_rank"),
+    (["algorithm.adv_estimator=gae", "critic.model.lora_rank=8", "critic.model.lora_alpha=-1"],
+     r"critic.model.lora_alpha=-1 must be a positive number"),
+    (["algorithm.adv_estimator=gae", "critic.model.lora.rank=8", "critic.strategy=megatron",
+      "critic.model.lora.dropout=0.1"], r"critic.model.lora.dropout=0.1 is not supported yet"),
 ])
 def test_lora_settings_that_cannot_work_stop_at_start(overrides, message):
     # The Megatron engine's cases in verl's Megatron tree, as verl users run them.
-    name = "ppo_megatron_trainer" if "actor_rollout_ref.actor.strategy=megatron" in overrides else "ppo_trainer"
+    name = "ppo_megatron_trainer" if any(o.endswith("strategy=megatron") for o in overrides) else "ppo_trainer"
     with pytest.raises(ConfigError, match=message):
         validate_config(compose_config(overrides, config_name=name))
 
@@ -233,3 +242,158 @@ def test_a_frozen_float32_engine_holds_a_bf16_checkpoints_linears_in_bf16(model_
     batch = rollout_batch(0)
     ours, expected = (e.infer(batch, Output.LOG_PROBS, 0.7, 3, None)["log_probs"] for e in (frozen, uncast))
     assert torch.equal(ours, expected) and ours.abs().sum() > 0
+
+
+# --- the critic (critic.model.lora_rank): its backbone adapted, its new value head trained whole
+CRITIC = ["critic.fsdp_config.dtype=fp32", "critic.strategy=fsdp2", "critic.ppo_mini_batch_size=4",
+          "critic.ppo_micro_batch_size_per_gpu=3", "critic.use_dynamic_bsz=false", "critic.optim.lr=1e-3",
+          "critic.optim.weight_decay=0.0", "algorithm.adv_estimator=gae"]
+
+
+def critic_engine(model_dir, extra=()):
+    from hybrid_rl.engines import Head, ModelSpec, build_engine
+
+    cfg = compose_config([*CRITIC, *extra])
+    torch.manual_seed(0)
+    spec = ModelSpec("critic", model_dir, cfg.critic.model, head=Head.VALUE, optim_cfg=cfg.critic.optim, total_steps=4)
+    return cfg, build_engine(spec, cfg.critic, torch.device("cpu"))
+
+
+def critic_step(engine, cfg, seed: int) -> dict:
+    def value_loss(out, micro, agg):
+        mask = micro["response_mask"]
+        loss = (((out["values"] - micro["advantages"]) ** 2) * mask).sum() * agg["dp_size"] / agg["global_num_tokens"]
+        return loss, {"loss": float(loss.detach())}
+
+    return engine.update(rollout_batch(seed), cfg.critic, rollout_n=2, seed=seed, output=Output.VALUES,
+                         temperature=1.0, loss_fn=value_loss)
+
+
+@pytest.fixture(scope="module")
+def critic_adapter(model_dir, tmp_path_factory) -> str:
+    """A critic's peft adapter (token classification): every projection adapted with B not zero,
+    and a head of its own (peft's `modules_to_save`)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForTokenClassification
+
+    model = AutoModelForTokenClassification.from_pretrained(model_dir, num_labels=1)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                  exclude_modules=["score"], task_type="TOKEN_CLS"))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.requires_grad:  # the adapters and the head
+                param.copy_(torch.randn(param.shape, generator=g) * (0.05 if "lora_B" in name else 0.3))
+    folder = tmp_path_factory.mktemp("critic_adapter")
+    peft_model.save_pretrained(folder)
+    return str(folder)
+
+
+def critic_reference(model_dir: str, adapter: str) -> dict:
+    """The same update by hand: peft's token classifier from `adapter`, the squared error over the
+    whole batch (one mini-batch), the gradient norm clipped to 1, one AdamW step."""
+    from peft import PeftModel
+    from transformers import AutoModelForTokenClassification
+
+    model = AutoModelForTokenClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(model, adapter, is_trainable=True)
+    batch = rollout_batch(1)
+    response = batch["responses"].shape[1]
+    values = peft_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                        position_ids=batch["position_ids"]).logits[:, -response - 1:-1, 0]
+    mask = batch["response_mask"]
+    loss = (((values - batch["advantages"]) ** 2) * mask).sum() / mask.sum()
+    loss.backward()
+    params = [p for p in model.parameters() if p.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+    torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0).step()
+    with torch.no_grad():
+        after = dict(peft_model.merge_and_unload().state_dict())
+    return {"values": values.detach() * mask, "loss": float(loss.detach()), "grad_norm": float(norm), "after": after}
+
+
+def test_a_critic_trains_its_adapter_and_its_whole_head_as_peft_computes_them(model_dir, critic_adapter):
+    expected = critic_reference(model_dir, critic_adapter)
+    cfg, engine = critic_engine(model_dir, [f"critic.model.lora_adapter_path={critic_adapter}"])
+    trained = {n for n, p in engine.module.named_parameters() if p.requires_grad}
+    assert {n for n in trained if ".lora_" not in n} == {"score.modules_to_save.default.weight",
+                                                        "score.modules_to_save.default.bias"}
+    before = weights(engine)
+    mask = rollout_batch(1)["response_mask"].bool()
+    values = engine.infer(rollout_batch(1), Output.VALUES, 1.0, 3, None)["values"]
+    assert (values - expected["values"])[mask].abs().max() <= 1e-5
+    metrics = critic_step(engine, cfg, 1)
+    assert metrics["critic/loss"] == pytest.approx(expected["loss"], rel=1e-5)
+    assert metrics["critic/grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
+    after = weights(engine)
+    assert after.keys() == expected["after"].keys()
+    for name, tensor in expected["after"].items():
+        torch.testing.assert_close(after[name], tensor, rtol=0, atol=1e-6)
+    changed = {k for k in after if not torch.equal(after[k], before[k])}
+    assert {"score.weight", "score.bias"} <= changed
+    assert all("proj" in k or k.startswith("score.") for k in changed)  # the rest of the base is frozen
+
+
+def test_a_critics_checkpoint_holds_its_adapter_and_head_resumes_exactly_and_exports(model_dir, critic_adapter,
+                                                                                     tmp_path):
+    import json
+    import shutil
+
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import FileSystemReader
+    from transformers import AutoModelForTokenClassification
+
+    from hybrid_rl.export import export_checkpoint
+
+    extra = ["critic.model.lora_rank=4", "critic.model.lora_alpha=8"]
+    cfg, engine = critic_engine(model_dir, extra)
+    critic_step(engine, cfg, 1)
+    folder = tmp_path / "global_step_1" / "critic"
+    engine.save_checkpoint(str(folder))
+    tensors = [k for k, v in FileSystemReader(str(folder)).read_metadata().state_dict_metadata.items()
+               if k.startswith("model.") and hasattr(v, "size")]
+    assert tensors and all(".lora_A." in k or ".lora_B." in k or ".score.modules_to_save." in k for k in tensors)
+    assert any("score" in k for k in tensors)
+    _, resumed = critic_engine(model_dir, extra)
+    resumed.load_checkpoint(str(folder))
+    assert critic_step(resumed, cfg, 2) == critic_step(engine, cfg, 2)
+    a, b = weights(engine), weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    # hybrid-rl-export --role critic of the step-1 checkpoint: merged, and the adapter with its head.
+    step_dir = folder.parent
+    shutil.copytree(model_dir, step_dir / "huggingface", ignore=shutil.ignore_patterns("*.safetensors"))
+    (step_dir / "trainer_state.json").write_text(json.dumps({"config": {"critic": {"model": {"path": model_dir}}}}))
+    _, at_step1 = critic_engine(model_dir, extra)
+    at_step1.load_checkpoint(str(folder))
+    values = at_step1.infer(rollout_batch(3), Output.VALUES, 1.0, 3, None)["values"]
+    batch, mask = rollout_batch(3), rollout_batch(3)["response_mask"]
+    response = batch["responses"].shape[1]
+
+    def values_of(model):
+        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                     position_ids=batch["position_ids"]).logits[:, -response - 1:-1, 0].detach() * mask
+
+    merged = AutoModelForTokenClassification.from_pretrained(
+        export_checkpoint(str(step_dir), str(tmp_path / "merged"), role="critic"))
+    assert (values_of(merged) - values).abs().max() <= 1e-5
+    assert load_file(tmp_path / "merged" / "model.safetensors").keys() == a.keys()
+    adapter = export_checkpoint(str(step_dir), str(tmp_path / "adapter"), role="critic", adapter_only=True)
+    with_adapter = PeftModel.from_pretrained(AutoModelForTokenClassification.from_pretrained(model_dir, num_labels=1),
+                                             adapter)
+    assert (values_of(with_adapter) - values).abs().max() <= 1e-5
+
+
+def test_a_critic_starts_from_a_policy_adapter_with_its_own_head(model_dir, tmp_path):
+    """A policy's adapter (causal LM, no head) starts the critic's backbone; the head is the new
+    one, trained whole."""
+    cfg, actor = lora_engine(model_dir)
+    step(actor, cfg, 1)
+    actor.peft.save_pretrained(str(tmp_path))
+    _, critic = critic_engine(model_dir, [f"critic.model.lora_adapter_path={tmp_path}"])
+    adapters = {n: p for n, p in critic.module.named_parameters() if ".lora_" in n}
+    policy = dict(actor.module.named_parameters())
+    assert adapters and all(torch.equal(p, policy[n]) for n, p in adapters.items())
+    assert {n for n, p in critic.module.named_parameters() if p.requires_grad} == {
+        *adapters, "score.modules_to_save.default.weight", "score.modules_to_save.default.bias"}

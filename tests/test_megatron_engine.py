@@ -335,15 +335,15 @@ def test_megatron_canonical_lora_matches_peft_on_the_fsdp_engine(megatron_layout
     assert all((merged[k] - results[0]["canonical"][2][k]).abs().max() <= 1e-6 for k in merged)
 
 
-def export_step_folder(engine_checkpoint: str, model_dir: str, step_dir: Path) -> Path:
-    """A trainer's checkpoint step folder around an engine's checkpoint of the actor."""
+def export_step_folder(engine_checkpoint: str, model_dir: str, step_dir: Path, role: str = "actor") -> Path:
+    """A trainer's checkpoint step folder around an engine's checkpoint of the actor (or critic)."""
     import json
     import shutil
 
-    shutil.copytree(engine_checkpoint, step_dir / "actor")
+    shutil.copytree(engine_checkpoint, step_dir / role)
     shutil.copytree(model_dir, step_dir / "huggingface", ignore=shutil.ignore_patterns("*.safetensors"))
-    (step_dir / "trainer_state.json").write_text(json.dumps(
-        {"config": {"actor_rollout_ref": {"model": {"path": model_dir}}}}))
+    section = "critic" if role == "critic" else "actor_rollout_ref"
+    (step_dir / "trainer_state.json").write_text(json.dumps({"config": {section: {"model": {"path": model_dir}}}}))
     return step_dir
 
 
@@ -526,14 +526,14 @@ def test_megatron_reward_model_scores_as_the_fsdp_one(megatron_layout, reward_mo
             assert result["metrics"][key] == pytest.approx(expected["metrics"][key], rel=1e-4), key
 
 
-def critic_config(strategy: str, tp: int = 1, pp: int = 1, cp: int = 1, vpp: int | None = None):
+def critic_config(strategy: str, tp: int = 1, pp: int = 1, cp: int = 1, vpp: int | None = None, extra=()):
     return compose_config([
         "critic.fsdp_config.dtype=fp32", "critic.megatron.dtype=fp32", f"critic.strategy={strategy}",
         "critic.ppo_mini_batch_size=4", "critic.ppo_micro_batch_size_per_gpu=3",
         "critic.use_dynamic_bsz=false", "critic.optim.lr=1e-3", "critic.optim.weight_decay=0.0",
         f"critic.megatron.tensor_model_parallel_size={tp}", f"critic.megatron.pipeline_model_parallel_size={pp}",
-        f"critic.megatron.context_parallel_size={cp}", f"critic.megatron.virtual_pipeline_model_parallel_size={vpp or 'null'}"],
-        config_name="ppo_megatron_trainer")
+        f"critic.megatron.context_parallel_size={cp}", f"critic.megatron.virtual_pipeline_model_parallel_size={vpp or 'null'}",
+        *extra], config_name="ppo_megatron_trainer")
 
 
 def value_loss_fn(out, micro, agg):
@@ -542,18 +542,39 @@ def value_loss_fn(out, micro, agg):
     return loss, {"loss": float(loss.detach())}
 
 
-def critic_run(cfg, model_dir) -> dict:
-    critic = build_engine(ModelSpec("critic", model_dir, cfg.critic.model, head=Head.VALUE, optim_cfg=cfg.critic.optim,
-                                    total_steps=4), cfg.critic, torch.device("cpu"))
+def make_critic(cfg, model_dir):
+    return build_engine(ModelSpec("critic", model_dir, cfg.critic.model, head=Head.VALUE, optim_cfg=cfg.critic.optim,
+                                  total_steps=4), cfg.critic, torch.device("cpu"))
+
+
+def critic_update(critic, cfg, seed: int) -> dict:
+    return critic.update(rollout_batch(seed), cfg.critic, rollout_n=2, seed=seed, output=Output.VALUES,
+                         temperature=1.0, loss_fn=value_loss_fn)
+
+
+def critic_run(cfg, model_dir, checkpoint: str | None = None) -> dict:
+    """Values, one update and the weights around it; with `checkpoint`, the engine saved there
+    after it, a second update, and the same from an engine that loads the checkpoint."""
+    critic = make_critic(cfg, model_dir)
     values = critic.infer(rollout_batch(1), Output.VALUES, 1.0, 3, None)["values"]
     before = weights(critic)
-    metrics = critic.update(rollout_batch(1), cfg.critic, rollout_n=2, seed=1, output=Output.VALUES,
-                            temperature=1.0, loss_fn=value_loss_fn)
-    return {"values": values, "metrics": metrics, "before": before, "after": weights(critic)}
+    result = {"values": values, "metrics": critic_update(critic, cfg, 1), "before": before, "after": weights(critic),
+              "output": critic.is_output_rank}
+    if checkpoint:
+        critic.save_checkpoint(checkpoint)
+        result["second"] = (critic_update(critic, cfg, 2), weights(critic))
+        resumed = make_critic(cfg, model_dir)
+        resumed.load_checkpoint(checkpoint)
+        result["resumed"] = (critic_update(resumed, cfg, 2), weights(resumed))
+    return result
 
 
 def critic_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int, vpp: int | None) -> dict:
-    return critic_run(critic_config("megatron", tp, pp, cp, vpp), inputs["value_model"])
+    model, adapter = inputs["critic_lora"]
+    lora = critic_config("megatron", tp, pp, cp, vpp, extra=(
+        f"critic.model.lora.adapter_path={adapter}", "critic.model.lora.type=canonical_lora"))
+    return {"full": critic_run(critic_config("megatron", tp, pp, cp, vpp), inputs["value_model"]),
+            "lora": critic_run(lora, model, os.path.join(out_dir, "critic_lora_ckpt"))}
 
 
 @pytest.fixture(scope="module")
@@ -568,6 +589,31 @@ def value_model_dir(tiny_model_dir4, tmp_path_factory):
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(tiny_model_dir4).save_pretrained(folder)
     return str(folder)
+
+
+@pytest.fixture(scope="module")
+def critic_lora_case(canonical_lora_adapter, tmp_path_factory) -> tuple[str, str]:
+    """(value model, adapter): a critic of the 4-head, 2-group model (TP=2 splits whole groups, as
+    canonical_lora needs), and a peft adapter of it (token classification) that adapts every
+    projection, B not zero, and holds a head of its own."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+    base = canonical_lora_adapter[0]
+    folder = tmp_path_factory.mktemp("critic_lora")
+    model = AutoModelForTokenClassification.from_pretrained(base, num_labels=1)
+    model.save_pretrained(folder / "model")
+    AutoTokenizer.from_pretrained(base).save_pretrained(folder / "model")
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=[
+        name for _, names in FUSED for name in names], task_type="TOKEN_CLS"))
+    g = torch.Generator().manual_seed(7)
+    scales = {"lora_A": 0.3, "lora_B": 0.05, "score": 0.02}  # the head's as transformers draws one
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.requires_grad:  # the adapters and the head's trained copy
+                param.copy_(torch.randn(param.shape, generator=g) * next(v for k, v in scales.items() if k in name))
+    peft_model.save_pretrained(folder / "adapter")
+    return str(folder / "model"), str(folder / "adapter")
 
 
 PARTS = {"actor": actor_part, "actor_bf16": actor_bf16_part, "lora": lora_part, "critic": critic_part, "reward_model": reward_model_part}
@@ -595,14 +641,14 @@ class LayoutRun:
 @pytest.fixture(scope="module", params=[(2, 1, 1, None), (1, 2, 1, None), (1, 2, 1, 2), (1, 1, 2, None)],
                 ids=["tp2", "pp2", "pp2vpp2", "cp2"])
 def megatron_layout(request, tiny_model_dir4, value_model_dir, reward_model_case, fused_lora_adapter,
-                    canonical_lora_adapter, tmp_path_factory) -> LayoutRun:
+                    canonical_lora_adapter, critic_lora_case, tmp_path_factory) -> LayoutRun:
     """The Megatron side of the comparisons with FSDP (actor in fp32 and bf16, critic, reward
     model) on one TP x PP x CP layout (PP with or without virtual stages), in one spawn of two
     gloo ranks: a spawn costs each rank ~10 s of imports."""
     tp, pp, cp, vpp = request.param
     out_dir = tmp_path_factory.mktemp(f"megatron_tp{tp}_pp{pp}_cp{cp}_vpp{vpp}")
     inputs = {"model": tiny_model_dir4, "value_model": value_model_dir, "lora_adapter": fused_lora_adapter,
-              "canonical_lora": canonical_lora_adapter, **reward_model_case}
+              "canonical_lora": canonical_lora_adapter, "critic_lora": critic_lora_case, **reward_model_case}
     mp.start_processes(_layout_rank_main, args=(2, str(out_dir / "init"), inputs, str(out_dir), tp, pp, cp, vpp),
                        nprocs=2, start_method="spawn")
     return LayoutRun(tp, pp, cp, vpp, out_dir)
@@ -611,7 +657,7 @@ def megatron_layout(request, tiny_model_dir4, value_model_dir, reward_model_case
 def test_megatron_critic_matches_fsdp(megatron_layout, value_model_dir):
     expected = critic_run(critic_config("fsdp2"), value_model_dir)
     mask = rollout_batch(1)["response_mask"].bool()
-    for result in megatron_layout.results("critic"):
+    for result in (r["full"] for r in megatron_layout.results("critic")):
         assert (result["values"] - expected["values"])[mask].abs().max() <= 1e-5
         assert result["metrics"]["critic/grad_norm"] == pytest.approx(expected["metrics"]["critic/grad_norm"], rel=1e-4)
         assert set(result["after"]) == set(expected["after"])  # score.weight and score.bias, no lm_head
@@ -620,6 +666,44 @@ def test_megatron_critic_matches_fsdp(megatron_layout, value_model_dir):
         expected_update = torch.cat([(expected["after"][k] - expected["before"][k]).flatten()
                                      for k in expected["after"]])
         assert (update - expected_update).norm() / expected_update.norm() <= 1e-3
+
+
+def test_megatron_critic_lora_matches_peft_on_the_fsdp_engine(megatron_layout, critic_lora_case, tmp_path):
+    """critic.model.lora.* (canonical_lora) from a critic's peft adapter folder, head included,
+    against peft's LoRA of the same folder on the FSDP engine, in every layout: values, gradient
+    norm and the merged weights and head after one step (the rest of the base frozen); the
+    checkpoint, adapters and head alone, resumes exactly and exports as the critic it is."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    model, adapter = critic_lora_case
+    expected = critic_run(critic_config("fsdp2", extra=(f"critic.model.lora_adapter_path={adapter}",)), model)
+    mask = rollout_batch(1)["response_mask"].bool()
+    trained = {k for k in expected["after"] if "proj" in k or k.startswith("score.")}
+    results = [r["lora"] for r in megatron_layout.results("critic")]
+    for result in results:
+        assert (result["values"] - expected["values"])[mask].abs().max() <= 1e-5
+        assert result["metrics"]["critic/grad_norm"] == pytest.approx(expected["metrics"]["critic/grad_norm"], rel=1e-4)
+        assert result["after"].keys() == expected["after"].keys()
+        assert all((result["before"][k] - expected["before"][k]).abs().max() <= 1e-6 for k in expected["before"])
+        update = torch.cat([(result["after"][k] - result["before"][k]).flatten() for k in trained])
+        expected_update = torch.cat([(expected["after"][k] - expected["before"][k]).flatten() for k in trained])
+        assert (update - expected_update).norm() / expected_update.norm() <= 1e-3
+        assert all(torch.equal(result["after"][k], result["before"][k]) for k in result["after"] if k not in trained)
+        assert not torch.equal(result["after"]["score.weight"], result["before"]["score.weight"])
+        assert result["resumed"][0] == result["second"][0]
+        assert all(torch.equal(result["resumed"][1][k], result["second"][1][k]) for k in result["second"][1])
+    loss = next(r["metrics"]["critic/loss"] for r in results if r["output"])
+    assert loss == pytest.approx(expected["metrics"]["critic/loss"], rel=1e-4)
+    checkpoint = str(megatron_layout.out_dir / "critic_lora_ckpt")
+    tensors = [key for key in FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+               if not key.startswith("optimizer")]
+    assert any(key.startswith("output_layer.") for key in tensors)
+    assert all("_adapter.lora_" in key or key.startswith("output_layer.") for key in tensors)
+    step_dir = export_step_folder(checkpoint, model, tmp_path / "global_step_1", role="critic")
+    merged = load_file(os.path.join(export_checkpoint(str(step_dir), str(tmp_path / "merged"), role="critic"),
+                                    "model.safetensors"))
+    after = results[0]["after"]
+    assert merged.keys() == after.keys() and all((merged[k] - after[k]).abs().max() <= 1e-6 for k in merged)
 
 
 def test_fsdp_critic_runs_in_its_dtype_on_packed_rows(value_model_dir):

@@ -31,12 +31,13 @@ STEPS = 4
 
 
 # The Megatron engine with two pipeline stages on two ranks (its dist-checkpoints, the schedule);
-# FSDP with LoRA (checkpoints of the adapter alone; the entropy bonus gives it a gradient, as the
-# random model earns no reward).
+# FSDP with LoRA, PPO with the critic's LoRA too (checkpoints of the adapters alone, and the
+# critic's head; the entropy bonus gives the actor a gradient, as the random model earns no reward).
 ENGINES = {"fsdp": [], "megatron": ["--config-name=ppo_megatron_trainer", "trainer.n_gpus_per_node=2",
                                     "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
                                     "actor_rollout_ref.actor.megatron.dtype=fp32"],
-           "lora": ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.actor.entropy_coeff=0.01"]}
+           "lora": ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.actor.entropy_coeff=0.01",
+                    "algorithm.adv_estimator=gae", "critic.model.lora_rank=8"]}
 
 
 def command(model_dir, files, run_dir, rollout: str, engine: str = "fsdp") -> list[str]:
@@ -146,7 +147,7 @@ def assert_lora_exports_match(run_dir: Path, final: dict, base_dir: str, tmp_pat
     exported alone it loads with peft onto the base model to the same merged weights."""
     from peft import PeftModel
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
     from hybrid_rl.export import export_checkpoint
 
@@ -162,6 +163,12 @@ def assert_lora_exports_match(run_dir: Path, final: dict, base_dir: str, tmp_pat
     assert max((state[k] - final[k]).abs().max().item() for k in final) <= 1e-6
     assert any((state[k] - load_file(Path(base_dir) / "model.safetensors")[k]).abs().max() > 0 for k in final
                if "proj" in k)  # the adapter moved the weights
+    # The critic's: its adapter and head, exported merged as a token classifier.
+    critic = CheckpointManager(str(run_dir)).latest() / "critic"
+    assert json.loads((critic / "adapter_config.json").read_text())["task_type"] == "TOKEN_CLS"
+    exported = Path(export_checkpoint(str(run_dir), str(tmp_path / "critic"), role="critic"))
+    value_model = AutoModelForTokenClassification.from_pretrained(exported)
+    assert value_model.num_labels == 1 and not any(".lora_" in k for k in value_model.state_dict())
 
 
 def test_resume_errors(tmp_path):

@@ -85,6 +85,12 @@ class ModelSpec:
     total_steps: int = 1  # for the learning-rate schedule
     tag_token_ids: tuple[int, int] | None = None  # Head.STEP_TAG: the (good, bad) token ids
 
+    @property
+    def model_key(self) -> str:
+        """Where `model_cfg` sits in the config, for error messages."""
+        return {"critic": "critic.model", "reward_model": "reward_model.model"}.get(self.role,
+                                                                                      "actor_rollout_ref.model")
+
 
 # loss_fn(outputs, micro, agg_kwargs) -> (loss, {metric: float}); see `TrainEngine.update`.
 LossFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor], dict], tuple[torch.Tensor, dict[str, float]]]

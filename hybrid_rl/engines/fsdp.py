@@ -115,9 +115,10 @@ class FSDPEngine(TrainEngine):
         self.sequence_parallel = self._sequence_parallel_group(role_cfg, model, device)
         self.sequence_parallel_size = self.sequence_parallel.size if self.sequence_parallel else 1
         self.options = hf_model.forward_options(spec.model_cfg, dtype, device, self.sequence_parallel)
-        # A trained policy with LoRA: peft adapts `model` in place and freezes its base weights.
-        self.peft = lora.attach(model, spec.model_cfg, autocast=self.options.autocast_dtype is not None) if (
-            spec.head is Head.LM and trainable and lora.enabled(spec.model_cfg)) else None
+        # A trained policy or critic with LoRA: peft adapts `model` in place and freezes its base weights.
+        self.peft = lora.attach(model, spec.model_cfg, autocast=self.options.autocast_dtype is not None,
+                                key=spec.model_key, value_head=spec.head is Head.VALUE) if (
+            spec.head in (Head.LM, Head.VALUE) and trainable and lora.enabled(spec.model_cfg)) else None
         if not trainable or self.peft is not None:
             if self.options.autocast_dtype is not None:
                 # LoRA's base is merged into synced and exported weights: cast only where lossless.
@@ -276,12 +277,13 @@ class FSDPEngine(TrainEngine):
 
     def _sharded_state(self) -> dict:
         """The model's and optimizer's state-dict entries a checkpoint holds, as DCP writes and
-        reads them: under LoRA the adapter's only (the frozen base comes from the model folder)."""
+        reads them: under LoRA the adapter's only, and a critic's head (the frozen base comes from
+        the model folder)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optim_state = get_state_dict(self.module, self._optimizers())
         if self.peft is not None:
-            model_state = {name: t for name, t in model_state.items() if lora.is_adapter_tensor(name)}
+            model_state = {name: t for name, t in model_state.items() if lora.is_trained_tensor(name)}
         return {"model": model_state, "optim": optim_state}
 
     def _save_sharded(self, folder: str) -> None:

@@ -124,10 +124,12 @@ class MegatronEngine(TrainEngine):
         seed = int(megatron_cfg.get("seed", 42))
         dtype = hf_model.compute_dtype(megatron_cfg.get("dtype", "auto") or "auto", device)
         trainable = spec.optim_cfg is not None
-        # LoRA (verl's model.lora.*) on the policy being trained; its reference is the same
-        # model with the adapters off.
-        lora = mlora.LoraSettings.from_config(spec.model_cfg.lora) if (
-            trainable and spec.head is Head.LM and mlora.enabled(spec.model_cfg)) else None
+        # LoRA (verl's model.lora.*) on the policy being trained (its reference is the same model
+        # with the adapters off) or on the critic.
+        lora = None
+        if trainable and spec.head in (Head.LM, Head.VALUE) and mlora.enabled(spec.model_cfg):
+            lora = mlora.LoraSettings.from_config(spec.model_cfg.lora, f"{spec.model_key}.lora",
+                                                  value_head=spec.head is Head.VALUE)
         with self._megatron():
             mmodel.initialize_parallel(tp, pp, vpp, seed, ep, cp)
             if (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
@@ -467,9 +469,10 @@ class MegatronEngine(TrainEngine):
 
     def _sharded_state(self, loading: bool = False) -> dict:
         """The model's and optimizer's tensors a checkpoint holds: under LoRA the adapters'
-        only (the frozen base comes from the model folder)."""
+        only, and a critic's head (the frozen base comes from the model folder)."""
         state = {f"model{index}": {key: value for key, value in model.sharded_state_dict().items()
-                                   if self.adapters is None or mlora.is_adapter_tensor(key)}
+                                   if self.adapters is None or mlora.is_adapter_tensor(key) or (
+                                       self.layout.value_head and mlora.is_head_tensor(key))}
                  for index, model in enumerate(self.models)}
         state["optimizer"] = self.optimizer.sharded_state_dict(
             state, is_loading=loading, metadata={"distrib_optim_sharding_type": self.optimizer_sharding})
@@ -494,7 +497,8 @@ class MegatronEngine(TrainEngine):
                 _create_adam_state(part.optimizer)
             state = dist_checkpointing.load(self._sharded_state(loading=True), folder)
             for index, model in enumerate(self.models):
-                # Under LoRA the checkpoint holds the adapters only (dist_checkpointing fails on a missing one).
+                # Under LoRA the checkpoint holds the adapters (and a critic's head) only;
+                # dist_checkpointing fails on a missing one.
                 model.load_state_dict(state[f"model{index}"], strict=self.adapters is None)
             self.optimizer.load_state_dict(state["optimizer"])
             # Without Apex / Transformer Engine, megatron-core 0.16.1's distributed optimizer

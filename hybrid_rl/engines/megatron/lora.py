@@ -15,9 +15,11 @@ whole. The whole factor's input (or output) is exchanged over TP ranks so that e
 computes what a single process would; under sequence parallelism it sees this rank's tokens only,
 so its gradient is summed over TP as a sequence-parallel norm's is (`sequence_parallel`).
 
-The base model is frozen (only adapters are in megatron's DDP buffers and optimizer), the
-reference policy is the model with its adapters switched off, the rollout and the exported model
-get merged weights W + scaling * B A (`merged_state`), and checkpoints hold the adapters alone.
+The base model is frozen (only adapters are in megatron's DDP buffers and optimizer; a critic's
+value head, new, trains whole beside them), the reference policy is the model with its adapters
+switched off, the rollout and the exported model
+get merged weights W + scaling * B A (`merged_state`), and checkpoints hold the adapters alone
+(and a critic's head).
 (megatron-bridge's LoRA imports Transformer Engine at module level and pins transformers < 5,
 so it cannot run here; this is the same arithmetic on megatron-core's own layers.)
 """
@@ -36,9 +38,9 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_rl.engines.base import all_reduce_scalar
+from hybrid_rl.engines.lora import HEAD_MODULES, VALUE_HEAD
 from hybrid_rl.engines.megatron import convert
 
-KEY = "actor_rollout_ref.model.lora"
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 ADAPTER_SUFFIX = "_adapter"
 INIT_METHODS = ("xavier", "kaiming", "normal", "zero")
@@ -66,10 +68,13 @@ class LoraSettings:
     b_init: str
     adapter_path: str | None
     canonical: bool = False  # one adapter per projection of a fused layer
+    key: str = "actor_rollout_ref.model.lora"  # where the settings are, for errors
+    value_head: bool = False  # a critic: its head trains whole
 
     @classmethod
-    def from_config(cls, section: Any) -> "LoraSettings":
-        """From `model.lora`; with `adapter_path`, rank, alpha and targets are the adapter's own."""
+    def from_config(cls, section: Any, key: str, value_head: bool = False) -> "LoraSettings":
+        """From `model.lora` (at `key`); with `adapter_path`, rank, alpha and targets are the
+        adapter's own (a critic's may hold its head, peft's `modules_to_save`)."""
         path = section.get("adapter_path")
         canonical = section.get("type", "lora") == "canonical_lora"
         targets = tuple(section.get("target_modules") or ())
@@ -78,10 +83,11 @@ class LoraSettings:
         if path:
             with open(os.path.join(os.path.expanduser(str(path)), "adapter_config.json")) as handle:
                 saved = json.load(handle)
-            if saved.get("use_dora") or saved.get("use_rslora") or saved.get("modules_to_save") or (
+            heads = set(HEAD_MODULES) if value_head else set()
+            if saved.get("use_dora") or saved.get("use_rslora") or set(saved.get("modules_to_save") or ()) - heads or (
                     saved.get("bias", "none") != "none"):
-                raise ValueError(f"{KEY}.adapter_path={path!r}: DoRA, rsLoRA, biases and modules_to_save are not "
-                                 "supported; use a plain LoRA adapter.")
+                raise ValueError(f"{key}.adapter_path={path!r}: DoRA, rsLoRA, biases and modules_to_save (other than "
+                                 "a critic's head) are not supported; use a plain LoRA adapter.")
             rank, alpha, excluded = int(saved["r"]), float(saved["lora_alpha"]), ()
             saved_leaves = {str(name).rsplit(".", 1)[-1] for name in saved["target_modules"]}
             if canonical:  # each HF projection its own adapter
@@ -90,7 +96,8 @@ class LoraSettings:
             else:
                 targets = tuple(fused for fused, parts in HF_PARTS.items() if set(parts) & saved_leaves)
         return cls(rank, alpha, targets, excluded, str(section.get("lora_A_init_method") or "xavier"),
-                   str(section.get("lora_B_init_method") or "zero"), str(path) if path else None, canonical)
+                   str(section.get("lora_B_init_method") or "zero"), str(path) if path else None, canonical, key,
+                   value_head)
 
     @property
     def scaling(self) -> float:
@@ -143,7 +150,8 @@ class LoraAdapter(torch.nn.Module):
         self.weight_name = f"{layer}.weight"
         out_features, in_features = base.output_size, base.input_size
         # A projection's rows of this rank's fused output (None: all of them).
-        self.rows = None if part is None else _part_rows(layer, part, base.output_size_per_partition, layout, tp)
+        self.rows = None if part is None else _part_rows(layer, part, base.output_size_per_partition, layout, tp,
+                                                         settings.key)
         if part is not None:
             out_features = len(self.rows) * tp
         # Drawn whole from a generator of the layer's name, then split: the same adapter in every
@@ -225,14 +233,14 @@ class LoraAdapter(torch.nn.Module):
         return state
 
 
-def _part_rows(layer: str, part: int, local_out: int, layout: convert.Layout, tp: int) -> torch.Tensor:
+def _part_rows(layer: str, part: int, local_out: int, layout: convert.Layout, tp: int, key: str) -> torch.Tensor:
     """The rows of projection `part` in a TP rank's shard of the fused layer `layer`: of gate or
     up, one half; of query, key or value, its rows in each of the rank's query groups."""
     if layer.endswith("linear_fc1"):
         half = local_out // 2
         return torch.arange(part * half, (part + 1) * half)
     if layout.groups % tp:
-        raise ValueError(f"{KEY}.type=canonical_lora needs the key/value heads ({layout.groups}) split evenly over "
+        raise ValueError(f"{key}.type=canonical_lora needs the key/value heads ({layout.groups}) split evenly over "
                          f"tensor_model_parallel_size={tp}; use type=lora, or a TP size that divides them.")
     per_group, head = layout.heads // layout.groups, layout.head_dim
     start, size = ((0, per_group * head), (per_group * head, head), ((per_group + 1) * head, head))[part]
@@ -245,21 +253,26 @@ def is_adapter_tensor(name: str) -> bool:
     return f"{ADAPTER_SUFFIX}.lora_" in name
 
 
+def is_head_tensor(name: str) -> bool:
+    """A value head's tensor (megatron's name for the head of the last stage)."""
+    return name.startswith("output_layer.")
+
+
 class Adapters:
     """The adapters of a model's chunks: attached, switched off, merged, loaded."""
 
     def __init__(self, chunks: list[torch.nn.Module], module_names: list[dict[str, str]], settings: LoraSettings,
                  layout: convert.Layout, seed: int):
-        """Freeze `chunks` and attach an adapter beside every matching linear; `module_names`
-        maps each chunk's module names to model-wide ones."""
+        """Freeze `chunks` (but a critic's value head) and attach an adapter beside every
+        matching linear; `module_names` maps each chunk's module names to model-wide ones."""
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-        self.settings, self.layout = settings, layout
+        self.settings, self.layout, self.chunks = settings, layout, chunks
         # Per chunk: chunk-local layer name -> its adapters (several: a fused layer's projections).
         self.by_chunk: list[dict[str, list[LoraAdapter]]] = []
         for chunk, names in zip(chunks, module_names):
-            for param in chunk.parameters():
-                param.requires_grad_(False)
+            for name, param in chunk.named_parameters():
+                param.requires_grad_(settings.value_head and is_head_tensor(name))
             adapters = {}
             for local, module in list(chunk.named_modules()):
                 if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or ".layers." not in local:
@@ -284,7 +297,7 @@ class Adapters:
         if not all_reduce_scalar(sum(len(adapters) for adapters in self.by_chunk), device):
             leaves = sorted({n.rsplit(".", 1)[-1] for c in chunks for n, m in c.named_modules()
                              if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and ".layers." in n})
-            raise ValueError(f"{KEY}.target_modules={list(settings.target_modules)} / exclude_modules="
+            raise ValueError(f"{settings.key}.target_modules={list(settings.target_modules)} / exclude_modules="
                              f"{list(settings.exclude_modules)} leave no layer to adapt; the model's linear layers are "
                              f"{leaves} (or wildcards over full names, e.g. '*.layers.0.*.linear_qkv').")
         if settings.adapter_path:
@@ -329,32 +342,36 @@ class Adapters:
         dist.all_gather_object(names, sorted({m for a in self._all() for m in a.hf_modules(self.layout)}))
         modules = sorted({name for rank_names in names for name in rank_names})
         if dist.get_rank() == 0:
+            # A critic's: peft's token classifier, whose head is saved whole beside the adapter.
             LoraConfig(r=self.settings.rank, lora_alpha=self.settings.alpha, target_modules=modules, lora_dropout=0.0,
-                       bias="none", task_type="CAUSAL_LM").save_pretrained(folder)
+                       bias="none", task_type="TOKEN_CLS" if self.settings.value_head else "CAUSAL_LM",
+                       modules_to_save=[VALUE_HEAD] if self.settings.value_head else None).save_pretrained(folder)
 
     @torch.no_grad()
     def _load_peft(self, path: str) -> None:
         """Start from a peft adapter folder of the HF model (what `PeftModel.save_pretrained`
         and `hybrid-rl-export --adapter-only` write). With type=lora a fused layer's projections
-        must share A."""
+        must share A. A critic's adapter may hold its head: it replaces the one loaded."""
         from safetensors.torch import load_file
 
         file = os.path.join(os.path.expanduser(path), "adapter_model.safetensors")
         if not os.path.isfile(file):
-            raise ValueError(f"{KEY}.adapter_path={path!r} has no adapter_model.safetensors (a peft adapter folder).")
+            raise ValueError(f"{self.settings.key}.adapter_path={path!r} has no adapter_model.safetensors (a peft "
+                             "adapter folder).")
         tensors = {name.removeprefix("base_model.model."): t for name, t in load_file(file).items()}
         for adapter in self._all():
             modules = adapter.hf_modules(self.layout)
             names = {f: [f"{m}.{f}.weight" for m in modules] for f in ("lora_A", "lora_B")}
             missing = [n for group in names.values() for n in group if n not in tensors]
             if missing:
-                raise ValueError(f"{KEY}.adapter_path={path!r} lacks {missing[:3]}, which {adapter.name} adapts (with "
-                                 "type=lora a fused layer's projections are adapted together).")
+                raise ValueError(f"{self.settings.key}.adapter_path={path!r} lacks {missing[:3]}, which {adapter.name} "
+                                 "adapts (with type=lora a fused layer's projections are adapted together).")
             a_parts = [tensors[n] for n in names["lora_A"]]
             if any(not torch.equal(a, a_parts[0]) for a in a_parts[1:]):
-                raise ValueError(f"{KEY}.adapter_path={path!r}: {', '.join(names['lora_A'])} differ; type=lora adapts "
-                                 f"the fused {adapter.name.rsplit('.', 1)[-1]} with one A (megatron-bridge's `lora`), "
-                                 "so they must be equal; type=canonical_lora gives each projection its own.")
+                raise ValueError(f"{self.settings.key}.adapter_path={path!r}: {', '.join(names['lora_A'])} differ; "
+                                 f"type=lora adapts the fused {adapter.name.rsplit('.', 1)[-1]} with one A "
+                                 "(megatron-bridge's `lora`), so they must be equal; type=canonical_lora gives each "
+                                 "projection its own.")
             tp, rank = adapter.group.size(), adapter.group.rank()
             a = a_parts[0]
             if adapter.part is not None:  # one projection's B, in equal row blocks over TP
@@ -369,9 +386,16 @@ class Adapters:
             for param, value in (("lora_A", a), ("lora_B", b)):
                 target = getattr(adapter, param)
                 if value.shape != target.shape:
-                    raise ValueError(f"{KEY}.adapter_path={path!r}: {adapter.name}.{param} is {tuple(value.shape)} "
-                                     f"here, {tuple(target.shape)} in this model.")
+                    raise ValueError(f"{self.settings.key}.adapter_path={path!r}: {adapter.name}.{param} is "
+                                     f"{tuple(value.shape)} here, {tuple(target.shape)} in this model.")
                 target.copy_(value)
+        if self.settings.value_head:
+            for chunk in self.chunks:
+                for name, param in chunk.named_parameters():
+                    saved = tensors.get(name.replace("output_layer.", f"{VALUE_HEAD}.", 1))
+                    if is_head_tensor(name) and saved is not None:
+                        param.copy_(saved.reshape(param.shape))
+
 
 def hf_adapter_state(tensors: dict[str, torch.Tensor], layout: convert.Layout,
                      adapter: str = "default") -> dict[str, torch.Tensor]:
