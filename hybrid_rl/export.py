@@ -210,14 +210,17 @@ def _role_config(step: Path, role: str):
 def _with_adapter(state: dict[str, torch.Tensor], role_dir: Path, base_model: str, config, trust: bool,
                   auto_class: str):
     """The base model (of transformers' `auto_class`) with the checkpoint's LoRA adapter, as a
-    peft model. A critic's head, trained whole, is peft's trained copy of it (`modules_to_save`);
-    the Megatron engine's checkpoints name it as the head itself."""
+    peft model (the plain model where only experts are adapted: `expert_deltas`). A critic's head,
+    trained whole, is peft's trained copy of it (`modules_to_save`); the Megatron engine's
+    checkpoints name it as the head itself."""
     import transformers
     from peft import LoraConfig, get_peft_model
 
     model = getattr(transformers, auto_class).from_pretrained(base_model, config=config, dtype=torch.float32,
                                                               trust_remote_code=trust)
     peft_config = LoraConfig.from_pretrained(str(role_dir))
+    if not peft_config.target_modules:
+        return model
     state = dict(state)
     for head in set(peft_config.modules_to_save or ()):
         for key in [k for k in state if k.startswith(f"{head}.") and lora.TRAINED_COPY not in k]:
@@ -364,10 +367,16 @@ def export_checkpoint(checkpoint: str, out_dir: str, role: str = "actor", dtype:
     adapter = (role_dir / lora.ADAPTER_CONFIG).is_file()
     if adapter_only and not adapter:
         raise ExportError(f"{role_dir} holds a whole model, not a LoRA adapter; export it without --adapter-only.")
+    experts = {}  # a Megatron LoRA checkpoint's experts' adapters, merged here (peft cannot hold them)
     if convert.is_dist_checkpoint(role_dir):
         layout = convert.Layout.from_hf_config(config, value_head=role == "critic")
         # A LoRA run's checkpoint holds its adapters alone.
         adapters = {key: t for key, t in state.items() if megatron_lora.is_adapter_tensor(key)}
+        experts = {key: t for key, t in adapters.items() if convert.is_expert(key)}
+        if experts and adapter_only:
+            raise ExportError(f"{role_dir} holds adapters of the experts, which transformers keeps as stacked tensors "
+                              "that peft cannot adapt, so there is no peft adapter to write; export the merged model "
+                              "(without --adapter-only).")
         try:
             state = {**convert.hf_state_from_dist_checkpoint({k: t for k, t in state.items() if k not in adapters},
                                                              layout),
@@ -384,7 +393,14 @@ def export_checkpoint(checkpoint: str, out_dir: str, role: str = "actor", dtype:
             raise ExportError(f"{role_dir} holds a LoRA adapter, which needs its base model: {exc} Pass the "
                               "model folder the run trained from with --base-model.") from None
         peft_model = _with_adapter(state, role_dir, base, config, trust, auto_class)
-        state = None if adapter_only else peft_model.merge_and_unload().state_dict()
+        if not adapter_only:
+            from peft import LoraConfig, PeftModel
+
+            merged = peft_model.merge_and_unload() if isinstance(peft_model, PeftModel) else peft_model
+            state = merged.state_dict()
+            settings = LoraConfig.from_pretrained(str(role_dir))
+            for name, delta in megatron_lora.expert_deltas(experts, settings.lora_alpha / settings.r).items():
+                state[name] = state[name] + delta
 
     def write(tmp: Path) -> None:
         if adapter_only:

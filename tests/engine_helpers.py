@@ -3,6 +3,10 @@ GPU tests run where only torch, transformers and megatron-core are installed."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import torch
 
 from hybrid_rl.config_keys import compose_config
@@ -76,3 +80,12 @@ def offloaded(engine) -> dict[str, bool]:
     return {"params": freed(p for m in engine.models for p in m.parameters()),
             "moments": bool(moments) and freed(moments),
             "grads": freed(b.grad_data for chunk in engine.chunks for b in chunk.buffers)}
+
+
+def export_step_folder(engine_checkpoint: str, model_dir: str, step_dir: Path, role: str = "actor") -> Path:
+    """A trainer's checkpoint step folder around an engine's checkpoint of the actor (or critic)."""
+    shutil.copytree(engine_checkpoint, step_dir / role)
+    shutil.copytree(model_dir, step_dir / "huggingface", ignore=shutil.ignore_patterns("*.safetensors"))
+    section = "critic" if role == "critic" else "actor_rollout_ref"
+    (step_dir / "trainer_state.json").write_text(json.dumps({"config": {section: {"model": {"path": model_dir}}}}))
+    return step_dir

@@ -24,7 +24,8 @@ from hybrid_rl.export import export_checkpoint
 from hybrid_rl.main import compose_config
 from hybrid_rl.protocol import Batch
 from tests.conftest import build_tiny_model
-from tests.engine_helpers import actor_config, make_engine, offloaded, rollout_batch, step, weights
+from tests.engine_helpers import (actor_config, export_step_folder, make_engine, offloaded, rollout_batch, step,
+                                  weights)
 
 # A micro-batch's 15 response positions in 4 chunks of the LM head (the last one short).
 SMALL_HEAD_CHUNKS = ("actor_rollout_ref.model.head_chunk_size=4",)
@@ -333,18 +334,6 @@ def test_megatron_canonical_lora_matches_peft_on_the_fsdp_engine(megatron_layout
     exported = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), adapter_dir)
     merged = exported.merge_and_unload().state_dict()
     assert all((merged[k] - results[0]["canonical"][2][k]).abs().max() <= 1e-6 for k in merged)
-
-
-def export_step_folder(engine_checkpoint: str, model_dir: str, step_dir: Path, role: str = "actor") -> Path:
-    """A trainer's checkpoint step folder around an engine's checkpoint of the actor (or critic)."""
-    import json
-    import shutil
-
-    shutil.copytree(engine_checkpoint, step_dir / role)
-    shutil.copytree(model_dir, step_dir / "huggingface", ignore=shutil.ignore_patterns("*.safetensors"))
-    section = "critic" if role == "critic" else "actor_rollout_ref"
-    (step_dir / "trainer_state.json").write_text(json.dumps({"config": {section: {"model": {"path": model_dir}}}}))
-    return step_dir
 
 
 def test_megatron_engine_trains_in_bf16(megatron_layout, tiny_model_dir4):

@@ -15,7 +15,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hybrid_rl.engines import Output
-from tests.engine_helpers import actor_config, loss_fn, make_engine, rollout_batch, step, weights
+from hybrid_rl.export import ExportError, export_checkpoint
+from tests.engine_helpers import actor_config, export_step_folder, loss_fn, make_engine, rollout_batch, step, weights
 
 pytestmark = pytest.mark.slow
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
@@ -91,8 +92,10 @@ def _rank_main(rank, world, init_file, model_dirs, out_dir):
             engine = make_engine(cfg, model_dir)
             results[name, family]["lora"] = {
                 "infer": engine.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None),
-                "first": step(engine, cfg, 1),
-                "trained": sorted(name for name, _ in engine.per_tensor_weights(None, only_trained=True))}
+                "first": step(engine, cfg, 1), "after": weights(engine),
+                "trained": sorted(name for name, _ in engine.per_tensor_weights(None, only_trained=True)),
+                "checkpoint": os.path.join(out_dir, f"lora_{name}_{family}")}
+            engine.save_checkpoint(results[name, family]["lora"]["checkpoint"])
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -170,6 +173,25 @@ def test_expert_lora_is_the_same_in_every_layout(expert_runs, family):
         for key in ("actor/loss", "actor/grad_norm"):
             assert lora["first"][key] == pytest.approx(reference["first"][key], rel=1e-4)
         assert lora["trained"] == reference["trained"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_expert_lora_checkpoints_export_merged(expert_runs, tiny_moe_model_dirs, family, tmp_path):
+    """hybrid-rl-export of a LoRA checkpoint with the experts adapted (written under each layout)
+    merges every expert's adapter into the stacked experts: the model the run held after its step.
+    peft has no module to hold an expert's adapter, so --adapter-only is refused with the fix."""
+    from transformers import AutoModelForCausalLM
+
+    for layout in ("cp", "tp_ep1", "tp_ep2"):
+        run = expert_runs[0][layout, family]["lora"]
+        step_dir = export_step_folder(run["checkpoint"], tiny_moe_model_dirs[family], tmp_path / layout / "global_step_1")
+        exported = export_checkpoint(str(step_dir), str(tmp_path / layout / "merged"))
+        merged = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).state_dict()
+        after = run["after"]
+        assert all((merged[k] - after[k]).abs().max() <= 1e-6 for k in after)
+        assert "model.layers.0.mlp.experts.gate_up_proj" in after
+        with pytest.raises(ExportError, match="without --adapter-only"):
+            export_checkpoint(str(step_dir), str(tmp_path / layout / "adapter"), adapter_only=True)
 
 
 @pytest.mark.parametrize("ranks, ep, tp, expected", [

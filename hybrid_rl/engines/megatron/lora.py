@@ -338,8 +338,11 @@ class Adapters:
         import torch.distributed as dist
         from peft import LoraConfig
 
+        # Experts' adapters have no module of their own in transformers' model (its experts are
+        # stacked tensors): the export merges them itself (`expert_deltas`).
         names = [None] * dist.get_world_size()
-        dist.all_gather_object(names, sorted({m for a in self._all() for m in a.hf_modules(self.layout)}))
+        dist.all_gather_object(names, sorted({m for a in self._all() if not convert.is_expert(a.weight_name)
+                                              for m in a.hf_modules(self.layout)}))
         modules = sorted({name for rank_names in names for name in rank_names})
         if dist.get_rank() == 0:
             # A critic's: peft's token classifier, whose head is saved whole beside the adapter.
@@ -401,11 +404,14 @@ def hf_adapter_state(tensors: dict[str, torch.Tensor], layout: convert.Layout,
                      adapter: str = "default") -> dict[str, torch.Tensor]:
     """A Megatron dist-checkpoint's adapter tensors (read whole: layers stacked along dim 0, TP
     shards merged) under the names peft gives them in the HF model (`adapter` is peft's adapter
-    name): a fused layer's A goes to each of its projections, its B is split as the weight is."""
+    name): a fused layer's A goes to each of its projections, its B is split as the weight is.
+    Experts' adapters are not among them (see `expert_deltas`)."""
     state = {}
     for key, stacked in tensors.items():
-        if not key.startswith("decoder.layers.") or convert.is_expert(key):
-            raise ValueError(f"{key}: only the adapters of dense decoder layers can be exported yet (not experts').")
+        if not key.startswith("decoder.layers."):
+            raise ValueError(f"{key}: not the adapter of a decoder layer.")
+        if convert.is_expert(key):
+            continue
         path, _, factor = key[len("decoder.layers."):].rpartition(".")
         module, _, leaf = path.removesuffix(ADAPTER_SUFFIX).rpartition(".")
         fused, part = PART_OF.get(leaf, (leaf, None))
@@ -420,3 +426,27 @@ def hf_adapter_state(tensors: dict[str, torch.Tensor], layout: convert.Layout,
             for name, value in parts:
                 state[f"{name.removesuffix('.weight')}.{factor}.{adapter}.weight"] = value.clone()
     return state
+
+
+def expert_deltas(tensors: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+    """What a Megatron dist-checkpoint's experts' adapters (read whole: [layers, experts, ...])
+    add to each layer's experts, scaling * B A for every expert, under the names transformers
+    holds a layer's stacked experts by (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`,
+    megatron's orientation: [experts, out, in]). peft has no per-expert module to put them on."""
+    deltas: dict[str, torch.Tensor] = {}
+    for key, a_stacked in tensors.items():
+        if not convert.is_expert(key) or not key.endswith(".lora_A"):
+            continue
+        b_stacked = tensors[key.removesuffix("lora_A") + "lora_B"]
+        module, _, leaf = key[len("decoder.layers."):].removesuffix(f"{ADAPTER_SUFFIX}.lora_A").rpartition(".")
+        fused, part = PART_OF.get(leaf, (leaf, None))
+        module = module.replace("mlp.experts.experts", "mlp.experts")
+        for index, (a, b) in enumerate(zip(a_stacked, b_stacked)):
+            (name,) = convert.hf_names(f"decoder.layers.{index}.{module}.{fused}.weight")
+            delta = torch.bmm(b.float(), a.float()) * scaling
+            if part is not None:  # canonical LoRA: the gate's or the up projection's half of the rows
+                halves = [torch.zeros_like(delta), torch.zeros_like(delta)]
+                halves[part] = delta
+                delta = torch.cat(halves, dim=1)
+            deltas[name] = deltas[name] + delta if name in deltas else delta
+    return deltas
