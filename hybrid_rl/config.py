@@ -557,8 +557,8 @@ def _check_role_lora(key: str, model: DictConfig, strategy_key: str, strategy: s
 
 
 def _check_megatron_lora(key: str, section: DictConfig) -> None:
-    """What the Megatron engine's LoRA builds of verl's `model.lora` section (`key`); its dropout
-    and dtype: config_keys refuses what is not built."""
+    """What the Megatron engine's LoRA builds of verl's `model.lora` section (`key`); its dtype:
+    config_keys refuses what is not built."""
     _choice(section.get("type", "lora"), ("lora", "canonical_lora"), f"{key}.type",
             {name: "LoRA adapters of the fused (type=lora) or separate (canonical_lora) projections"
              for name in ("dora", "vlm_lora")})
@@ -567,6 +567,10 @@ def _check_megatron_lora(key: str, section: DictConfig) -> None:
                           f"linear layer but those it names; set {key}.target_modules=[] to use it.")
     for name in ("lora_A_init_method", "lora_B_init_method"):
         _choice(section.get(name), megatron_lora.INIT_METHODS, f"{key}.{name}")
+    dropout = section.get("dropout", 0.0)
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise ConfigError(f"{key}.dropout={dropout!r} must be a probability in [0, 1) (0: no dropout).")
+    _choice(section.get("dropout_position", "pre"), ("pre", "post"), f"{key}.dropout_position")
 
 
 def _role_processes(cfg: DictConfig) -> dict[str, int]:

@@ -254,9 +254,9 @@ RULES: tuple[Rule, ...] = tuple([
             "(target_modules linear_q, linear_k, linear_v, linear_fc1_gate, linear_fc1_up, linear_proj, linear_fc2); "
             "dora and vlm_lora are refused at start as not supported yet",
             *(f"{role}.model.lora.type" for role in LORA_ROLES)),
-    *_rules(NOT_YET, "adapters without dropout", *(f"{role}.model.lora.dropout" for role in LORA_ROLES)),
-    *_rules(NO_EFFECT, "read only with lora.dropout, which is not supported yet",
-            *(f"{role}.model.lora.dropout_position" for role in LORA_ROLES)),
+    *_rules(WORKS, "dropout on the adapter's input (dropout_position=pre) or output (post) in training passes; "
+            "log-prob passes (old, reference, values) run without it",
+            *(f"{role}.model.lora.{k}" for role in LORA_ROLES for k in ("dropout", "dropout_position"))),
     *_rules(NOT_YET, "adapters are kept in the model's dtype (float32 optimizer copies)",
             *(f"{role}.model.lora.dtype" for role in LORA_ROLES)),
     *_rules(NOT_YET, "megatron-bridge's all-to-all expert adapters are not built",

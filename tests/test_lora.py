@@ -193,7 +193,9 @@ def test_target_modules_that_match_nothing_name_the_key_and_the_layers(model_dir
     (["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.actor.strategy=megatron",
       "actor_rollout_ref.model.lora.type=dora"], r"lora.type=dora is not supported yet"),
     (["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.actor.strategy=megatron",
-      "actor_rollout_ref.model.lora.dropout=0.05"], r"lora.dropout=0.05 is not supported yet"),
+      "actor_rollout_ref.model.lora.dropout=1.5"], r"lora.dropout=1.5 must be a probability in \[0, 1\)"),
+    (["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.actor.strategy=megatron",
+      "actor_rollout_ref.model.lora.dropout_position=middle"], r"lora.dropout_position='middle' is not valid"),
     (["actor_rollout_ref.model.lora.adapter_path=/nonexistent/adapter", "actor_rollout_ref.actor.strategy=megatron"],
      r"lora.adapter_path='/nonexistent/adapter' is not a peft adapter folder"),
     (["actor_rollout_ref.model.lora_rank=8", "trainer.iterative.enable=true"], r"reset_reference=true with LoRA"),
@@ -205,7 +207,7 @@ def test_target_modules_that_match_nothing_name_the_key_and_the_layers(model_dir
     (["algorithm.adv_estimator=gae", "critic.model.lora_rank=8", "critic.model.lora_alpha=-1"],
      r"critic.model.lora_alpha=-1 must be a positive number"),
     (["algorithm.adv_estimator=gae", "critic.model.lora.rank=8", "critic.strategy=megatron",
-      "critic.model.lora.dropout=0.1"], r"critic.model.lora.dropout=0.1 is not supported yet"),
+      "critic.model.lora.dtype=bf16"], r"critic.model.lora.dtype='bf16' is not supported yet"),
 ])
 def test_lora_settings_that_cannot_work_stop_at_start(overrides, message):
     # The Megatron engine's cases in verl's Megatron tree, as verl users run them.

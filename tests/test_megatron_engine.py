@@ -86,6 +86,18 @@ def lora_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int, vpp: int | 
         plain = make_engine(cfg, inputs["model"])
         whole = (plain.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None), step(plain, cfg, 1),
                  weights(plain))
+    # lora.dropout in both positions (under TP without sequence parallelism, where the column
+    # adapters' input and the row adapters' output are the same on both TP ranks).
+    dropped = {}
+    for position in ("pre", "post"):
+        extra = SMALL_HEAD_CHUNKS + lora + (NO_SEQUENCE_PARALLEL if tp > 1 else ()) + (
+            "actor_rollout_ref.model.lora.dropout=0.5", f"actor_rollout_ref.model.lora.dropout_position={position}")
+        cfg = actor_config("megatron", tp, pp, extra=extra, cp=cp, vpp=vpp)
+        dropping = make_engine(cfg, inputs["model"])
+        dropped[position] = (dropping.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None),
+                             step(dropping, cfg, 1),
+                             {n: p.detach().clone() for m in dropping.models for n, p in m.named_parameters()
+                              if "_adapter.lora_" in n})
     # canonical_lora: each projection its own adapter, as peft's of the HF model.
     model, adapter = inputs["canonical_lora"]
     cfg = actor_config("megatron", tp, pp, cp=cp, vpp=vpp, extra=SMALL_HEAD_CHUNKS + (
@@ -107,7 +119,8 @@ def lora_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int, vpp: int | 
         inputs["model"]).adapters.adapted_weights()
     return {"output": engine.is_output_rank, "infer": infer, "base": base, "first": first, "after": after,
             "trained": trained, "checkpoint": folder, "second": second, "resumed": resumed_second,
-            "whole_sequences": whole, "unmatched": unmatched, "canonical": canonical, "first_layer": first_layer}
+            "whole_sequences": whole, "unmatched": unmatched, "canonical": canonical, "first_layer": first_layer,
+            "dropout": dropped}
 
 
 def actor_bf16_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int, vpp: int | None) -> dict:
@@ -301,6 +314,28 @@ def test_megatron_lora_computes_the_fused_adapter_exactly_and_resumes(megatron_l
                                            adapter_dir)
     state = peft_model.merge_and_unload().state_dict()
     assert all((state[k] - after[k]).abs().max() <= 1e-6 for k in adapted)
+
+
+def test_megatron_lora_dropout_acts_in_training_only_and_keeps_tp_ranks_alike(megatron_layout):
+    """lora.dropout (0.5, before or after the adapter): log-prob passes run without it (the same
+    log-probs as the adapter without dropout), the update changes; an adapter factor every rank
+    holds whole stays the same on both ranks after the step (TP=2 without sequence parallelism:
+    the column adapters' A and the row adapters' B see the same input or output on both ranks and
+    must drop the same elements; CP=2: replicas)."""
+    results = megatron_layout.results("lora")
+    mask = rollout_batch(1)["response_mask"].bool()
+    for result in results:
+        for position, (infer, first, _) in result["dropout"].items():
+            assert (infer["log_probs"] - result["infer"]["log_probs"])[mask].abs().max() <= 1e-5, position
+            assert abs(first["actor/grad_norm"] / result["first"]["actor/grad_norm"] - 1) > 1e-3, position
+    if megatron_layout.pp > 1:
+        return  # the two ranks hold different layers
+    for position in ("pre", "post"):
+        mine, theirs = (r["dropout"][position][2] for r in results)
+        whole = [n for n in mine if megatron_layout.tp == 1 or n.endswith(
+            ("linear_qkv_adapter.lora_A", "linear_fc1_adapter.lora_A", "linear_proj_adapter.lora_B",
+             "linear_fc2_adapter.lora_B"))]
+        assert whole and all(torch.equal(mine[n], theirs[n]) for n in whole), position
 
 
 def test_megatron_canonical_lora_matches_peft_on_the_fsdp_engine(megatron_layout, canonical_lora_adapter, tmp_path):

@@ -1,6 +1,7 @@
-"""LoRA on the Megatron engine, with verl's Megatron keys (`actor_rollout_ref.model.lora.*`:
-`type`, `rank`, `alpha`, `target_modules` or `exclude_modules`, `lora_A_init_method`,
-`lora_B_init_method`, `adapter_path`).
+"""LoRA on the Megatron engine, with verl's Megatron keys (`actor_rollout_ref.model.lora.*`, and
+the critic's `critic.model.lora.*`: `type`, `rank`, `alpha`, `target_modules` or
+`exclude_modules`, `lora_A_init_method`, `lora_B_init_method`, `dropout`, `dropout_position`,
+`adapter_path`).
 
 Each adapted layer is one of megatron's parallel linears (`linear_qkv`, `linear_proj`,
 `linear_fc1`, `linear_fc2`, an expert's too) with a `LoraAdapter` beside it (the child
@@ -70,6 +71,8 @@ class LoraSettings:
     canonical: bool = False  # one adapter per projection of a fused layer
     key: str = "actor_rollout_ref.model.lora"  # where the settings are, for errors
     value_head: bool = False  # a critic: its head trains whole
+    dropout: float = 0.0  # on the adapter's input (`pre`) or output (`post`), in training passes only
+    dropout_position: str = "pre"
 
     @classmethod
     def from_config(cls, section: Any, key: str, value_head: bool = False) -> "LoraSettings":
@@ -97,7 +100,7 @@ class LoraSettings:
                 targets = tuple(fused for fused, parts in HF_PARTS.items() if set(parts) & saved_leaves)
         return cls(rank, alpha, targets, excluded, str(section.get("lora_A_init_method") or "xavier"),
                    str(section.get("lora_B_init_method") or "zero"), str(path) if path else None, canonical, key,
-                   value_head)
+                   value_head, float(section.get("dropout") or 0.0), str(section.get("dropout_position") or "pre"))
 
     @property
     def scaling(self) -> float:
@@ -139,6 +142,7 @@ class LoraAdapter(torch.nn.Module):
 
         super().__init__()
         self.name, self.scaling, self.enabled = name, settings.scaling, True
+        self.dropout, self.dropout_after = settings.dropout, settings.dropout_position == "post"
         self.column = isinstance(base, ColumnParallelLinear)
         self.group = base.tp_group
         tp, tp_rank = self.group.size(), self.group.rank()
@@ -187,6 +191,8 @@ class LoraAdapter(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import mappings
 
+        if not self.dropout_after:  # the column adapter's input is the same on every TP rank (no SP)
+            x = self._dropout(x, same_on_tp_ranks=self.column)
         h = F.linear(x, self.lora_A)
         if self.exchange:
             if self.column:  # every rank needs A x of every token it computes outputs for
@@ -195,7 +201,23 @@ class LoraAdapter(torch.nn.Module):
             else:  # A x summed over the ranks' input columns, as the layer's output is
                 h = (mappings.reduce_scatter_to_sequence_parallel_region(h, group=self.group)
                      if self.sequence_parallel else mappings.reduce_from_tensor_model_parallel_region(h, group=self.group))
-        return F.linear(h, self.lora_B) * self.scaling
+        out = F.linear(h, self.lora_B) * self.scaling
+        # The row adapter's output is the same on every TP rank (no SP).
+        return self._dropout(out, same_on_tp_ranks=not self.column) if self.dropout_after else out
+
+    def _dropout(self, x: torch.Tensor, same_on_tp_ranks: bool) -> torch.Tensor:
+        """Dropout in training passes only (log-prob passes run without gradients). A tensor every
+        TP rank holds whole needs the same mask on each: the default generator, which megatron
+        seeds alike on TP ranks; one whose ranks hold different parts (a TP shard, or their own
+        tokens under sequence parallelism) draws from megatron's per-TP-rank generator."""
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        if not self.dropout or not (self.training and torch.is_grad_enabled()):
+            return x
+        if not self.exchange or (same_on_tp_ranks and not self.sequence_parallel):
+            return F.dropout(x, self.dropout, training=True)
+        with get_cuda_rng_tracker().fork():
+            return F.dropout(x, self.dropout, training=True)
 
     def _add_to_output(self, module, args, output):
         if not self.enabled:
