@@ -263,8 +263,8 @@ RULES: tuple[Rule, ...] = tuple([
             *(f"{role}.model.lora.a2a_experimental" for role in LORA_ROLES)),
     *_rules(NO_EFFECT, "the rollout always gets merged weights (W + alpha/rank x BA), only the adapted ones after "
             "the first sync", "actor_rollout_ref.model.lora.merge"),
-    *_rules(NO_EFFECT, "the critic's adapters stay apart from its weights (it is not synced anywhere)",
-            "critic.model.lora.merge"),
+    *_rules(NO_EFFECT, "the critic is never synced to a rollout engine; hybrid-rl-export --role critic writes it "
+            "merged, or the adapter alone with --adapter-only", "critic.model.lora.merge"),
     *_rules(NO_EFFECT, "vision-language models are not supported", "*.model.lora.freeze_*"),
     *_rules(NOT_YET, "LoRA for this model is not built yet (the actor's and the critic's are: "
             "actor_rollout_ref.model.lora_rank, critic.model.lora_rank)",

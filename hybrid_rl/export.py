@@ -219,7 +219,8 @@ def _with_adapter(state: dict[str, torch.Tensor], role_dir: Path, base_model: st
     model = getattr(transformers, auto_class).from_pretrained(base_model, config=config, dtype=torch.float32,
                                                               trust_remote_code=trust)
     peft_config = LoraConfig.from_pretrained(str(role_dir))
-    if not peft_config.target_modules:
+    if not peft_config.target_modules:  # a critic's head may still be there
+        model.load_state_dict(state, strict=False)
         return model
     state = dict(state)
     for head in set(peft_config.modules_to_save or ()):

@@ -79,7 +79,7 @@ def attach(model: torch.nn.Module, model_cfg: Any, autocast: bool = False, key: 
     Under `autocast` (bf16 on CPU) the adapter's matmuls cast their inputs to bf16 anyway, so
     peft's own cast of each adapted layer's input to the adapter's float32 is skipped: the same
     log-probs, bit for bit, and a 3-5 % faster forward of the 135M model."""
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import PeftModel, get_peft_model
 
     path = model_cfg.get("lora_adapter_path")
     unfit = []
@@ -99,14 +99,14 @@ def attach(model: torch.nn.Module, model_cfg: Any, autocast: bool = False, key: 
     except OSError as exc:
         raise ValueError(f"{key}.lora_adapter_path={path!r} is not a peft adapter folder (adapter_config.json + "
                          f"adapter_model.safetensors): {exc}") from None
+    if unfit:
+        raise ValueError(f"{key}.lora_adapter_path={path!r} holds tensors {type(model).__name__} has no place for "
+                         f"(e.g. {unfit[:3]}): it is an adapter of another model.")
     if autocast:
         from peft.tuners.lora import LoraLayer
 
         for layer in (m for m in model.modules() if isinstance(m, LoraLayer)):
             layer.cast_input_dtype_enabled = False
-    if unfit:
-        raise ValueError(f"{key}.lora_adapter_path={path!r} holds tensors {type(model).__name__} has no place for "
-                         f"(e.g. {unfit[:3]}): it is an adapter of another model.")
     config = peft_model.peft_config[ADAPTER]
     heads = set(HEAD_MODULES) if value_head else set()
     if getattr(config, "use_dora", False) or set(getattr(config, "modules_to_save", None) or ()) - heads:
