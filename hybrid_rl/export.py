@@ -36,6 +36,7 @@ import torch
 
 from hybrid_rl.checkpoint import POINTER, STATE, STEP_DIR, CheckpointManager
 from hybrid_rl.engines import lora
+from hybrid_rl.engines.base import MODEL_KEYS
 from hybrid_rl.engines.megatron import convert
 from hybrid_rl.engines.megatron import lora as megatron_lora
 from hybrid_rl.hardware import TORCH_DTYPES
@@ -43,7 +44,6 @@ from hybrid_rl.hardware import TORCH_DTYPES
 logger = logging.getLogger(__name__)
 
 ROLES = ("actor", "critic")
-MODEL_KEYS = {"actor": "actor_rollout_ref.model", "critic": "critic.model"}  # each role's model section
 HF_DIR = "huggingface"
 MODEL_KEY = "model"  # top-level key of the model's state dict inside the DCP checkpoint (see engines/fsdp.py)
 # Files of huggingface/ that the exported folder gets from save_pretrained instead of copying.
@@ -191,8 +191,7 @@ def _stored_model_config(step: Path, role: str):
     except (OSError, json.JSONDecodeError) as exc:
         raise ExportError(f"Cannot read {step / STATE} ({exc}); the checkpoint is corrupt. "
                           "Export an earlier global_step_<N> folder.") from exc
-    stored = ((run_cfg.get("critic") or {}) if role == "critic"
-              else (run_cfg.get("actor_rollout_ref") or {})).get("model") or {}
+    stored = (run_cfg.get(MODEL_KEYS[role].split(".")[0]) or {}).get("model") or {}
     # A checkpoint's config may come from a version without these keys: their defaults then.
     return OmegaConf.create({"trust_remote_code": False, "override_config": {}, "path": None, **stored})
 

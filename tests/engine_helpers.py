@@ -39,6 +39,13 @@ def loss_fn(out, micro, agg):
     return loss, {"loss": float(loss.detach())}
 
 
+def value_loss_fn(out, micro, agg):
+    """The critic's squared error to the advantages, normalised by the mini-batch's tokens."""
+    mask = micro["response_mask"]
+    loss = (((out["values"] - micro["advantages"]) ** 2) * mask).sum() * agg["dp_size"] / agg["global_num_tokens"]
+    return loss, {"loss": float(loss.detach())}
+
+
 def actor_config(strategy: str, tp: int = 1, pp: int = 1, extra=(), dtype: str = "fp32", cp: int = 1,
                  vpp: int | None = None):
     """fp32 for the exact comparisons (`auto` is bf16 on CPUs with bf16 instructions)."""

@@ -13,7 +13,7 @@ from hybrid_rl.config_keys import compose_config
 from hybrid_rl.engines import Output
 from hybrid_rl.engines.lora import AdapterDisabled
 from tests.conftest import build_tiny_model
-from tests.engine_helpers import actor_config, make_engine, rollout_batch, step, weights
+from tests.engine_helpers import actor_config, make_engine, rollout_batch, step, value_loss_fn, weights
 
 LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
         # A gradient for the adapter's A as well as its B from the first step on.
@@ -262,13 +262,8 @@ def critic_engine(model_dir, extra=()):
 
 
 def critic_step(engine, cfg, seed: int) -> dict:
-    def value_loss(out, micro, agg):
-        mask = micro["response_mask"]
-        loss = (((out["values"] - micro["advantages"]) ** 2) * mask).sum() * agg["dp_size"] / agg["global_num_tokens"]
-        return loss, {"loss": float(loss.detach())}
-
     return engine.update(rollout_batch(seed), cfg.critic, rollout_n=2, seed=seed, output=Output.VALUES,
-                         temperature=1.0, loss_fn=value_loss)
+                         temperature=1.0, loss_fn=value_loss_fn)
 
 
 @pytest.fixture(scope="module")

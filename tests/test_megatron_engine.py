@@ -25,7 +25,7 @@ from hybrid_rl.main import compose_config
 from hybrid_rl.protocol import Batch
 from tests.conftest import build_tiny_model
 from tests.engine_helpers import (actor_config, export_step_folder, make_engine, offloaded, rollout_batch, step,
-                                  weights)
+                                  value_loss_fn, weights)
 
 # A micro-batch's 15 response positions in 4 chunks of the LM head (the last one short).
 SMALL_HEAD_CHUNKS = ("actor_rollout_ref.model.head_chunk_size=4",)
@@ -558,12 +558,6 @@ def critic_config(strategy: str, tp: int = 1, pp: int = 1, cp: int = 1, vpp: int
         f"critic.megatron.tensor_model_parallel_size={tp}", f"critic.megatron.pipeline_model_parallel_size={pp}",
         f"critic.megatron.context_parallel_size={cp}", f"critic.megatron.virtual_pipeline_model_parallel_size={vpp or 'null'}",
         *extra], config_name="ppo_megatron_trainer")
-
-
-def value_loss_fn(out, micro, agg):
-    mask = micro["response_mask"]
-    loss = (((out["values"] - micro["advantages"]) ** 2) * mask).sum() * agg["dp_size"] / agg["global_num_tokens"]
-    return loss, {"loss": float(loss.detach())}
 
 
 def make_critic(cfg, model_dir):

@@ -73,6 +73,11 @@ HEAD_CLASSES = {Head.LM: "AutoModelForCausalLM", Head.VALUE: "AutoModelForTokenC
                 Head.STEP_TAG: "AutoModelForCausalLM"}
 
 
+# Each role's model section in the config.
+MODEL_KEYS = {"actor": "actor_rollout_ref.model", "ref": "actor_rollout_ref.model", "critic": "critic.model",
+              "reward_model": "reward_model.model"}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Which model an engine builds and whether it trains it."""
@@ -88,8 +93,7 @@ class ModelSpec:
     @property
     def model_key(self) -> str:
         """Where `model_cfg` sits in the config, for error messages."""
-        return {"critic": "critic.model", "reward_model": "reward_model.model"}.get(self.role,
-                                                                                      "actor_rollout_ref.model")
+        return MODEL_KEYS[self.role]
 
 
 # loss_fn(outputs, micro, agg_kwargs) -> (loss, {metric: float}); see `TrainEngine.update`.
