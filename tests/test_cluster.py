@@ -141,6 +141,40 @@ def test_the_submission_script_dry_run_prints_the_command():
                                    r"-- python -m hybrid_rl.main trainer.nnodes=2 data.train_files=/data/my\ train.parquet")
 
 
+FAKE_RAY = """#!/usr/bin/env bash
+# Stands in for `ray job submit` on a head whose job agent is not up for the first REFUSALS calls
+# (a transient state of a cluster that has just started, which a test cannot bring about on cue);
+# after that it reports the submission and exits with JOB_RC, as the real CLI does for the job.
+count=$(( $(cat "$CALLS" 2>/dev/null || echo 0) + 1 )); echo $count > "$CALLS"
+if (( count <= REFUSALS )); then
+  echo "RuntimeError: Request failed with status code 500: No available agent to submit job, please try again later.." >&2
+  exit 1
+fi
+echo "Job 'raysubmit_1' submitted successfully"
+echo "No available agent to submit job"  # the job's own output never triggers a resubmission
+exit $JOB_RC
+"""
+
+
+@pytest.mark.parametrize("refusals, job_rc, wait_s, calls, rc", [
+    (2, 0, 60, 3, 0),   # refused twice, then submitted: succeeds
+    (1, 1, 60, 2, 1),   # submitted after one refusal; the job failed: not submitted again
+    (5, 0, 0, 1, 1),    # no time to wait: the refusal is the result
+])
+def test_the_submission_script_resubmits_only_while_the_head_refuses(tmp_path, refusals, job_rc, wait_s, calls, rc):
+    fake = tmp_path / "bin" / "ray"
+    fake.parent.mkdir()
+    fake.write_text(FAKE_RAY)
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}", "CALLS": str(tmp_path / "calls"),
+           "REFUSALS": str(refusals), "JOB_RC": str(job_rc), "RAY_JOB_AGENT_WAIT_S": str(wait_s)}
+    done = subprocess.run(["bash", os.path.join(REPO_ROOT, "tools", "cluster", "ray_job.sh"), "trainer.nnodes=2"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == rc, done.stdout + done.stderr
+    assert int((tmp_path / "calls").read_text()) == calls
+    assert done.stderr.count("submitting again in 5 s") == calls - 1
+
+
 def test_the_kuberay_manifest_matches_its_entrypoint_and_our_config():
     """The RayJob's pods hold exactly the ranks its entrypoint asks for, on the Ray version we
     install, and our config accepts the entrypoint's overrides. (Its schema was checked against

@@ -9,6 +9,9 @@
 #   ray[default] (bash tools/install.sh --cluster).
 # RAY_JOB_PYTHON: the interpreter the job's driver runs with on the head (default: python).
 # RAY_JOB_ID: a submission id of your choice (default: Ray picks one).
+# RAY_JOB_AGENT_WAIT_S: how long to keep resubmitting while the head's job agent is not up yet,
+#   as on a cluster that has just started (default 120; the head then refuses with "No available
+#   agent to submit job" and creates no job, so submitting again cannot start it twice).
 # Token authentication: export RAY_AUTH_MODE=token and the cluster's token (RAY_AUTH_TOKEN, or
 #   ~/.ray/auth_token) here; docs/cluster.md.
 # Afterwards: `ray job logs <id>` and `ray job status <id>`; metrics and checkpoints are in
@@ -27,4 +30,19 @@ if (( dry_run )); then
   printf '%q ' "${cmd[@]}"; echo
   exit 0
 fi
-exec "${cmd[@]}"
+wait_s=${RAY_JOB_AGENT_WAIT_S:-120}
+output=$(mktemp)
+trap 'rm -f "$output"' EXIT
+while true; do
+  set +e
+  "${cmd[@]}" 2>&1 | tee "$output"
+  rc=${PIPESTATUS[0]}
+  set -e
+  # Resubmit only when the head refused before creating the job.
+  if (( rc == 0 )) || ! grep -q "No available agent to submit job" "$output" \
+      || grep -q "submitted successfully" "$output" || (( SECONDS >= wait_s )); then
+    exit "$rc"
+  fi
+  echo "ray_job.sh: the head's job agent is not up yet (${SECONDS} s of ${wait_s}); submitting again in 5 s" >&2
+  sleep 5
+done
