@@ -20,6 +20,8 @@ from hybrid_rl.engines.megatron import lora as megatron_lora
 from hybrid_rl.engines.megatron.checks import check_roles as check_megatron_roles
 from hybrid_rl.engines.megatron.checks import context_parallel_size as megatron_context_parallel_size
 from hybrid_rl.engines.megatron.checks import parallel_sizes as megatron_parallel_sizes
+from hybrid_rl.engines.megatron.routing import MODES as REPLAY_MODES
+from hybrid_rl.engines.megatron.routing import replay_mode
 from hybrid_rl.hardware import TORCH_DTYPES, resolve_dtype
 from hybrid_rl.profiler import ROLE_PROFILER_KEYS, TORCH_CONTENTS
 from hybrid_rl.tracking import LOGGERS, OPTIONAL_LOGGERS, VERL_ONLY_LOGGERS
@@ -307,9 +309,47 @@ def validate_config(cfg: DictConfig) -> DictConfig:
         resolve_dtypes(cfg)
         rollout.enforce_eager = resolve_enforce_eager(rollout.enforce_eager, trainer.device)
     _check_served_reward_model(cfg)
+    check_router_replay(cfg)
     refuse_unsupported_keys(cfg)
     check_profiler(cfg)  # after the key-level refusals, which name every such key at once
     return cfg
+
+
+def check_router_replay(cfg: DictConfig) -> None:
+    """verl's `router_replay.mode` of the actor and the reference (Megatron engine) and the
+    rollout's `enable_rollout_routing_replay` (vLLM returning each token's experts)."""
+    arr = cfg.actor_rollout_ref
+    rollout = arr.rollout
+    returns_routes = bool(rollout.get("enable_rollout_routing_replay", False))
+    for role in ("actor", "ref"):
+        key = f"actor_rollout_ref.{role}.megatron.router_replay.mode"
+        try:
+            mode = replay_mode(arr[role])
+        except ValueError as exc:
+            raise ConfigError(f"actor_rollout_ref.{role}: {exc}") from None
+        _choice(mode, REPLAY_MODES, key)
+        if mode == "disabled":
+            continue
+        if arr[role].strategy != "megatron":
+            raise ConfigError(f"{key}={mode} replays mixture-of-experts routes in the Megatron engine (as verl does); "
+                              f"set actor_rollout_ref.{role}.strategy=megatron (--config-name=ppo_megatron_trainer), "
+                              "or the mode to disabled.")
+        if mode == "R3" and not returns_routes:
+            raise ConfigError(f"{key}=R3 replays the rollout's routes: set "
+                              "actor_rollout_ref.rollout.enable_rollout_routing_replay=true so that vLLM returns them "
+                              "(or use R2, which records them in the actor's old-log-prob pass).")
+    if not returns_routes:
+        return
+    key = "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"
+    for enabled, what in ((rollout.name != "vllm", f"rollout.name={rollout.name}: only vLLM returns routes"),
+                          (rollout.multi_turn.enable, "multi_turn.enable=true: the tool loop does not carry routes"),
+                          (rollout.beam_search, "beam_search=true: beam search returns no routes")):
+        if enabled:
+            raise ConfigError(f"{key} with actor_rollout_ref.rollout.{what}; set it to false.")
+    if cfg.trainer.device == "cpu":
+        raise ConfigError(f"{key}: vLLM-CPU cannot return the routed experts (vLLM returns them from its V2 model "
+                          "runner only, which needs Triton; on CPU vLLM runs the V1 runner and refuses the option). "
+                          "On CPU use actor_rollout_ref.actor.megatron.router_replay.mode=R2 with this set to false.")
 
 
 def refuse_unsupported_keys(cfg: DictConfig) -> None:

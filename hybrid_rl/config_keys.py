@@ -32,6 +32,10 @@ WORKS, NO_EFFECT, NOT_YET = "works", "no effect", "not supported yet"
 LORA_ROLES = ("actor_rollout_ref", "critic")  # the trained models with verl's LoRA keys
 # Offloading to host memory means nothing when the model already lives there.
 NO_EFFECT_ON_CPU = "no effect on CPU; not supported yet on GPU"
+ROUTER_REPLAY = ("mixture-of-experts models on the Megatron engine: R2 replays the old-log-prob pass's routes in the "
+                 "update, R3 the rollout's (needs rollout.enable_rollout_routing_replay); verl 0.9's place for "
+                 "the key is the megatron section, 0.7-0.8's the role's")
+ROUTE_FILES = "routes travel in the batch; verl reads neither file either"
 REMOTE_SANDBOX = ("verl's remote sandbox service is not used; code rewards run in the local sandbox "
                   "(reward.funcs=[code_tests])")
 # The Hydra tree: the checkout's top-level conf/ (hybrid_rl/conf links to it), copied into the
@@ -203,6 +207,11 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NO_EFFECT, "the Megatron engine runs each micro-batch padded to its longest row (same numbers)",
             "*.megatron.use_remove_padding", "*.megatron.pad_bshd_to_minibatch_max"),
     *_rules(NO_EFFECT, "the reference model is built frozen and the actor trainable", "*.megatron.forward_only"),
+    *_rules(NOT_YET, "router replay is built for the policy (actor and reference), not the critic",
+            "critic.megatron.router_replay.mode"),
+    *_rules(WORKS, ROUTER_REPLAY, "actor_rollout_ref.actor.megatron.router_replay.mode",
+            "actor_rollout_ref.ref.megatron.router_replay.mode"),
+    *_rules(NO_EFFECT, ROUTE_FILES, "*.megatron.router_replay.*"),
     *_rules(NOT_YET, "not built yet for the Megatron engine", "*.megatron.*", "critic.nccl_timeout"),
     # --- optimiser
     *_rules(NOT_YET, "only AdamW is built (torch's, or megatron's adam, which is AdamW)", "*.optim.optimizer",
@@ -278,6 +287,8 @@ RULES: tuple[Rule, ...] = tuple([
             "*.model.tiled_mlp.num_shards", "actor_rollout_ref.model.mtp.*", "actor_rollout_ref.rollout.mtp"),
     *_rules(NO_EFFECT, "models are read from local folders; there is no shared-memory copy", "*.use_shm"),
     # --- rollout
+    *_rules(WORKS, "vLLM returns each token's experts for router replay R3; GPU only (vLLM's V2 model runner; refused "
+            "on CPU), written but not yet run on a GPU", "actor_rollout_ref.rollout.enable_rollout_routing_replay"),
     *_rules(NO_EFFECT, "single-turn generation is the same in both modes: one in-process engine per rank",
             "actor_rollout_ref.rollout.mode"),
     *_rules(NOT_YET, "not built yet", "actor_rollout_ref.rollout.nnodes", "actor_rollout_ref.rollout.ignore_eos",
@@ -285,7 +296,7 @@ RULES: tuple[Rule, ...] = tuple([
             "actor_rollout_ref.rollout.expert_parallel_size", "actor_rollout_ref.rollout.pipeline_model_parallel_size",
             "actor_rollout_ref.rollout.logprobs_mode", "actor_rollout_ref.rollout.scheduling_policy",
             "actor_rollout_ref.rollout.over_sample_rate", "actor_rollout_ref.rollout.router_config_path",
-            "actor_rollout_ref.rollout.enable_rollout_routing_replay", "actor_rollout_ref.rollout.quantization",
+            "actor_rollout_ref.rollout.quantization",
             "actor_rollout_ref.rollout.quantization_config_file", "actor_rollout_ref.rollout.disaggregation.enabled",
             "actor_rollout_ref.rollout.prometheus.enable", "actor_rollout_ref.rollout.trace.backend",
             "actor_rollout_ref.rollout.checkpoint_engine.backend",
@@ -398,8 +409,8 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NOT_YET, "verl 0.7's place for the critic's FSDP settings; use critic.fsdp_config.<same key>",
             "critic.model.fsdp_config.dtype", "critic.model.fsdp_config.reshard_after_forward"),
     *_rules(NOT_YET, "weights are always loaded from model.path", "*.load_weight"),
-    *_rules(NOT_YET, "MoE router replay is not built", "*.router_replay.mode"),
-    *_rules(NO_EFFECT, "read only with router_replay.mode, which is not supported yet", "*.router_replay.*"),
+    *_rules(WORKS, ROUTER_REPLAY, "actor_rollout_ref.actor.router_replay.mode", "actor_rollout_ref.ref.router_replay.mode"),
+    *_rules(NO_EFFECT, ROUTE_FILES, "*.router_replay.*"),
     *_rules(NO_EFFECT, "Σπ² is computed in the no-gradient log-prob pass, one head chunk at a time: there is "
             "nothing to checkpoint", "actor_rollout_ref.actor.sum_pi_squared_checkpointing"),
     *_rules(NO_EFFECT, "vLLM loads the pushed weights by their Hugging Face names; no layer map is consulted",

@@ -39,6 +39,7 @@ from hybrid_rl.controller.worker_group import PendingCall
 from hybrid_rl.models import resolve_model_path
 from hybrid_rl.data import EpochSampler, RLDataset, collate_prompts
 from hybrid_rl.engines import lora
+from hybrid_rl.engines.base import ROUTES_KEY
 from hybrid_rl.engines.megatron import lora as megatron_lora
 from hybrid_rl.iterative import IterationSamples, load_step_scorer
 from hybrid_rl.metrics import (Timer, compute_data_metrics, multi_turn_metrics, per_source_means,
@@ -616,7 +617,10 @@ class Trainer:
                 batch["old_log_probs"] = batch["rollout_log_probs"]
             elif self.recompute_old_log_probs:
                 with timer.phase("old_log_prob"):
-                    batch.union(self.workers.compute_log_prob(batch))
+                    old = self.workers.compute_log_prob(batch)
+                    if ROUTES_KEY in old and ROUTES_KEY in batch:  # R2: the pass's routes replace the rollout's
+                        batch.pop([ROUTES_KEY])
+                    batch.union(old)
 
             if self.use_reference:
                 with timer.phase("ref"):

@@ -77,8 +77,8 @@ def build_tiny_model(path, tokenizer, seed: int = 0, num_layers: int = 2, rope_t
     return str(path)
 
 
-def build_tiny_moe_model(path, tokenizer, family: str = "qwen3_moe", seed: int = 0) -> str:
-    """A small mixture-of-experts model (2 layers of 4 experts, 2 per token) with random weights:
+def build_tiny_moe_model(path, tokenizer, family: str = "qwen3_moe", seed: int = 0, layers: int = 2) -> str:
+    """A small mixture-of-experts model (`layers` layers of 4 experts, 2 per token) with random weights:
     Qwen3-MoE, whose expert inner size of 48 is not a multiple of vLLM-CPU's experts-kernel block
     (the engine pads it when packing), Qwen2-MoE (the same with a gated shared expert), or Mixtral, whose files name the MoE block
     `block_sparse_moe` and its experts' projections w1/w2/w3 (transformers renames them on load)."""
@@ -87,7 +87,7 @@ def build_tiny_moe_model(path, tokenizer, family: str = "qwen3_moe", seed: int =
                               Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     torch.manual_seed(seed)
-    shared = dict(vocab_size=len(tokenizer), hidden_size=128, num_experts_per_tok=2, num_hidden_layers=2,
+    shared = dict(vocab_size=len(tokenizer), hidden_size=128, num_experts_per_tok=2, num_hidden_layers=layers,
                   num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
                   tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
                   eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)

@@ -96,3 +96,13 @@ def export_step_folder(engine_checkpoint: str, model_dir: str, step_dir: Path, r
     section = "critic" if role == "critic" else "actor_rollout_ref"
     (step_dir / "trainer_state.json").write_text(json.dumps({"config": {section: {"model": {"path": model_dir}}}}))
     return step_dir
+
+
+def two_rank_results(rank_main, out_dir: Path, *args) -> list[dict]:
+    """Run `rank_main(rank, 2, init_file, *args, out_dir)` on two spawned processes, each saving
+    its results to `out_dir/rank<rank>.pt`; returns them in rank order."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(rank_main, args=(2, str(out_dir / "init"), *args, str(out_dir)), nprocs=2, start_method="spawn")
+    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(2)]
+

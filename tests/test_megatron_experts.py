@@ -12,11 +12,12 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hybrid_rl.engines import Output
 from hybrid_rl.export import ExportError, export_checkpoint
-from tests.engine_helpers import actor_config, export_step_folder, loss_fn, make_engine, rollout_batch, step, weights
+from tests.engine_helpers import (
+    actor_config, export_step_folder, loss_fn, make_engine, rollout_batch, step, two_rank_results, weights,
+)
 
 pytestmark = pytest.mark.slow
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
@@ -102,10 +103,7 @@ def _rank_main(rank, world, init_file, model_dirs, out_dir):
 
 @pytest.fixture(scope="module")
 def expert_runs(tiny_moe_model_dirs, tmp_path_factory) -> list[dict]:
-    out_dir = tmp_path_factory.mktemp("megatron_experts")
-    mp.start_processes(_rank_main, args=(2, str(out_dir / "init"), tiny_moe_model_dirs, str(out_dir)), nprocs=2,
-                       start_method="spawn")
-    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(2)]
+    return two_rank_results(_rank_main, tmp_path_factory.mktemp("megatron_experts"), tiny_moe_model_dirs)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -41,6 +41,8 @@ from hybrid_rl import seqlen_balancing
 from hybrid_rl.protocol import Batch
 
 FORWARD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
+# A batch's table of the experts each token was routed to (mixture-of-experts router replay).
+ROUTES_KEY = "routed_experts"
 FORWARD_TOKENS = "update_tokens"  # reported as <role>/update_tokens, per rank
 
 
@@ -180,6 +182,16 @@ class TrainEngine(ABC):
         """Forward passes inside compute the model without its LoRA adapter (see `lora.AdapterDisabled`)."""
         raise NotImplementedError(f"The {type(self).__name__} has no LoRA adapter to disable.")
 
+    def recording_routes(self) -> contextlib.AbstractContextManager:
+        """Forward-only passes inside also return the experts each token was routed to
+        (`ROUTES_KEY`, see `megatron.routing`), for an update to replay."""
+        raise NotImplementedError(f"The {type(self).__name__} does not record mixture-of-experts routes: router "
+                                  "replay runs on the Megatron engine (strategy=megatron).")
+
+    def pass_metrics(self) -> dict[str, float]:
+        """Figures of the last training pass the engine measures itself (one mini-batch's)."""
+        return {}
+
     def hf_module(self) -> torch.nn.Module:
         """The model as a `transformers` module, for `rollout.name=hf`."""
         raise NotImplementedError(f"The {type(self).__name__} has no transformers module to generate with; "
@@ -224,15 +236,17 @@ class TrainEngine(ABC):
         """`output` for every row of `batch`, on the CPU, in micro-batches of `micro_rows` rows
         or `max_tokens` tokens."""
         groups = self.micro_batches(batch, micro_rows, max_tokens)
+        keys = FORWARD_KEYS + ((ROUTES_KEY,) if ROUTES_KEY in batch else ())  # routes to replay
         with self.resident():
-            results = self.forward_backward([self._to_device(batch[rows], FORWARD_KEYS) for rows in groups],
+            results = self.forward_backward([self._to_device(batch[rows], keys) for rows in groups],
                                             output, temperature)
         out: dict[str, torch.Tensor] = {}
         for rows, result in zip(groups, results):
             for key, value in result.items():
-                if key not in out:
-                    out[key] = torch.zeros((len(batch), *value.shape[1:]), dtype=torch.float32)
-                out[key][rows] = value.float().cpu()
+                if key not in out:  # outputs in float32, recorded routes as they are
+                    dtype = torch.float32 if value.is_floating_point() else value.dtype
+                    out[key] = torch.zeros((len(batch), *value.shape[1:]), dtype=dtype)
+                out[key][rows] = value.cpu().to(out[key].dtype)
         return out
 
     def update(self, batch: Batch, role_cfg: Any, *, rollout_n: int, seed: int, output: Output,
@@ -248,7 +262,8 @@ class TrainEngine(ABC):
         accumulated gradient (averaged over ranks) is exactly that of the whole mini-batch.
         `terms` are floats weighted the same way: their sum over micro-batches, averaged over
         ranks, is the exact mini-batch value. Returns `<role>/<metric>` means over mini-batches
-        (max for *_max, the total for the token count), plus grad_norm, lr and skipped_steps.
+        (max for *_max, the total for the token count), plus grad_norm, lr, skipped_steps and what
+        the engine measures of each pass itself (`pass_metrics`).
         """
         role = self.spec.role
         mini_rows = role_cfg.ppo_mini_batch_size * rollout_n // self.dp_size
@@ -275,6 +290,7 @@ class TrainEngine(ABC):
                     for micro_terms in terms:
                         for key, value in micro_terms.items():
                             sums[key] = combine_metric(key, sums.get(key), value)
+                    sums.update(self.pass_metrics())
                     sums["grad_norm"] = self.optimizer_step(role_cfg.grad_clip)
                     sums[FORWARD_TOKENS] = sum(sum(seqlen_balancing.cost_units(part, self.share_prompts)[1])
                                                for part in parts)

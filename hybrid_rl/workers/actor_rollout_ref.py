@@ -22,7 +22,8 @@ from hybrid_rl.config import needs_reference
 from hybrid_rl.controller import Dispatch, register
 from hybrid_rl.controller.worker import get_free_port, get_node_ip
 from hybrid_rl.engines import ModelSpec, Output, build_engine, lora
-from hybrid_rl.engines.base import FORWARD_KEYS, token_share
+from hybrid_rl.engines.base import FORWARD_KEYS, ROUTES_KEY, token_share
+from hybrid_rl.engines.megatron.routing import replay_mode
 from hybrid_rl.hardware import peak_memory_gb
 from hybrid_rl.models import load_tokenizer, model_config
 from hybrid_rl.protocol import Batch
@@ -144,21 +145,29 @@ class ActorRolloutRefWorker(ModelWorker):
         return True
 
     # ------------------------------------------------------------------ log-probs
-    def _log_probs(self, engine, batch: Batch, role_cfg, output: Output = Output.LOG_PROBS) -> dict[str, torch.Tensor]:
+    def _log_probs(self, engine, batch: Batch, role_cfg, output: Output = Output.LOG_PROBS,
+                   replay_routes: bool = False) -> dict[str, torch.Tensor]:
         """Response log-probs of `batch` under `engine`'s model (with what else `output` names),
         in micro-batches of `log_prob_micro_batch_size_per_gpu` rows or
-        `log_prob_max_token_len_per_gpu` tokens."""
+        `log_prob_max_token_len_per_gpu` tokens; with `replay_routes`, through the experts of the
+        batch's route table (the rollout's)."""
         max_tokens = role_cfg.log_prob_max_token_len_per_gpu if role_cfg.log_prob_use_dynamic_bsz else None
-        return engine.infer(batch, output, batch.meta.temperature, role_cfg.log_prob_micro_batch_size_per_gpu,
-                            max_tokens)
+        keys = [*FORWARD_KEYS, *([ROUTES_KEY] if replay_routes else [])]
+        return engine.infer(batch.select(keys, non_tensor_keys=[]), output, batch.meta.temperature,
+                            role_cfg.log_prob_micro_batch_size_per_gpu, max_tokens)
 
     @register(dispatch=Dispatch.DP_COMPUTE, mesh="actor")
     def compute_log_prob(self, batch: Batch) -> Batch:
         """`old_log_probs`, and with `actor.calculate_sum_pi_squared` (the optimal token
-        baseline's input) `sum_pi_squared`: Σ_v π_v² of each next-token distribution."""
-        sum_pi_squared = self.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared
-        out = self._log_probs(self.actor, batch, self.cfg.actor_rollout_ref.rollout,
-                              Output.LOG_PROBS_SUM_PI_SQUARED if sum_pi_squared else Output.LOG_PROBS)
+        baseline's input) `sum_pi_squared`: Σ_v π_v² of each next-token distribution. Under
+        router replay R2 also the route table of this pass, which the update replays; under R3
+        the pass replays the rollout's."""
+        actor = self.cfg.actor_rollout_ref.actor
+        mode = replay_mode(actor)
+        output = Output.LOG_PROBS_SUM_PI_SQUARED if actor.calculate_sum_pi_squared else Output.LOG_PROBS
+        with self.actor.recording_routes() if mode == "R2" else contextlib.nullcontext():
+            out = self._log_probs(self.actor, batch, self.cfg.actor_rollout_ref.rollout, output,
+                                  replay_routes=mode == "R3")
         return Batch(tensors={"old_log_probs": out.pop("log_probs"), **out})
 
     @register(dispatch=Dispatch.DP_COMPUTE, mesh="ref")
@@ -166,7 +175,8 @@ class ActorRolloutRefWorker(ModelWorker):
         if self.ref is None:
             raise RuntimeError("No reference policy: set actor_rollout_ref.actor.use_kl_loss=true "
                                "or algorithm.use_kl_in_reward=true to create one.")
-        ref = self._log_probs(self.ref, batch, self.cfg.actor_rollout_ref.ref)
+        ref_cfg = self.cfg.actor_rollout_ref.ref
+        ref = self._log_probs(self.ref, batch, ref_cfg, replay_routes=replay_mode(ref_cfg) == "R3")
         return Batch(tensors={"ref_log_prob": ref["log_probs"]})
 
     # ------------------------------------------------------------------ training
@@ -184,6 +194,8 @@ class ActorRolloutRefWorker(ModelWorker):
         keys = list(FORWARD_KEYS) + ["response_mask", "advantages"]
         keys += [k for k in ("old_log_probs", "ref_log_prob", "rollout_log_probs", "rollout_is_weights")
                  if k in batch]
+        if replay_mode(cfg) != "disabled" and ROUTES_KEY in batch:  # R2's recorded routes, or R3's
+            keys.append(ROUTES_KEY)
         batch = batch.select(keys, non_tensor_keys=[])
         full_kl = cfg.use_kl_loss and cfg.kl_loss_type == "full"
 

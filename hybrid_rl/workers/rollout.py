@@ -3,7 +3,8 @@
 `VLLMRollout` runs one in-process vLLM engine per rank (`external_launcher`), created after the
 trainer's process group. `HFRollout` uses `transformers` generate on the actor's own (sharded)
 weights. Both return the same tensors: prompts, responses, response_mask, input_ids,
-attention_mask, position_ids and the sampled tokens' log-probs (`rollout_log_probs`).
+attention_mask, position_ids and the sampled tokens' log-probs (`rollout_log_probs`); vLLM with
+`enable_rollout_routing_replay` also each token's experts (`routed_experts`, router replay R3).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from hybrid_rl.engines.base import ROUTES_KEY
+from hybrid_rl.engines.megatron.routing import route_table
 from hybrid_rl.hardware import host_memory_bytes
 from hybrid_rl.models import checkpoint_layout
 from hybrid_rl.protocol import Batch, Sampling
@@ -149,7 +152,10 @@ def generate_batch(engine, multi_turn, cfg: Any, prompts: Batch, pad_token_id: i
                                  for row, t in zip(rows, trajectories)]
         return out
     tokens, log_probs = engine.generate(prompts, settings, rollout_cfg.response_length)
-    return assemble_rollout(prompts, tokens, log_probs, rollout_cfg.response_length, pad_token_id, eos_token_ids)
+    out = assemble_rollout(prompts, tokens, log_probs, rollout_cfg.response_length, pad_token_id, eos_token_ids)
+    if sampling is Sampling.TRAIN and engine.routes is not None:  # for router replay R3
+        out[ROUTES_KEY] = route_table(out["attention_mask"], engine.routes)
+    return out
 
 
 def conversation_rows(prompts: Batch) -> list[dict]:
@@ -219,6 +225,12 @@ class VLLMRollout:
             # ("'function' object has no attribute 'finalize_loading'"), so every start compiled
             # again; inductor's own cache is reused across runs.
             os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+        # The experts each token was routed to (router replay R3): vLLM returns them from its V2
+        # model runner only.
+        self.return_routes = bool(cfg.get("enable_rollout_routing_replay", False))
+        self.routes: list | None = None  # of the last generate_ids call, with return_routes
+        if self.return_routes:
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
         from vllm import LLM
 
         from hybrid_rl.hardware import resolve_dtype
@@ -257,6 +269,7 @@ class VLLMRollout:
                 logprobs_mode="processed_logprobs",
                 seed=int(cfg.seed) + self.dp_rank,
                 enable_sleep_mode=self.sleep_between_rollouts,
+                enable_return_routed_experts=self.return_routes,
                 **engine_kwargs(cfg, device.type),
             )
         except RuntimeError as exc:
@@ -347,6 +360,7 @@ class VLLMRollout:
         params = [by_limit[limit] for limit in max_tokens]
         with self.sampling():
             outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+        self.routes = [out.outputs[0].routed_experts for out in outputs] if self.return_routes else None
         tokens, log_probs = [], []
         for out in outputs:
             completion = out.outputs[0]
@@ -406,6 +420,7 @@ class HFRollout:
         self.is_output_rank = True
         self.pad_token_id = pad_token_id
         self.eos_token_ids = eos_token_ids
+        self.routes = None  # transformers' generate returns no routes
 
     @torch.no_grad()
     def generate(self, batch: Batch, settings: dict, response_length: int) -> tuple[list, list]:

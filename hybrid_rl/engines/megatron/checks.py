@@ -12,6 +12,7 @@ from typing import Any
 
 from hybrid_rl.engines.megatron import convert
 from hybrid_rl.engines.megatron.cpu import check_version
+from hybrid_rl.engines.megatron.routing import check_replayable, replay_mode
 from hybrid_rl.models import tensor_parallel_sizes
 
 
@@ -129,6 +130,7 @@ def check_roles(cfg: Any, hf_config: Any, roles: dict[str, bool], role_configs: 
         pool = "reward_model" if key in own_pool else "trainer"
         ranks = _section(cfg, pool)
         check_layout(key, _section(cfg, key).megatron, layout, ranks.nnodes * ranks.n_gpus_per_node, pool)
+        check_replayable(key, replay_mode(_section(cfg, key)), layout)
     # The roles in one process share its megatron groups (a reward model in its own pool has its own).
     sizes = {key: (*parallel_sizes(_section(cfg, key).megatron)[:2], expert_parallel_size(_section(cfg, key).megatron),
                    context_parallel_size(_section(cfg, key).megatron))

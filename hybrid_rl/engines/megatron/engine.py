@@ -29,10 +29,13 @@ import torch.distributed as dist
 
 from hybrid_rl.config_keys import plain
 from hybrid_rl.engines import hf_model
-from hybrid_rl.engines.base import Head, ModelSpec, Output, TrainEngine, all_reduce_scalar, lr_lambda
+from hybrid_rl.engines.base import (
+    ROUTES_KEY, Head, ModelSpec, Output, TrainEngine, all_reduce_scalar, lr_lambda,
+)
 from hybrid_rl.engines.megatron import convert
 from hybrid_rl.engines.megatron import lora as mlora
 from hybrid_rl.engines.megatron import model as mmodel
+from hybrid_rl.engines.megatron import routing
 from hybrid_rl.engines.megatron.checks import (
     check_layout, context_parallel_size, expert_parallel_size, parallel_sizes,
 )
@@ -154,6 +157,12 @@ class MegatronEngine(TrainEngine):
                         if overrides.get(key) is None:
                             overrides[key] = value
             overrides.update(half)
+            replay_mode = routing.replay_mode(role_cfg)
+            routing.check_replayable(ROLE_KEYS[spec.role], replay_mode, self.layout)
+            if replay_mode != "disabled" and overrides.pop("moe_router_fusion", False):
+                # Transformer Engine's fused top-k does not call megatron's replay hook.
+                logger.warning("%s.megatron.override_transformer_config: moe_router_fusion not applied (router replay "
+                               "needs megatron's own top-k).", ROLE_KEYS[spec.role])
             # Adapters sit beside megatron's own parallel linears (the local spec on CUDA too).
             te = mmodel.has_transformer_engine(device) and lora is None
             sequence_parallel = bool(megatron_cfg.get("sequence_parallel", False)) and tp > 1
@@ -183,6 +192,11 @@ class MegatronEngine(TrainEngine):
             self.head = mmodel.ResponsePositionsHead(self.models, self.config.sequence_parallel, chunk_size,
                                                      self.layout.vocab)
             self.chunks = [self._half(m) for m in self.models]
+            # verl's router_replay (mixture-of-experts models): routes recorded or imposed per token.
+            self.route_replay = None
+            if replay_mode != "disabled":
+                self.route_replay = routing.RouteReplay(self.models, self.config, self.layout.num_layers,
+                                                        self.layout.experts.count)
             if trainable:
                 self._build_training(megatron_cfg, spec, role_cfg)
                 if float32_copies:
@@ -337,6 +351,8 @@ class MegatronEngine(TrainEngine):
             if output is Output.SCORES:  # a reward model reads each row's last real token
                 predict = micro["attention_mask"].sum(1, keepdim=True) - 1
             ids, positions = _pad_columns(ids, pad_to), _pad_columns(positions, pad_to)
+            if replay is not None:
+                replay.before_forward(self.chunks.index(model), micro, ids.shape[1], filler)
             place = mmodel.placement(predict, ids.shape[1])
             if cp > 1:
                 ids, positions = mmodel.this_rank_part(ids), mmodel.this_rank_part(positions)
@@ -365,16 +381,30 @@ class MegatronEngine(TrainEngine):
             return outputs, loss_func
 
         iterators = [iter(batch) for _ in self.chunks]
-        with self._megatron(), (torch.no_grad() if loss_fn is None else contextlib.nullcontext()):
+        replay = self.route_replay
+        lengths = [-(-m["input_ids"].shape[1] // pad_to) * pad_to for m in micros]
+        with self._megatron(), (torch.no_grad() if loss_fn is None else contextlib.nullcontext()), (
+                replay.pass_over(micros, lengths, training=loss_fn is not None)
+                if replay is not None else contextlib.nullcontext()):
             results = get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iterators if len(iterators) > 1 else iterators[0],
-                model=self.chunks, num_microbatches=steps,
-                seq_length=max(-(-m["input_ids"].shape[1] // pad_to) * pad_to for m in micros),
+                model=self.chunks, num_microbatches=steps, seq_length=max(lengths),
                 micro_batch_size=max(m["input_ids"].shape[0] for m in micros), forward_only=loss_fn is None)
         results = results[:len(micros)]
         if loss_fn is None and self.pp_size > 1:
             results = self._from_last_stage(results, micros, OUTPUT_KEYS[output])
+        if replay is not None and replay.recorded:
+            results = [{**result, ROUTES_KEY: replay.routes_of(index)} for index, result in enumerate(results)]
         return results
+
+    def recording_routes(self):
+        if self.route_replay is None:
+            return super().recording_routes()
+        return self.route_replay.record()
+
+    def pass_metrics(self) -> dict[str, float]:
+        replay = self.route_replay
+        return {} if replay is None or replay.changed_share is None else {"routes_changed": replay.changed_share}
 
     def _filler_count(self, count: int, training: bool) -> int:
         """Fillers for the interleaved schedule: whole groups of micro-batches, and in training
