@@ -41,6 +41,7 @@ from hybrid_rl.data import EpochSampler, RLDataset, collate_prompts
 from hybrid_rl.engines import lora
 from hybrid_rl.engines.base import ROUTES_KEY
 from hybrid_rl.engines.megatron import lora as megatron_lora
+from hybrid_rl.engines.megatron.routing import replay_mode
 from hybrid_rl.iterative import IterationSamples, load_step_scorer
 from hybrid_rl.metrics import (Timer, compute_data_metrics, multi_turn_metrics, per_source_means,
                                reduce_worker_metrics, reward_source_metrics, throughput_metrics)
@@ -216,6 +217,10 @@ class Trainer:
             actor.ppo_epochs > 1 or actor.ppo_mini_batch_size < cfg.data.train_batch_size
             or cfg.algorithm.use_kl_in_reward or correction.rollout_is or correction.rollout_rs
             or actor.calculate_sum_pi_squared)
+        if replay_mode(actor) == "R2" and not self.recompute_old_log_probs:
+            logger.warning("router_replay.mode=R2 has nothing to replay here: each step is one on-policy update, "
+                           "so no old-log-prob pass records routes (it does with ppo_mini_batch_size < "
+                           "data.train_batch_size or ppo_epochs > 1).")
         # A rollout pool of its own generates up to rollout.max_staleness batches ahead.
         self.async_rollout = not cfg.actor_rollout_ref.hybrid_engine
         self.n_ranks = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
