@@ -20,3 +20,14 @@ from hybrid_rl.workers.rollout import engine_kwargs
 def test_block_size(overrides, device, expected):
     rollout = compose_config(overrides).actor_rollout_ref.rollout
     assert engine_kwargs(rollout, device).get("block_size") == expected
+
+
+def test_latent_attention_keeps_vllm_cpus_blocks_and_takes_torchs_rotary_embedding():
+    """DeepSeek's latent attention on CPU: vLLM's own blocks of 16 (its MLA kernel's only size) and
+    its rotary custom op off, beside what the user set."""
+    rollout = compose_config(["+actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config.custom_ops=[+rms_norm]"]
+                             ).actor_rollout_ref.rollout
+    kwargs = engine_kwargs(rollout, "cpu", latent_attention=True)
+    assert "block_size" not in kwargs
+    assert kwargs["compilation_config"]["custom_ops"] == ["+rms_norm", "-rotary_embedding"]
+    assert engine_kwargs(rollout, "cuda", latent_attention=True)["compilation_config"] == {"custom_ops": ["+rms_norm"]}

@@ -11,6 +11,7 @@ import pytest
 from transformers import AutoConfig
 
 from hybrid_rl.workers.vllm_cpu import in_place_sync
+from tests.conftest import build_tiny_moe_model, built_once
 
 pytestmark = pytest.mark.slow
 
@@ -150,7 +151,7 @@ def test_auto_keeps_the_linear_weights_when_they_are_small_against_the_node(sett
     assert in_place_sync(setting, int(kept_gb * GB), ranks, 24 * 2**30) is keep
 
 
-def moe_engine_log_prob_gaps(model_dir: str, in_place) -> dict:
+def moe_engine_log_prob_gaps(model_dir: str, in_place, one_tensor: str = "model.layers.0.self_attn.q_proj.weight") -> dict:
     """In a fresh process, as one worker rank: an FSDP actor and a float32 vLLM engine of a
     mixture-of-experts model. The largest gap between the engine's prompt log-probs and the
     actor's after pushing its weights; after changing every weight (experts included) and
@@ -187,16 +188,21 @@ def moe_engine_log_prob_gaps(model_dir: str, in_place) -> dict:
     prompts = [[5, 17, 33, 100, 200, 7, 9, 150, 42, 11], [60, 61, 62, 63, 64, 65, 66, 67, 3, 4, 5, 6]]
 
     def gap() -> tuple[float, list]:
+        """Over the prompts (prefill) and five sampled tokens after the first (decoding)."""
         outputs = rollout.llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                       SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+                                       SamplingParams(max_tokens=6, prompt_logprobs=0, logprobs=0, seed=0),
+                                       use_tqdm=False)
         worst, engine_log_probs = 0.0, []
         for ids, output in zip(prompts, outputs):
+            completion = output.outputs[0]
+            full = ids + list(completion.token_ids)
             with torch.no_grad():
-                expected = torch.log_softmax(engine.module(torch.tensor([ids])).logits[0].float(), -1)
+                expected = torch.log_softmax(engine.module(torch.tensor([full])).logits[0].float(), -1)
             got = [output.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))]
-            want = [expected[i - 1, ids[i]].item() for i in range(1, len(ids))]
+            got += [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
+            want = [expected[i - 1, full[i]].item() for i in range(1, len(full))]
             worst = max(worst, max(abs(a - b) for a, b in zip(got, want)))
-            engine_log_probs += got
+            engine_log_probs += got[:len(ids) - 1]
         return worst, engine_log_probs
 
     sync_weights(engine, rollout)
@@ -207,10 +213,9 @@ def moe_engine_log_prob_gaps(model_dir: str, in_place) -> dict:
     sync_weights(engine, rollout)
     changed, after = gap()
     with torch.no_grad():
-        q_proj = engine.module.model.layers[0].self_attn.q_proj.weight
-        q_proj.add_(0.05 * torch.randn_like(q_proj))
-    rollout.load_weights([(name, tensor) for name, tensor in engine.per_tensor_weights(None)
-                          if name == "model.layers.0.self_attn.q_proj.weight"])
+        weight = engine.module.get_parameter(one_tensor)
+        weight.add_(0.05 * torch.randn_like(weight))
+    rollout.load_weights([(name, tensor) for name, tensor in engine.per_tensor_weights(None) if name == one_tensor])
     one_tensor, _ = gap()
     return {"first": first, "changed": changed, "one_tensor": one_tensor,
             "moved": max(abs(a - b) for a, b in zip(before, after)),
@@ -218,20 +223,30 @@ def moe_engine_log_prob_gaps(model_dir: str, in_place) -> dict:
 
 
 @pytest.mark.parametrize("family, in_place", [("qwen3_moe", "auto"), ("qwen2_moe", "auto"), ("mixtral", "auto"),
-                                              ("qwen3_moe", False)])
-def test_mixture_of_experts_pushes_reach_the_experts(tiny_moe_model_dirs, family, in_place):
+                                              ("qwen3_moe", False), ("deepseek_v3", "auto")])
+def test_mixture_of_experts_pushes_reach_the_experts(tiny_moe_model_dirs, tiny_tokenizer, tmp_path_factory, family,
+                                                     in_place):
     """vLLM-CPU packs expert weights for its kernel on the first load only; pushes copy into kept
     weights in the checkpoint's layout and pack again (Qwen3-MoE's expert size is padded when
     packed). transformers holds the experts stacked (`experts.gate_up_proj`) and, for Mixtral,
-    under other module names than its files: the engine gets the files' names and layout."""
-    model_dir = tiny_moe_model_dirs[family]
+    under other module names than its files: the engine gets the files' names and layout.
+    DeepSeek-V3's latent attention runs on vLLM-CPU's MLA backend, prefill and decoding, and a
+    push of its latent up-projection alone (`kv_b_proj`) reaches both."""
+    if family == "deepseek_v3":
+        model_dir = str(built_once(tmp_path_factory, "tiny_deepseek_v3_model",
+                                   lambda folder: build_tiny_moe_model(folder, tiny_tokenizer, family)))
+        one_tensor = "model.layers.0.self_attn.kv_b_proj.weight"
+    else:
+        model_dir, one_tensor = tiny_moe_model_dirs[family], "model.layers.0.self_attn.q_proj.weight"
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        runs = pool.submit(moe_engine_log_prob_gaps, model_dir, in_place).result()
+        runs = pool.submit(moe_engine_log_prob_gaps, model_dir, in_place, one_tensor).result()
     if not in_place:  # vLLM's own reload leaves the experts unpacked: refused at start
         assert "mixture-of-experts" in runs["error"] and "cpu_in_place_sync=true" in runs["error"]
         return
     assert runs["first"] < 1e-5 and runs["changed"] < 1e-5 and runs["one_tensor"] < 1e-5
     assert runs["moved"] > 1e-3  # the second push changed what the engine computes
+    if family == "deepseek_v3":  # (the count below is for the grouped-query attention families)
+        return
     # The kept copies: each layer's q, k, v, o projections, its router and its experts' gate, up
     # and down projections in float32 (the tied LM head is the embedding).
     config = AutoConfig.from_pretrained(model_dir)

@@ -200,17 +200,35 @@ def current_engine_args(kwargs: dict) -> dict:
     return current
 
 
-def engine_kwargs(cfg: Any, device_type: str) -> dict:
+def engine_kwargs(cfg: Any, device_type: str, latent_attention: bool = False) -> dict:
     """`rollout.engine_kwargs.vllm` (older names in their current form), and on CPU, where vLLM's
     KV blocks hold 128 tokens, blocks of 32 under prefix caching: it shares only full blocks, so
     with 128 every prompt shorter than that is computed in full, again for each of its n samples
     and for the chat template's preamble that all prompts begin with. 32 is the smallest block
     vLLM-CPU's attention takes; it made the default step's rollout 30 % faster, and cost ~5 % where
-    nothing was shared (docs/benchmarks.md)."""
+    nothing was shared (docs/benchmarks.md).
+
+    A model with DeepSeek's multi-head latent attention (`latent_attention`) keeps vLLM-CPU's
+    blocks of 16 (its MLA kernel takes no other; prefix caching is off there) and gets torch's
+    rotary embedding: vLLM-CPU's rotary kernel rotates (tokens, heads x dim) inputs as vLLM's torch
+    code does but not (tokens, heads, dim) ones of more than one head, which DeepSeek's attention
+    passes it (on a random DeepSeek-V3 in float32: log-probs up to 8e-3 from transformers' from
+    the second position on with the kernel, 4.8e-7 with torch's)."""
     kwargs = current_engine_args(dict(cfg.engine_kwargs.vllm))
-    if device_type == "cpu" and cfg.enable_prefix_caching:
+    if device_type == "cpu" and latent_attention:
+        compilation = dict(kwargs.get("compilation_config") or {})
+        compilation["custom_ops"] = [*compilation.get("custom_ops", []), "-rotary_embedding"]
+        kwargs["compilation_config"] = compilation
+    elif device_type == "cpu" and cfg.enable_prefix_caching:
         kwargs.setdefault("block_size", 32)
     return kwargs
+
+
+def uses_latent_attention(model_path: str) -> bool:
+    """Whether the model's attention is DeepSeek's multi-head latent attention (MLA)."""
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(model_path).get_text_config(), "kv_lora_rank", None) is not None
 
 
 class VLLMRollout:
@@ -270,7 +288,7 @@ class VLLMRollout:
                 seed=int(cfg.seed) + self.dp_rank,
                 enable_sleep_mode=self.sleep_between_rollouts,
                 enable_return_routed_experts=self.return_routes,
-                **engine_kwargs(cfg, device.type),
+                **engine_kwargs(cfg, device.type, latent_attention=uses_latent_attention(model_path)),
             )
         except RuntimeError as exc:
             if "SHMManager failed. errno: 17" in str(exc):
