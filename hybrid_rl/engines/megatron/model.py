@@ -380,14 +380,28 @@ def left_aligned(micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Te
     mask hides it from every real token. Returns (input_ids, position_ids, predict): `predict`
     (B, T_response) is the index of the position whose output predicts each response token.
     """
-    ids, mask = micro["input_ids"], micro["attention_mask"]
+    ids = micro["input_ids"]
     rows, length = ids.shape
     prompt_len = length - micro["responses"].shape[1]
-    pad = prompt_len - mask[:, :prompt_len].sum(dim=1, keepdim=True)
+    pad = prompt_padding(micro)
     steps = torch.arange(length, device=ids.device)
-    shifted = ids.gather(1, (steps + pad).clamp(max=length - 1))
+    shifted = ids.gather(1, left_aligned_columns(micro))
     predict = (prompt_len - pad - 1) + torch.arange(micro["responses"].shape[1], device=ids.device)
     return shifted, steps.expand(rows, -1), predict
+
+
+def prompt_padding(micro: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(B, 1): each row's left padding of its prompt."""
+    mask = micro["attention_mask"]
+    prompt_len = mask.shape[1] - micro["responses"].shape[1]
+    return prompt_len - mask[:, :prompt_len].sum(dim=1, keepdim=True)
+
+
+def left_aligned_columns(micro: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(B, S): the column of the batch's row that each left-aligned position takes (`left_aligned`)."""
+    length = micro["attention_mask"].shape[1]
+    steps = torch.arange(length, device=micro["attention_mask"].device)
+    return (steps + prompt_padding(micro)).clamp(max=length - 1)
 
 
 def response_log_probs(chunk: torch.nn.Module, micro: dict[str, torch.Tensor], temperature: float,

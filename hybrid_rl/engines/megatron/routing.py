@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from hybrid_rl.engines.base import ROUTES_KEY
+from hybrid_rl.engines.megatron.model import left_aligned_columns, prompt_padding, this_rank_part
 
 MODES = ("disabled", "R2", "R3")
 
@@ -167,8 +167,6 @@ class RouteReplay:
 
     def local_columns(self, rows: int, length: int) -> torch.Tensor:
         """(B, S_local): the padded micro-batch column of each of this rank's tokens."""
-        from hybrid_rl.engines.megatron.model import this_rank_part
-
         columns = torch.arange(length).expand(rows, -1)
         if self.cp_size > 1:
             columns = this_rank_part(columns)
@@ -248,10 +246,9 @@ class RouteReplay:
         `model.left_aligned` shifts the tokens; positions past a row's tokens hold the default."""
         table, mask = micro[ROUTES_KEY], micro["attention_mask"]
         rows, length = mask.shape
-        pad = _prompt_padding(micro)
-        steps = torch.arange(length, device=mask.device)
-        index = (steps + pad).clamp(max=length - 1)
+        index = left_aligned_columns(micro)
         left = table.gather(1, index[..., None, None].expand(-1, -1, *table.shape[2:])).clone()
+        steps = torch.arange(length, device=mask.device)
         left[steps.expand(rows, -1) >= mask.sum(1, keepdim=True)] = default_routes(self.top_k).to(left)
         return left
 
@@ -271,16 +268,9 @@ class RouteReplay:
         for group in self.groups:
             dist.all_reduce(left, op=dist.ReduceOp.MAX, group=group)
         # Back to the batch's columns: row b's column j is its left-aligned column j - padding.
-        pad = _prompt_padding(micro)
+        pad = prompt_padding(micro)
         steps = torch.arange(length, device=device)
         index_ = (steps - pad).clamp(min=0)
         table = left[:, :length].gather(1, index_[..., None, None].expand(-1, -1, self.num_layers, self.top_k))
         table[~micro["attention_mask"].bool()] = default_routes(self.top_k).to(table)
         return table.to(self.dtype)
-
-
-def _prompt_padding(micro: dict) -> torch.Tensor:
-    """(B, 1): each row's left padding of the prompt."""
-    mask = micro["attention_mask"]
-    prompt_len = mask.shape[1] - micro["responses"].shape[1]
-    return prompt_len - mask[:, :prompt_len].sum(dim=1, keepdim=True)
