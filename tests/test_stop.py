@@ -104,8 +104,9 @@ def test_sigterm_finishes_the_step_saves_and_resumes_exactly(straight_run, tiny_
     expected, got = step_metrics(straight), step_metrics(stopped)
     assert sorted(got) == sorted(expected)
     for step, row in expected.items():
-        # The stopped step skipped its validation (to stop sooner); everything else is equal.
-        skipped = {key for key in row if key.startswith("val") and step == last}
+        # The stopped step skips its validation (to stop sooner) unless the signal came after it
+        # had run; everything else is equal.
+        skipped = {key for key in row if key.startswith("val") and step == last and key not in got[step]}
         assert got[step].keys() == row.keys() - skipped, step
         for key, value in got[step].items():
             assert value == pytest.approx(row[key], rel=1e-6, abs=1e-6), (step, key)

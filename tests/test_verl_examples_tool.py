@@ -63,3 +63,22 @@ def test_a_scripts_reward_model_becomes_a_classifier_built_from_the_default_mode
     assert model.score.out_features == 1
     assert not any(o.startswith("reward_model.model.path") for o in verl_examples.substituted(
         ["algorithm.adv_estimator=grpo"], tmp_path, ["console"]))
+
+
+def test_a_deepseek_v3_shaped_scripts_model_becomes_a_small_one_of_that_kind(tmp_path):
+    """Moonlight's and DeepSeek-V3's scripts train a random DeepSeek-V3-shaped model (and its
+    converted dist-checkpoint), which the Megatron engine's converter knows; others keep theirs."""
+    from transformers import AutoConfig
+
+    kept = verl_examples.substituted(["actor_rollout_ref.model.path=moonshotai/Moonlight-16B-A3B",
+                                      "actor_rollout_ref.actor.megatron.use_dist_checkpointing=True",
+                                      "actor_rollout_ref.actor.megatron.dist_checkpointing_path=/cluster/ckpt"],
+                                     tmp_path, ["console"])
+    model = verl_examples.moe_model_folder(latent=True)
+    assert f"actor_rollout_ref.model.path={model}" in kept
+    assert AutoConfig.from_pretrained(model).model_type == "deepseek_v3"
+    mcore = [o.partition("=")[2] for o in kept
+             if o.startswith("actor_rollout_ref.actor.megatron.dist_checkpointing_path")]
+    assert mcore == [verl_examples.dist_checkpoint_folder(model, "random-deepseek-v3-mcore")]
+    assert f"actor_rollout_ref.model.path={model}" not in verl_examples.substituted(
+        ["actor_rollout_ref.model.path=Qwen/Qwen2-7B"], tmp_path, ["console"])

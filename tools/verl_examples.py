@@ -64,6 +64,12 @@ SEQUENCE_PARALLEL = ("`*ulysses_sequence_parallel_size=2` (and `trainer.n_gpus_p
 EXPERT_PARALLEL = ("`*expert_model_parallel_size=2` (and `trainer.n_gpus_per_node=2`) where the script sets a size "
                    "above 1, with a random-weight Qwen3-MoE model (2 layers, 4 experts, 2 per token, the default "
                    "model's tokenizer) for its model paths")
+# A script for a DeepSeek-V3-shaped model (its model path names one) gets a small one of that kind.
+LATENT_MODEL_PATHS = re.compile(r"deepseek-v3|deepseek_v3|dsv3|moonlight|kimi-k2", re.IGNORECASE)
+LATENT_MODEL = ("a random-weight DeepSeek-V3-shaped model (2 layers: latent attention with DeepSeek's latent 512 + "
+                "rotary 64, a dense first layer, then 4 sigmoid-routed experts, 2 per token, and a shared expert; "
+                "the default model's tokenizer) instead of either model above where a script's model path names "
+                "DeepSeek-V3, Moonlight or Kimi-K2")
 # A script's context-parallel groups (2 GPUs each) become groups of two CPU ranks.
 CONTEXT_PARALLEL = ("`*context_parallel_size=2` (and `trainer.n_gpus_per_node=2`) where the script sets a size "
                     "above 1")
@@ -174,28 +180,37 @@ def dist_checkpoint_folder(hf_model: str | None = None, name: str = "default-mod
     return str(folder)
 
 
-def moe_model_folder() -> str:
-    """EXPERT_PARALLEL's model, written once into the cache folder."""
+def moe_model_folder(latent: bool = False) -> str:
+    """EXPERT_PARALLEL's model (with `latent`, LATENT_MODEL), written once into the cache folder."""
     import torch
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import (AutoConfig, AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM, GenerationConfig,
+                              Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     from hybrid_rl.export import write_folder
     from hybrid_rl.models import cache_dir, resolve_model_path
 
-    folder = cache_dir() / "verl_examples" / "random-qwen3-moe"
+    folder = cache_dir() / "verl_examples" / ("random-deepseek-v3" if latent else "random-qwen3-moe")
     if not (folder / "config.json").is_file():
         base = resolve_model_path(None)
         dense = AutoConfig.from_pretrained(base)
 
         def write(tmp: Path) -> None:
             torch.manual_seed(0)
-            config = Qwen3MoeConfig(
-                vocab_size=dense.vocab_size, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-                num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2,
-                num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=2048,
-                tie_word_embeddings=True, bos_token_id=dense.bos_token_id, eos_token_id=dense.eos_token_id,
-                pad_token_id=dense.pad_token_id)
-            Qwen3MoeForCausalLM(config).save_pretrained(tmp)
+            shared = dict(vocab_size=dense.vocab_size, hidden_size=128, intermediate_size=256,
+                          moe_intermediate_size=64, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=2,
+                          max_position_embeddings=2048, bos_token_id=dense.bos_token_id,
+                          eos_token_id=dense.eos_token_id, pad_token_id=dense.pad_token_id)
+            # vLLM-CPU's latent attention takes DeepSeek's own latent and rotary sizes only, and vLLM
+            # gives the routers their correction bias for DeepSeek-V3's own topk_method only.
+            if latent:
+                model = DeepseekV3ForCausalLM(DeepseekV3Config(
+                    n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+                    topk_method="noaux_tc", scoring_func="sigmoid", q_lora_rank=64, kv_lora_rank=512,
+                    qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, num_key_value_heads=2, tie_word_embeddings=False, **shared))
+            else:
+                model = Qwen3MoeForCausalLM(Qwen3MoeConfig(num_experts=4, num_key_value_heads=1, head_dim=64,
+                                                           tie_word_embeddings=True, **shared))
+            model.save_pretrained(tmp)
             AutoTokenizer.from_pretrained(base).save_pretrained(tmp)
             GenerationConfig.from_pretrained(base).save_pretrained(tmp)
 
@@ -214,11 +229,13 @@ def substituted(overrides: list[str], run_dir: Path, loggers: list[str]) -> list
                                 and o.partition("=")[2].strip() not in ("1", "")]
                                for pattern in ("*ulysses_sequence_parallel_size", "*expert_model_parallel_size",
                                                "*context_parallel_size"))
-    if experts:
-        kept += [f"{key}=2" for key in experts] + [f"{key}={moe_model_folder()}" for key in
+    latent = any(override_key(o) == "actor_rollout_ref.model.path" and LATENT_MODEL_PATHS.search(o.partition("=")[2])
+                 for o in overrides)
+    model = moe_model_folder(latent) if experts or latent else None
+    if model:
+        kept += [f"{key}=2" for key in experts] + [f"{key}={model}" for key in
                                                   ("actor_rollout_ref.model.path", "critic.model.path")]
-    dist_checkpoint = (dist_checkpoint_folder(moe_model_folder(), "random-qwen3-moe-mcore") if experts
-                       else dist_checkpoint_folder())
+    dist_checkpoint = dist_checkpoint_folder(model, f"{Path(model).name}-mcore") if model else dist_checkpoint_folder()
     kept += [f"{override_key(o)}={dist_checkpoint}" for o in overrides
              if fnmatch.fnmatchcase(override_key(o), "*.megatron.dist_checkpointing_path")]
     kept += [f"{key}=2" for key in split + context] + (["trainer.n_gpus_per_node=2"] if split or experts or context
@@ -323,7 +340,7 @@ def report(results: list[dict], source: str, ran: bool) -> str:
             compose += " (the script's own text: Hydra's grammar, the same in verl, rejects it)"
         lines.append(f"| {r['script']} | {compose} | {start} | {step} |".replace("\n", " "))
     lines += ["", "Substituted for the one-step runs (the script's own value dropped): "
-              + ", ".join(f"`{p}`" for p in SUBSTITUTED) + f"; {REWARD_MODEL}; {DIST_CHECKPOINT}; {SEQUENCE_PARALLEL}; {EXPERT_PARALLEL}; {CONTEXT_PARALLEL}; then " + ", ".join(f"`{o}`" for o in ONE_STEP)
+              + ", ".join(f"`{p}`" for p in SUBSTITUTED) + f"; {REWARD_MODEL}; {DIST_CHECKPOINT}; {SEQUENCE_PARALLEL}; {EXPERT_PARALLEL}; {LATENT_MODEL}; {CONTEXT_PARALLEL}; then " + ", ".join(f"`{o}`" for o in ONE_STEP)
               + ". wandb logs offline (`WANDB_MODE=offline`).", ""]
     return "\n".join(lines)
 

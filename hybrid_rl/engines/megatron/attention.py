@@ -7,7 +7,10 @@ instead, as the FSDP engine's attention does. On CPU it runs in float32 like the
 (`hf_model._sdpa_in_float32`: PyTorch's bf16 flash-attention backward on CPU is the slower one).
 An explicit attention mask (the engine passes none: rows are left-aligned, so the causal mask
 alone hides the padding at their ends) and settings it does not use (a sliding window, a softmax
-offset, query-key layer scaling, attention dropout in training) keep megatron's implementation.
+offset, query-key layer scaling, attention dropout in training) keep megatron's implementation,
+except for latent attention: megatron's own class has no key and value widths of their own (the
+local spec's `MLASelfAttention` passes them, as Transformer Engine's attention takes them), so
+with latent attention this class is the only one there is.
 
 Context parallelism (megatron's own attention has none; Transformer Engine's is CUDA-only): each
 rank holds two of the sequence's 2 x CP chunks, `i` and `2 CP - 1 - i` (megatron's load-balanced
@@ -34,9 +37,10 @@ class SDPAttention(DotProductAttention):
     """Same inputs and output as `DotProductAttention`: query (sq, b, heads, d), key and value
     (sk, b, groups, d) of this TP (and CP) rank; returns (sq, b, heads x d)."""
 
-    def __init__(self, config, *args, **kwargs):
+    def __init__(self, config, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs):
         # megatron's class refuses context parallelism outright; this one computes it itself.
         self.context_parallel = config.context_parallel_size
+        self.latent = k_channels is not None  # latent attention's query/key and value widths (SDPA takes any)
         own = copy.copy(config)
         own.context_parallel_size = 1
         super().__init__(own, *args, **kwargs)
@@ -44,11 +48,11 @@ class SDPAttention(DotProductAttention):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         if not self._sdpa_applies(attention_mask, attention_bias, packed_seq_params):
-            if self.context_parallel > 1:
+            if self.context_parallel > 1 or self.latent:
                 raise NotImplementedError(
-                    "Context parallelism without Transformer Engine supports causal attention without a mask, "
-                    "bias, sliding window, softmax offset, query-key layer scaling or attention dropout; set "
-                    "context_parallel_size=1 or drop those override_transformer_config settings.")
+                    "Context parallelism and latent attention without Transformer Engine support causal attention "
+                    "without a mask, bias, sliding window, softmax offset, query-key layer scaling or attention "
+                    "dropout; set context_parallel_size=1 or drop those override_transformer_config settings.")
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
                                    packed_seq_params)
         causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal

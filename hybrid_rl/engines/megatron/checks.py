@@ -92,8 +92,19 @@ def check_layout(key: str, megatron_cfg: Any, layout: convert.Layout, world: int
     if layout.num_layers % (pp * (vpp or 1)):
         raise ValueError(f"{section}.pipeline_model_parallel_size={pp} x virtual_pipeline_model_parallel_size="
                          f"{vpp or 1} does not divide the model's {layout.num_layers} layers.")
+    if layout.latent is not None:
+        check_latent(section, megatron_cfg, tp)
     check_experts(section, megatron_cfg, layout, world, tp, pp, pool)
     check_dist_weights(key, megatron_cfg)
+
+
+def check_latent(section: str, megatron_cfg: Any, tp: int) -> None:
+    """Latent attention under TP: each rank projects its own part of the sequence to the latents
+    (whole down projections), so megatron's sequence parallelism must be on."""
+    if tp > 1 and not megatron_cfg.get("sequence_parallel", False):
+        raise ValueError(f"{section}.tensor_model_parallel_size={tp} with sequence_parallel=false: the engine runs "
+                         "latent attention under tensor parallelism only with megatron's sequence parallelism; set "
+                         f"{section}.sequence_parallel=true (verl's default).")
 
 
 def check_dist_weights(key: str, megatron_cfg: Any) -> None:

@@ -131,6 +131,10 @@ class MegatronEngine(TrainEngine):
         # with the adapters off) or on the critic.
         lora = None
         if trainable and spec.head in (Head.LM, Head.VALUE) and mlora.enabled(spec.model_cfg):
+            if self.layout.latent is not None:
+                raise ValueError(f"{spec.model_key}.lora: LoRA on the Megatron engine adapts linear_qkv, linear_proj "
+                                 "and linear_fc1/2, and this model's latent attention has other projections; train "
+                                 "it with LoRA on strategy=fsdp2 (target_modules reach every linear there).")
             lora = mlora.LoraSettings.from_config(spec.model_cfg.lora, f"{spec.model_key}.lora",
                                                   value_head=spec.head is Head.VALUE)
         with self._megatron():
@@ -163,8 +167,9 @@ class MegatronEngine(TrainEngine):
                 # Transformer Engine's fused top-k does not call megatron's replay hook.
                 logger.warning("%s.megatron.override_transformer_config: moe_router_fusion not applied (router replay "
                                "needs megatron's own top-k).", ROLE_KEYS[spec.role])
-            # Adapters sit beside megatron's own parallel linears (the local spec on CUDA too).
-            te = mmodel.has_transformer_engine(device) and lora is None
+            # Adapters sit beside megatron's own parallel linears (the local spec on CUDA too), and
+            # latent attention converts to the local spec's layout (TE fuses its norms differently).
+            te = mmodel.has_transformer_engine(device) and lora is None and self.layout.latent is None
             sequence_parallel = bool(megatron_cfg.get("sequence_parallel", False)) and tp > 1
             self.config = mmodel.transformer_config(hf_config, self.layout, vpp, sequence_parallel, overrides)
             # Built on the CPU (the same initial weights on every device), then moved, as megatron-LM does.

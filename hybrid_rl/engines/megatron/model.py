@@ -48,26 +48,16 @@ def initialize_parallel(tp: int, pp: int, vpp: int | None, seed: int, ep: int = 
 
 def transformer_config(hf_config, layout: convert.Layout, vpp: int | None, sequence_parallel: bool,
                        overrides: dict | None = None):
-    """megatron's `TransformerConfig` for a Llama/Qwen2-shaped HF config: fp32 weights unless
-    `overrides` (the engine's precision, then the user's `override_transformer_config`) say
-    otherwise."""
+    """megatron's `TransformerConfig` (`MLATransformerConfig` for latent attention) for the HF
+    config: fp32 weights unless `overrides` (the engine's precision, then the user's
+    `override_transformer_config`) say otherwise."""
     from megatron.core import parallel_state
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    experts = {} if layout.experts is None else dict(
-        num_moe_experts=layout.experts.count, moe_ffn_hidden_size=layout.experts.inner,
-        moe_router_topk=layout.experts.top_k,
-        # Softmax over the top-k logits is the top-k probabilities renormalised; without
-        # renormalisation, the softmax over all experts comes first.
-        moe_router_pre_softmax=not layout.experts.renormalize,
-        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
-        expert_tensor_parallel_size=1, moe_grouped_gemm=False,
-        # transformers adds no load-balancing loss to the model's output in training either.
-        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-        moe_shared_expert_intermediate_size=layout.experts.shared_inner or None,
-        moe_shared_expert_gate=bool(layout.experts.shared_inner))
+    experts = {} if layout.experts is None else moe_settings(layout)
+    latent = {} if layout.latent is None else latent_settings(layout)
     settings = dict(
         num_layers=layout.num_layers, hidden_size=hf_config.hidden_size, num_attention_heads=layout.heads,
         num_query_groups=layout.groups, kv_channels=layout.head_dim, ffn_hidden_size=hf_config.intermediate_size,
@@ -82,15 +72,62 @@ def transformer_config(hf_config, layout: convert.Layout, vpp: int | None, seque
         variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
         # The fused kernels need CUDA extensions (Apex / Transformer Engine).
         masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False, qk_layernorm=layout.qk_norm, **experts)
-    return TransformerConfig(**{**settings, **(overrides or {})})
+        gradient_accumulation_fusion=False, persist_layer_norm=False, qk_layernorm=layout.qk_norm,
+        **experts, **latent)
+    config_class = TransformerConfig if layout.latent is None else MLATransformerConfig
+    return config_class(**{**settings, **(overrides or {})})
+
+
+def moe_settings(layout: convert.Layout) -> dict:
+    """megatron's settings for the model's experts and routers."""
+    from megatron.core import parallel_state
+
+    experts = layout.experts
+    settings = dict(
+        num_moe_experts=experts.count, moe_ffn_hidden_size=experts.inner, moe_router_topk=experts.top_k,
+        # Softmax over the top-k logits is the top-k probabilities renormalised; without
+        # renormalisation, the softmax over all experts comes first.
+        moe_router_pre_softmax=not experts.renormalize,
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=1, moe_grouped_gemm=False,
+        # transformers adds no load-balancing loss to the model's output in training either.
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        moe_shared_expert_intermediate_size=experts.shared_inner or None,
+        moe_shared_expert_gate=experts.shared_gated)
+    if experts.sigmoid:
+        settings.update(
+            moe_router_score_function="sigmoid", moe_router_topk_scaling_factor=experts.scaling,
+            # The correction bias is a fixed buffer in transformers: megatron's update of it off.
+            moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0,
+            moe_router_dtype="fp32",  # transformers scores in float32 whatever the weights' precision
+            moe_layer_freq=[0] * experts.dense_layers + [1] * (layout.num_layers - experts.dense_layers))
+        if experts.groups > 1:
+            settings.update(moe_router_num_groups=experts.groups, moe_router_group_topk=experts.group_topk)
+    return settings
+
+
+def latent_settings(layout: convert.Layout) -> dict:
+    """`MLATransformerConfig`'s shapes and rotary settings for the model's latent attention."""
+    latent = layout.latent
+    settings = dict(multi_latent_attention=True, q_lora_rank=latent.q_rank, kv_lora_rank=latent.kv_rank,
+                    qk_head_dim=latent.nope, qk_pos_emb_head_dim=latent.rope, v_head_dim=latent.value,
+                    rotary_base=layout.rope_theta)
+    if latent.yarn is None:
+        return {**settings, "rope_type": "rope", "rotary_scaling_factor": 1.0}
+    yarn = latent.yarn
+    return {**settings, "rope_type": "yarn", "rotary_scaling_factor": yarn["factor"],
+            "original_max_position_embeddings": yarn["original_max_position_embeddings"],
+            "beta_fast": yarn["beta_fast"], "beta_slow": yarn["beta_slow"], "mscale": yarn["mscale"],
+            "mscale_all_dim": yarn["mscale_all_dim"]}
 
 
 def has_transformer_engine(device: torch.device) -> bool:
     """Whether to build with Transformer Engine's layer spec (fused kernels, sequence parallel
     norms): on CUDA where it is installed. Elsewhere the local spec, plain torch modules."""
-    if device.type != "cuda":
-        return False
+    return device.type == "cuda" and transformer_engine_installed()
+
+
+def transformer_engine_installed() -> bool:
     try:
         import transformer_engine  # noqa: F401
     except ImportError:
@@ -104,35 +141,28 @@ def build_model(hf_config, layout: convert.Layout, config, transformer_engine: b
     `layout.value_head` the last stage ends in a `ValueHead` (initialised from `seed`)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec,
-    )
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    # One module per expert (SequentialMLP), whose weights convert one to one.
-    layers = dict(num_experts=layout.experts.count if layout.experts else None, moe_grouped_gemm=False,
-                  qk_layernorm=layout.qk_norm)
-    if transformer_engine:
-        spec = get_gpt_layer_with_transformer_engine_spec(**layers)
+    if transformer_engine:  # Llama / Qwen / Mixtral layouts only (the engine builds latent attention locally)
+        spec = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=layout.experts.count if layout.experts else None, moe_grouped_gemm=False,
+            qk_layernorm=layout.qk_norm)
     else:
-        from hybrid_rl.engines.megatron.attention import SDPAttention
-
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm", **layers)
-        spec.submodules.self_attention.submodules.core_attention = SDPAttention
-        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = TorchRMSNorm
-        if layout.qk_norm:
-            attention = spec.submodules.self_attention.submodules
-            attention.q_layernorm = attention.k_layernorm = TorchRMSNorm
+        moe_spec = local_layer_spec(layout, experts=layout.experts is not None)
+        dense_spec = local_layer_spec(layout, experts=False)
+        dense_layers = layout.experts.dense_layers if layout.experts else 0
     chunks = []
     for stage in range(config.virtual_pipeline_model_parallel_size or 1):
         vp_stage = vp_stage_of(config, stage)
         if not transformer_engine:  # the final norm too, which megatron would take from its own choice
-            from megatron.core.transformer.transformer_block import (
-                TransformerBlockSubmodules, get_num_layers_to_build,
-            )
-
-            block = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage),
-                                               layer_norm=TorchRMSNorm)
+            offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+            layers = range(offset, offset + get_num_layers_to_build(config, vp_stage))
+            block = TransformerBlockSubmodules(
+                layer_specs=[dense_spec if layer < dense_layers else moe_spec for layer in layers],
+                layer_norm=TorchRMSNorm)
         chunk = GPTModel(
             config, spec if transformer_engine else block, vocab_size=layout.padded_vocab(tp),
             max_sequence_length=hf_config.max_position_embeddings,
@@ -155,6 +185,40 @@ def build_model(hf_config, layout: convert.Layout, config, transformer_engine: b
     return chunks
 
 
+def local_layer_spec(layout: convert.Layout, experts: bool):
+    """megatron's local layer spec for the model's layers (with `experts`, its MoE layers), with
+    torch's RMSNorm and SDPA attention in place of megatron's own."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from hybrid_rl.engines.megatron.attention import SDPAttention
+
+    latent = layout.latent is not None
+    if latent:
+        from megatron.core.transformer import multi_latent_attention
+
+        # megatron-core 0.16.1 takes Transformer Engine for present whenever its wrappers import,
+        # which they do without it (as placeholders), then type-checks modules against them.
+        multi_latent_attention.HAVE_TE = transformer_engine_installed()
+    # One module per expert (SequentialMLP), whose weights convert one to one.
+    spec = get_gpt_layer_local_spec(num_experts=layout.experts.count if experts else None, moe_grouped_gemm=False,
+                                    qk_layernorm=layout.qk_norm or latent, multi_latent_attention=latent,
+                                    normalization="RMSNorm")
+    attention = spec.submodules.self_attention.submodules
+    attention.core_attention = SDPAttention
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = TorchRMSNorm
+    if latent:
+        from megatron.core.post_training.modelopt.layers import Linear
+
+        attention.q_layernorm = attention.kv_layernorm = LatentRMSNorm
+        # The down projections whole on every TP rank, over the rank's part of the sequence (as
+        # Transformer Engine's spec has them): the local spec's column-parallel ones give the shared
+        # rotary key, which each rank uses for its own heads only, the gradient of those heads alone.
+        attention.linear_q_down_proj = attention.linear_kv_down_proj = Linear
+    elif layout.qk_norm:
+        attention.q_layernorm = attention.k_layernorm = TorchRMSNorm
+    return spec
+
+
 class TorchRMSNorm(torch.nn.RMSNorm):
     """torch's RMSNorm for the local layer spec, under sequence parallelism too (megatron's own
     wrapper refuses it): a norm works token by token, so on a rank's part of the sequence it is
@@ -164,6 +228,14 @@ class TorchRMSNorm(torch.nn.RMSNorm):
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
         super().__init__(hidden_size, eps=eps)
         self.weight.sequence_parallel = config.sequence_parallel
+
+
+class LatentRMSNorm(TorchRMSNorm):
+    """The norms of the query's and the key-value latents: transformers' DeepSeek-V3 gives them
+    epsilon 1e-6 whatever the model's `rms_norm_eps`."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **unused):
+        super().__init__(config, hidden_size, eps=1e-6)
 
 
 class ValueHead(torch.nn.Linear):
