@@ -180,9 +180,9 @@ RULES: tuple[Rule, ...] = tuple([
                 "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
                 "sequence_parallel", "use_distributed_optimizer", "dist_ckpt_optim_fully_reshardable", "seed",
                 "dtype", "override_transformer_config.*", "override_ddp_config"))),
-    *_rules(WORKS, "expert parallelism for mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3): "
-            "each rank holds a block of every layer's experts, tokens reach them by all-to-all; experts are not "
-            "split over tensor-parallel ranks (expert_tensor_parallel_size 1 or null)",
+    *_rules(WORKS, "expert parallelism for mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, "
+            "DeepSeek-V2/V3): each rank holds a block of every layer's experts, tokens reach them by all-to-all; "
+            "experts are not split over tensor-parallel ranks (expert_tensor_parallel_size 1 or null)",
             "*.megatron.expert_model_parallel_size", "*.megatron.expert_tensor_parallel_size"),
     *_rules(WORKS, "context parallelism: each sequence split over CP ranks in 2 x CP chunks (megatron's "
             "load-balanced split), attention over every rank's keys and values (the engine's own all-gather "

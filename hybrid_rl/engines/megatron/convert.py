@@ -45,7 +45,8 @@ from pathlib import Path
 import torch
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-                 "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM")
+                 "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM",
+                 "DeepseekV3ForCausalLM")
 # A critic's own folder (a value model saved by a run): the same backbones with a `score` head.
 VALUE_ARCHITECTURES = ("LlamaForTokenClassification", "Qwen2ForTokenClassification", "Qwen3ForTokenClassification",
                        "MistralForTokenClassification")
@@ -56,9 +57,11 @@ SCORE_ARCHITECTURES = ("LlamaForSequenceClassification", "Qwen2ForSequenceClassi
 EXPERT_FILE_NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
                      "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
                      "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+                     "deepseek_v2": ("mlp", "gate_proj", "up_proj", "down_proj"),
                      "deepseek_v3": ("mlp", "gate_proj", "up_proj", "down_proj")}
 # Where a family keeps its shared expert (beside the routed ones, in every MoE layer).
-SHARED_EXPERT_NAMES = {"qwen2_moe": "shared_expert", "deepseek_v3": "shared_experts"}
+SHARED_EXPERT_NAMES = {"qwen2_moe": "shared_expert", "deepseek_v2": "shared_experts", "deepseek_v3": "shared_experts"}
+LATENT_FAMILIES = ("deepseek_v2", "deepseek_v3")
 
 
 @dataclass(frozen=True)
@@ -74,9 +77,9 @@ class Experts:
     # Qwen2-MoE scales its output by a sigmoid gate (megatron's `moe_shared_expert_gate`).
     shared_inner: int = 0
     shared_gated: bool = False
-    # DeepSeek-V3's routing: sigmoid scores, the top-k chosen with a correction bias added (the
-    # weights are the scores without it) among the `group_topk` best of `groups` expert groups,
-    # then scaled by `scaling`; its first `dense_layers` layers are dense MLPs.
+    # DeepSeek's routing: the top k chosen among the `group_topk` best of `groups` expert groups,
+    # their weights scaled by `scaling`; V3 scores with a sigmoid and chooses with a correction
+    # bias added (the weights are the scores without it). The first `dense_layers` layers are dense.
     sigmoid: bool = False
     groups: int = 1
     group_topk: int = 1
@@ -96,27 +99,42 @@ class Experts:
             shared = int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
             experts = cls(config.num_experts, config.moe_intermediate_size, config.num_experts_per_tok,
                           bool(config.norm_topk_prob), config.model_type, shared, shared_gated=bool(shared))
-        elif config.model_type == "deepseek_v3":
-            experts = cls(config.n_routed_experts, config.moe_intermediate_size, config.num_experts_per_tok,
-                          bool(config.norm_topk_prob), "deepseek_v3",
-                          config.moe_intermediate_size * (config.n_shared_experts or 0), sigmoid=True,
-                          groups=config.n_group or 1, group_topk=config.topk_group or 1,
-                          scaling=float(config.routed_scaling_factor), dense_layers=config.first_k_dense_replace)
-            # megatron always renormalises sigmoid weights over the top k, and scores a group by
-            # its best top_k / group_topk experts (transformers: its best two).
-            if experts.top_k > 1 and not experts.renormalize:
-                raise ValueError("This model does not renormalise its top-k sigmoid routing weights (config.json: "
-                                 "norm_topk_prob=false); megatron always does. Use strategy=fsdp2 for it.")
-            if experts.groups > 1 and experts.top_k // experts.group_topk != 2:
-                raise ValueError(f"This model scores its {experts.groups} expert groups by their best two experts "
-                                 f"while choosing {experts.top_k} experts from {experts.group_topk} groups; megatron "
-                                 "scores a group by its best top_k / topk_group. Use strategy=fsdp2 for it.")
+        elif config.model_type in LATENT_FAMILIES:
+            experts = cls.from_deepseek_config(config)
         else:
             return None
         if experts.top_k == 1 and experts.renormalize:
             raise ValueError("This model routes each token to one expert with weight 1 (its top-1 weight "
                              "renormalised); megatron routes a single expert only with its own probability. "
                              "Use strategy=fsdp2 for it.")
+        return experts
+
+    @classmethod
+    def from_deepseek_config(cls, config) -> "Experts":
+        """DeepSeek-V3's sigmoid routing (its groups scored by their best two experts), or V2's
+        softmax routing as transformers computes it (not renormalised; groups scored by their best
+        expert under `topk_method: group_limited_greedy`)."""
+        v3 = config.model_type == "deepseek_v3"
+        method = getattr(config, "topk_method", None)
+        if not v3 and method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"This model routes with topk_method={method!r} (config.json), which transformers' "
+                             "DeepSeek-V2 does not compute; use greedy or group_limited_greedy.")
+        grouped = v3 or method == "group_limited_greedy"
+        experts = cls(config.n_routed_experts, config.moe_intermediate_size, config.num_experts_per_tok,
+                      v3 and bool(config.norm_topk_prob), config.model_type,
+                      config.moe_intermediate_size * (config.n_shared_experts or 0), sigmoid=v3,
+                      groups=(config.n_group or 1) if grouped else 1, group_topk=config.topk_group or 1,
+                      scaling=float(config.routed_scaling_factor), dense_layers=config.first_k_dense_replace)
+        # megatron always renormalises sigmoid weights over the top k, and scores a group by the
+        # sum of its best top_k / group_topk experts.
+        if v3 and experts.top_k > 1 and not experts.renormalize:
+            raise ValueError("This model does not renormalise its top-k sigmoid routing weights (config.json: "
+                             "norm_topk_prob=false); megatron always does. Use strategy=fsdp2 for it.")
+        best = 2 if v3 else 1
+        if experts.groups > 1 and experts.top_k // experts.group_topk != best:
+            raise ValueError(f"This model scores its {experts.groups} expert groups by their best {best} expert(s) "
+                             f"while choosing {experts.top_k} experts from {experts.group_topk} groups; megatron "
+                             "scores a group by its best top_k / topk_group. Use strategy=fsdp2 for it.")
         return experts
 
 
@@ -185,7 +203,7 @@ class Layout:
         rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
         theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
         rope_type = rope.get("rope_type") or rope.get("type") or "default"
-        latent = config.model_type == "deepseek_v3"
+        latent = config.model_type in LATENT_FAMILIES
         known_rope = ("default", "yarn") if latent else ("default",)  # megatron's latent attention has YaRN
         problems = [f"rope type {rope_type!r}"] if rope_type not in known_rope else []
         if theta is None:

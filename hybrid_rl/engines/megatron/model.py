@@ -94,15 +94,17 @@ def moe_settings(layout: convert.Layout) -> dict:
         moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
         moe_shared_expert_intermediate_size=experts.shared_inner or None,
         moe_shared_expert_gate=experts.shared_gated)
-    if experts.sigmoid:
+    if experts.family in convert.LATENT_FAMILIES:
         settings.update(
-            moe_router_score_function="sigmoid", moe_router_topk_scaling_factor=experts.scaling,
-            # The correction bias is a fixed buffer in transformers: megatron's update of it off.
-            moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0,
-            moe_router_dtype="fp32",  # transformers scores in float32 whatever the weights' precision
+            moe_router_topk_scaling_factor=experts.scaling,
+            moe_router_dtype="fp32",  # transformers scores DeepSeek's routers in float32 whatever the weights'
             moe_layer_freq=[0] * experts.dense_layers + [1] * (layout.num_layers - experts.dense_layers))
-        if experts.groups > 1:
-            settings.update(moe_router_num_groups=experts.groups, moe_router_group_topk=experts.group_topk)
+    if experts.sigmoid:
+        # The correction bias is a fixed buffer in transformers: megatron's update of it off.
+        settings.update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                        moe_router_bias_update_rate=0.0)
+    if experts.groups > 1:
+        settings.update(moe_router_num_groups=experts.groups, moe_router_group_topk=experts.group_topk)
     return settings
 
 
