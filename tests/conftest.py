@@ -170,6 +170,25 @@ def tiny_moe_model_dirs(tmp_path_factory, tiny_tokenizer) -> dict[str, str]:
             for family in ("qwen3_moe", "qwen2_moe", "mixtral")}
 
 
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32.0,
+        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+# DeepSeek-shaped models with latent attention, name: (family, config settings) for `build_tiny_moe_model`.
+LATENT_VARIANTS = {"deepseek_v3": ("deepseek_v3", {}),
+                   "deepseek_v3_yarn": ("deepseek_v3", dict(q_lora_rank=None, n_group=2, topk_group=1,
+                                                            routed_scaling_factor=2.5, rope_interleave=False,
+                                                            rope_scaling=YARN)),
+                   "deepseek_v2": ("deepseek_v2", {})}
+
+
+@pytest.fixture(scope="session")
+def tiny_latent_model_dirs(tmp_path_factory, tiny_tokenizer) -> dict[str, str]:
+    def build(family: str, settings: dict):
+        return lambda folder: build_tiny_moe_model(folder, tiny_tokenizer, family, **settings)
+
+    return {name: str(built_once(tmp_path_factory, f"tiny_{name}_model", build(*variant)))
+            for name, variant in LATENT_VARIANTS.items()}
+
+
 @pytest.fixture(scope="module")
 def ray_session():
     """A local 2-CPU Ray for the module; workers import hybrid_rl from this checkout."""

