@@ -253,9 +253,9 @@ RULES: tuple[Rule, ...] = tuple([
             *(f"{role}.model.{k}" for role in LORA_ROLES for k in ("lora_rank", "lora_alpha", "target_modules",
                                                                  "exclude_modules", "lora_adapter_path"))),
     *_rules(WORKS, "LoRA on the Megatron engine (megatron-bridge's fused `lora` type, on megatron-core's own "
-            "layers): adapters beside the parallel linears, split over TP as they are; the reference policy is the "
-            "base model with the adapters off, the critic's value head trains whole; adapter_path: a peft adapter "
-            "folder",
+            "layers): adapters beside the linears (latent attention's too), split over TP as they are; the reference "
+            "policy is the base model with the adapters off, the critic's value head trains whole; adapter_path: a "
+            "peft adapter folder",
             *(f"{role}.model.lora.{k}" for role in LORA_ROLES for k in ("rank", "alpha", "target_modules",
                                                                       "exclude_modules", "lora_A_init_method",
                                                                       "lora_B_init_method", "adapter_path"))),

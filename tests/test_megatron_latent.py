@@ -30,7 +30,31 @@ pytestmark = pytest.mark.slow
 LAYOUTS = ("tp", "pp", "cp", "tp_dist")
 
 
-def _rank_main(rank, world, init_file, model_dirs, mcore, out_dir):
+# LoRA from a peft adapter of the attention's projections (megatron-bridge's Moonlight targets:
+# the latent projections, whole on every TP rank or split, and linear_proj).
+LATENT_PROJECTIONS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+LORA_LAYOUTS = {"lora_tp": ("deepseek_v3", dict(tp=2)), "lora_pp": ("deepseek_v3", dict(pp=2)),
+                "lora_tp_halves": ("deepseek_v3_yarn", dict(tp=2))}
+
+
+def latent_lora_adapter(model_dir: str, folder) -> str:
+    """A peft adapter of the attention's projections, rank 4, both factors drawn (it changes the
+    outputs from the start)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=list(LATENT_PROJECTIONS)))
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * (0.3 if ".lora_A." in name else 0.05))
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+def _rank_main(rank, world, init_file, model_dirs, mcore, adapters, out_dir):
     from megatron.core import parallel_state
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -54,19 +78,32 @@ def _rank_main(rank, world, init_file, model_dirs, mcore, out_dir):
                            "first": step(engine, cfg, 1), "dp": engine.dp_size, "before": before,
                            "after": weights(engine), "checkpoint": os.path.join(out_dir, f"ckpt_{layout}")}
         engine.save_checkpoint(results[layout]["checkpoint"])
-    try:
-        make_engine(actor_config("megatron", extra=("actor_rollout_ref.model.lora.rank=4",)), model_dirs["deepseek_v3"])
-    except ValueError as error:
-        results["lora"] = str(error)
+    for layout, (name, sizes) in LORA_LAYOUTS.items():
+        parallel_state.destroy_model_parallel()
+        cfg = actor_config("megatron", **sizes, extra=(f"actor_rollout_ref.model.lora.adapter_path={adapters[name]}",))
+        engine = make_engine(cfg, model_dirs[name])
+        with engine.adapter_disabled():
+            base = engine.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None)
+        results[layout] = {"base": base, "infer": engine.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None),
+                           "first": step(engine, cfg, 1), "after": weights(engine),
+                           "trained": sorted(n for n, _ in engine.per_tensor_weights(None, only_trained=True)),
+                           "checkpoint": os.path.join(out_dir, f"ckpt_{layout}")}
+        engine.save_checkpoint(results[layout]["checkpoint"])
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def latent_runs(tiny_latent_model_dirs, tmp_path_factory) -> list[dict]:
+def latent_adapters(tiny_latent_model_dirs, tmp_path_factory) -> dict[str, str]:
+    out = tmp_path_factory.mktemp("latent_adapters")
+    return {name: latent_lora_adapter(tiny_latent_model_dirs[name], out / name) for name, _ in LORA_LAYOUTS.values()}
+
+
+@pytest.fixture(scope="module")
+def latent_runs(tiny_latent_model_dirs, latent_adapters, tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("megatron_latent")
     mcore = convert_to_mcore(tiny_latent_model_dirs["deepseek_v3"], str(out / "mcore"))
-    return two_rank_results(_rank_main, out, tiny_latent_model_dirs, mcore)
+    return two_rank_results(_rank_main, out, tiny_latent_model_dirs, mcore, latent_adapters)
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -131,8 +168,48 @@ def test_a_trained_latent_attention_checkpoint_exports_to_transformers(latent_ru
     assert all(torch.equal(exported[name], tensor) for name, tensor in run["after"].items())
 
 
-def test_lora_on_latent_attention_is_refused_with_the_fix(latent_runs):
-    assert "strategy=fsdp2" in latent_runs[0]["lora"] and "latent attention" in latent_runs[0]["lora"]
+@pytest.mark.parametrize("layout", LORA_LAYOUTS)
+def test_lora_on_latent_attention_matches_peft_on_the_fsdp_engine(latent_runs, latent_adapters, tiny_latent_model_dirs,
+                                                                   layout, tmp_path):
+    """LoRA on latent attention's projections (verl's model.lora.* from a peft adapter folder) with
+    TP=2 (the down projections' adapters whole on each rank, over its part of the sequence) or
+    PP=2, and with a checkpoint that rotates halves, against peft's LoRA of the same adapter on the
+    FSDP engine: log-probs, loss, grad norm and the merged weights after one step; with the
+    adapter off, the base model; the checkpoint exports merged and as peft's adapter."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    name = LORA_LAYOUTS[layout][0]
+    model_dir = tiny_latent_model_dirs[name]
+    cfg = actor_config("fsdp2", extra=[f"actor_rollout_ref.model.lora_adapter_path={latent_adapters[name]}"])
+    fsdp = make_engine(cfg, model_dir)
+    before, expected_infer = weights(fsdp), fsdp.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None)
+    with fsdp.adapter_disabled():
+        expected_base = fsdp.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None)
+    expected, expected_after = step(fsdp, cfg, 1), weights(fsdp)
+    mask = rollout_batch(1)["response_mask"].bool()
+    for result in (runs[layout] for runs in latent_runs):
+        assert (result["infer"]["log_probs"] - result["base"]["log_probs"])[mask].abs().max() > 0.01
+        for key in ("log_probs", "entropy"):
+            assert (result["infer"][key] - expected_infer[key])[mask].abs().max() <= 1e-5
+            assert (result["base"][key] - expected_base[key])[mask].abs().max() <= 1e-5
+        assert result["first"]["actor/grad_norm"] == pytest.approx(expected["actor/grad_norm"], rel=1e-4)
+        if "actor/loss" in result["first"]:  # the last pipeline stage's
+            assert result["first"]["actor/loss"] == pytest.approx(expected["actor/loss"], rel=1e-4)
+        update = torch.cat([(result["after"][k] - before[k]).flatten() for k in expected_after])
+        expected_update = torch.cat([(expected_after[k] - before[k]).flatten() for k in expected_after])
+        assert (update - expected_update).norm() / expected_update.norm() <= 1e-3
+        # Only the adapted projections change (the rollout gets those alone).
+        assert result["trained"] and {n.rsplit(".", 2)[-2] for n in result["trained"]} <= set(LATENT_PROJECTIONS)
+    run = latent_runs[0][layout]
+    step_dir = export_step_folder(run["checkpoint"], model_dir, tmp_path / "global_step_1")
+    merged = AutoModelForCausalLM.from_pretrained(export_checkpoint(str(step_dir), str(tmp_path / "merged")),
+                                                  dtype=torch.float32).state_dict()
+    adapter = export_checkpoint(str(step_dir), str(tmp_path / "adapter"), adapter_only=True)
+    from_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                                             adapter).merge_and_unload().state_dict()
+    for state in (merged, from_adapter):
+        assert all((state[k] - run["after"][k]).abs().max() <= 1e-6 for k in run["after"])
 
 
 @pytest.mark.parametrize("name", VARIANTS)

@@ -446,6 +446,17 @@ def is_tensor_parallel(name: str) -> bool:
 DIST_CHECKPOINT_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 
 
+def decoder_layers(key: str, tensor: torch.Tensor) -> list[tuple[int, str, torch.Tensor]]:
+    """A dist-checkpoint's `decoder.layers.*` tensor, read whole, as (layer number, name within
+    the layer, that layer's tensor): stacked along dim 0, or where megatron keys layers that
+    differ (dense and MoE) one by one, `decoder.layers.N.*` holds layer N's own."""
+    rest = key[len("decoder.layers."):]
+    number, _, inner = rest.partition(".")
+    if number.isdigit():
+        return [(int(number), inner, tensor)]
+    return [(index, rest, layer) for index, layer in enumerate(tensor)]
+
+
 def hf_state_from_dist_checkpoint(tensors: dict[str, torch.Tensor], layout: Layout) -> dict[str, torch.Tensor]:
     """HF-named tensors from a Megatron dist-checkpoint's model tensors, read whole: each
     `decoder.layers.*` tensor stacks all layers along dim 0 (an experts tensor then all of a
@@ -456,11 +467,8 @@ def hf_state_from_dist_checkpoint(tensors: dict[str, torch.Tensor], layout: Layo
     for key, tensor in tensors.items():
         if key.startswith("decoder.layers."):
             # A layer's experts are stacked there too: [layers, experts, ...].
-            rest = key[len("decoder.layers."):].replace("mlp.experts.experts.", "mlp.experts.")
-            if rest.partition(".")[0].isdigit():  # one layer's (megatron numbers layers that differ, as dense and MoE)
-                parts = [(f"decoder.layers.{rest}", tensor)]
-            else:
-                parts = [(f"decoder.layers.{index}.{rest}", layer) for index, layer in enumerate(tensor)]
+            parts = [(f"decoder.layers.{index}.{rest.replace('mlp.experts.experts.', 'mlp.experts.')}", layer)
+                     for index, rest, layer in decoder_layers(key, tensor)]
         elif layout.value_head and key.startswith("output_layer."):
             parts = [(key.replace("output_layer.", "value_head."), tensor)]
         else:

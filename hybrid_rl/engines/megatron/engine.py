@@ -131,10 +131,6 @@ class MegatronEngine(TrainEngine):
         # with the adapters off) or on the critic.
         lora = None
         if trainable and spec.head in (Head.LM, Head.VALUE) and mlora.enabled(spec.model_cfg):
-            if self.layout.latent is not None:
-                raise ValueError(f"{spec.model_key}.lora: LoRA on the Megatron engine adapts linear_qkv, linear_proj "
-                                 "and linear_fc1/2, and this model's latent attention has other projections; train "
-                                 "it with LoRA on strategy=fsdp2 (target_modules reach every linear there).")
             lora = mlora.LoraSettings.from_config(spec.model_cfg.lora, f"{spec.model_key}.lora",
                                                   value_head=spec.head is Head.VALUE)
         with self._megatron():

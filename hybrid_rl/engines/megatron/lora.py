@@ -3,8 +3,9 @@ the critic's `critic.model.lora.*`: `type`, `rank`, `alpha`, `target_modules` or
 `exclude_modules`, `lora_A_init_method`, `lora_B_init_method`, `dropout`, `dropout_position`,
 `adapter_path`).
 
-Each adapted layer is one of megatron's parallel linears (`linear_qkv`, `linear_proj`,
-`linear_fc1`, `linear_fc2`, an expert's too) with a `LoraAdapter` beside it (the child
+Each adapted layer is one of megatron's linears (`linear_qkv`, `linear_proj`, `linear_fc1`,
+`linear_fc2`, an expert's too; of latent attention `linear_q_proj`, `linear_q_down_proj`,
+`linear_q_up_proj`, `linear_kv_down_proj`, `linear_kv_up_proj`) with a `LoraAdapter` beside it (the child
 `<name>_adapter` of the same parent, so every base weight keeps its name): a forward hook adds
 scaling * B A x to the layer's output. With `type=lora` (megatron-bridge's default) a fused layer
 gets one adapter: query, key and value (and gate and up) share A. With `type=canonical_lora`
@@ -12,7 +13,7 @@ each of its projections has its own (`linear_q_adapter`, ..., `linear_fc1_up_ada
 adds to that projection's rows of the fused output, as peft's adapters of the HF model do. An
 adapter is split over TP as its layer is: beside a column-parallel layer A is whole and B holds
 this rank's output rows; beside a row-parallel one A holds this rank's input columns and B is
-whole. The whole factor's input (or output) is exchanged over TP ranks so that every rank
+whole; beside a replicated one (latent attention's down projections) both are whole. The whole factor's input (or output) is exchanged over TP ranks so that every rank
 computes what a single process would; under sequence parallelism it sees this rank's tokens only,
 so its gradient is summed over TP as a sequence-parallel norm's is (`sequence_parallel`).
 
@@ -42,12 +43,14 @@ from hybrid_rl.engines.base import all_reduce_scalar
 from hybrid_rl.engines.lora import HEAD_MODULES, VALUE_HEAD
 from hybrid_rl.engines.megatron import convert
 
-TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 ADAPTER_SUFFIX = "_adapter"
 INIT_METHODS = ("xavier", "kaiming", "normal", "zero")
 # The HF projections of each fused Megatron layer, in `convert.hf_names` order.
 HF_PARTS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
-            "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+            "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",),
+            # latent attention's (DeepSeek-V2/V3)
+            "linear_q_proj": ("q_proj",), "linear_q_down_proj": ("q_a_proj",), "linear_q_up_proj": ("q_b_proj",),
+            "linear_kv_down_proj": ("kv_a_proj_with_mqa",), "linear_kv_up_proj": ("kv_b_proj",)}
 # canonical_lora's names for the projections of a fused layer (megatron-bridge's), in the same order.
 CANONICAL_PARTS = {"linear_qkv": ("linear_q", "linear_k", "linear_v"), "linear_fc1": ("linear_fc1_gate", "linear_fc1_up")}
 PART_OF = {part: (fused, index) for fused, parts in CANONICAL_PARTS.items() for index, part in enumerate(parts)}
@@ -137,22 +140,27 @@ class LoraAdapter(torch.nn.Module):
 
     def __init__(self, base: torch.nn.Module, name: str, settings: LoraSettings, layout: convert.Layout,
                  seed: int, part: int | None = None):
-        from megatron.core.tensor_parallel import ColumnParallelLinear
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         super().__init__()
         self.name, self.scaling, self.enabled = name, settings.scaling, True
         self.dropout, self.dropout_after = settings.dropout, settings.dropout_position == "post"
         self.column = isinstance(base, ColumnParallelLinear)
+        # Latent attention's down projections: a plain linear, whole on every TP rank.
+        replicated = not isinstance(base, (ColumnParallelLinear, RowParallelLinear))
         self.group = base.tp_group
         tp, tp_rank = self.group.size(), self.group.rank()
         # Experts' linears exchange nothing over TP (expert_tensor_parallel_size is 1).
-        self.exchange = tp > 1 and not base.explicit_expert_comm
-        self.sequence_parallel = self.exchange and base.sequence_parallel
+        self.exchange = tp > 1 and not replicated and not base.explicit_expert_comm
+        # Whether the adapter sees this rank's part of the sequence only.
+        self.sequence_parallel = (self.exchange and base.sequence_parallel) or (
+            replicated and tp > 1 and getattr(base.weight, "sequence_parallel", False))
         self.part = part
         layer = f"{name.rpartition('.')[0]}.{PART_OF[name.rpartition('.')[2]][0]}" if part is not None else name
         self.weight_name = f"{layer}.weight"
-        out_features, in_features = base.output_size, base.input_size
+        out_features, in_features = ((base.out_features, base.in_features) if replicated
+                                     else (base.output_size, base.input_size))
         # A projection's rows of this rank's fused output (None: all of them).
         self.rows = None if part is None else _part_rows(layer, part, base.output_size_per_partition, layout, tp,
                                                          settings.key)
@@ -164,7 +172,7 @@ class LoraAdapter(torch.nn.Module):
         a = _init(torch.empty(settings.rank, in_features), settings.a_init, generator)
         b = _init(torch.empty(out_features, settings.rank), settings.b_init, generator)
         sharded = "lora_B" if self.column else "lora_A"
-        if tp > 1:
+        if self.exchange:
             if part is not None:  # a projection's rows are split over TP in equal blocks
                 b = b.chunk(tp)[tp_rank]
             elif self.column:
@@ -175,7 +183,7 @@ class LoraAdapter(torch.nn.Module):
         self.lora_A = torch.nn.Parameter(a.to(device))
         self.lora_B = torch.nn.Parameter(b.to(device))
         for param_name, param in (("lora_A", self.lora_A), ("lora_B", self.lora_B)):
-            if base.is_expert:  # megatron counts an expert's weights in the grad norm on every TP rank
+            if getattr(base, "is_expert", False):  # megatron counts an expert's weights in the grad norm on every TP rank
                 set_tensor_model_parallel_attributes(param, True, 0, 1)
             elif param_name == sharded and self.exchange:
                 set_tensor_model_parallel_attributes(param, True, 0 if self.column else 1, 1)
@@ -287,8 +295,10 @@ class Adapters:
                  layout: convert.Layout, seed: int):
         """Freeze `chunks` (but a critic's value head) and attach an adapter beside every
         matching linear; `module_names` maps each chunk's module names to model-wide ones."""
+        from megatron.core.post_training.modelopt.layers import Linear
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
+        linears = (ColumnParallelLinear, RowParallelLinear, Linear)  # Linear: latent attention's down projections
         self.settings, self.layout, self.chunks = settings, layout, chunks
         # Per chunk: chunk-local layer name -> its adapters (several: a fused layer's projections).
         self.by_chunk: list[dict[str, list[LoraAdapter]]] = []
@@ -297,7 +307,7 @@ class Adapters:
                 param.requires_grad_(settings.value_head and is_head_tensor(name))
             adapters = {}
             for local, module in list(chunk.named_modules()):
-                if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or ".layers." not in local:
+                if not isinstance(module, linears) or ".layers." not in local:
                     continue
                 parent_name, _, leaf = local.rpartition(".")
                 parent = chunk.get_submodule(parent_name)
@@ -318,7 +328,7 @@ class Adapters:
         device = next(chunks[0].parameters()).device
         if not all_reduce_scalar(sum(len(adapters) for adapters in self.by_chunk), device):
             leaves = sorted({n.rsplit(".", 1)[-1] for c in chunks for n, m in c.named_modules()
-                             if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and ".layers." in n})
+                             if isinstance(m, linears) and ".layers." in n})
             raise ValueError(f"{settings.key}.target_modules={list(settings.target_modules)} / exclude_modules="
                              f"{list(settings.exclude_modules)} leave no layer to adapt; the model's linear layers are "
                              f"{leaves} (or wildcards over full names, e.g. '*.layers.0.*.linear_qkv').")
@@ -404,9 +414,9 @@ class Adapters:
                 b = b.chunk(tp)[rank] if tp > 1 else b
             else:
                 b = convert.to_megatron(adapter.weight_name, [tensors[n] for n in names["lora_B"]], self.layout)
-                if tp > 1 and adapter.column:
+                if adapter.exchange and adapter.column:
                     b = convert.split_tp(adapter.weight_name, b, tp, self.layout)[rank]
-                elif tp > 1:
+                elif adapter.exchange:
                     a = convert.split_tp(adapter.weight_name, a, tp, self.layout)[rank]
             for param, value in (("lora_A", a), ("lora_B", b)):
                 target = getattr(adapter, param)
@@ -424,8 +434,8 @@ class Adapters:
 
 def hf_adapter_state(tensors: dict[str, torch.Tensor], layout: convert.Layout,
                      adapter: str = "default") -> dict[str, torch.Tensor]:
-    """A Megatron dist-checkpoint's adapter tensors (read whole: layers stacked along dim 0, TP
-    shards merged) under the names peft gives them in the HF model (`adapter` is peft's adapter
+    """A Megatron dist-checkpoint's adapter tensors (read whole, TP shards merged; layers as
+    `convert.decoder_layers` reads them) under the names peft gives them in the HF model (`adapter` is peft's adapter
     name): a fused layer's A goes to each of its projections, its B is split as the weight is.
     Experts' adapters are not among them (see `expert_deltas`)."""
     state = {}
@@ -434,10 +444,10 @@ def hf_adapter_state(tensors: dict[str, torch.Tensor], layout: convert.Layout,
             raise ValueError(f"{key}: not the adapter of a decoder layer.")
         if convert.is_expert(key):
             continue
-        path, _, factor = key[len("decoder.layers."):].rpartition(".")
-        module, _, leaf = path.removesuffix(ADAPTER_SUFFIX).rpartition(".")
-        fused, part = PART_OF.get(leaf, (leaf, None))
-        for index, tensor in enumerate(stacked):
+        for index, rest, tensor in convert.decoder_layers(key, stacked):
+            path, _, factor = rest.rpartition(".")
+            module, _, leaf = path.removesuffix(ADAPTER_SUFFIX).rpartition(".")
+            fused, part = PART_OF.get(leaf, (leaf, None))
             weight = f"decoder.layers.{index}.{module}.{fused}.weight"
             if part is not None:  # a projection's own adapter (canonical LoRA)
                 parts = [(convert.hf_names(weight, layout)[part], tensor)]
@@ -451,19 +461,19 @@ def hf_adapter_state(tensors: dict[str, torch.Tensor], layout: convert.Layout,
 
 
 def expert_deltas(tensors: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
-    """What a Megatron dist-checkpoint's experts' adapters (read whole: [layers, experts, ...])
-    add to each layer's experts, scaling * B A for every expert, under the names transformers
+    """What a Megatron dist-checkpoint's experts' adapters (read whole: [layers, experts, ...], or
+    one layer's [experts, ...]) add to each layer's experts, scaling * B A for every expert, under the names transformers
     holds a layer's stacked experts by (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`,
     megatron's orientation: [experts, out, in]). peft has no per-expert module to put them on."""
     deltas: dict[str, torch.Tensor] = {}
     for key, a_stacked in tensors.items():
         if not convert.is_expert(key) or not key.endswith(".lora_A"):
             continue
-        b_stacked = tensors[key.removesuffix("lora_A") + "lora_B"]
-        module, _, leaf = key[len("decoder.layers."):].removesuffix(f"{ADAPTER_SUFFIX}.lora_A").rpartition(".")
-        fused, part = PART_OF.get(leaf, (leaf, None))
-        module = module.replace("mlp.experts.experts", "mlp.experts")
-        for index, (a, b) in enumerate(zip(a_stacked, b_stacked)):
+        b_layers = convert.decoder_layers(key, tensors[key.removesuffix("lora_A") + "lora_B"])
+        for (index, rest, a), (_, _, b) in zip(convert.decoder_layers(key, a_stacked), b_layers):
+            module, _, leaf = rest.removesuffix(f"{ADAPTER_SUFFIX}.lora_A").rpartition(".")
+            fused, part = PART_OF.get(leaf, (leaf, None))
+            module = module.replace("mlp.experts.experts", "mlp.experts")
             (name,) = convert.hf_names(f"decoder.layers.{index}.{module}.{fused}.weight")
             delta = torch.bmm(b.float(), a.float()) * scaling
             if part is not None:  # canonical LoRA: the gate's or the up projection's half of the rows
