@@ -333,8 +333,10 @@ RULES: tuple[Rule, ...] = tuple([
     # --- data
     *_rules(WORKS, "prompts per generation batch of dynamic sampling; refused without "
             "algorithm.filter_groups.enable unless equal to data.train_batch_size", "data.gen_batch_size"),
-    *_rules(NOT_YET, "not built yet", "data.validation_shuffle", "data.custom_cls.path"),
-    *_rules(NO_EFFECT, "read only with data.custom_cls.path, which is not supported yet", "data.custom_cls.name"),
+    *_rules(NOT_YET, "not built yet", "data.validation_shuffle"),
+    *_rules(WORKS, "a torch Dataset class (name) in a .py file or pkg:// module (path), built as verl builds one "
+            "(data_files, tokenizer, processor=None, config, max_samples); its items are rows, the prompt in "
+            "raw_prompt or data.prompt_key", "data.custom_cls.path", "data.custom_cls.name"),
     *_rules(NO_EFFECT, "the validation set is generated as one batch, split over the ranks", "data.val_batch_size"),
     *_rules(NO_EFFECT, "the driver applies the chat template and sends token ids; raw chats and prompts are "
             "not passed on", "data.return_raw_input_ids", "data.return_raw_chat", "data.return_full_prompt"),

@@ -41,7 +41,7 @@ def default_data_files() -> tuple[str, str]:
 def prepare(cfg: DictConfig):
     """Everything the run needs before workers start; raises on bad input."""
     from hybrid_rl.config import needs_critic
-    from hybrid_rl.data import RLDataset
+    from hybrid_rl.data import RLDataset, custom_rows
     from hybrid_rl.iterative import load_step_scorer
     from hybrid_rl.rewards import RewardManager, default_compute_score, load_custom_reward_fn
     from hybrid_rl.rewards.custom import keyword_parameter
@@ -81,9 +81,14 @@ def prepare(cfg: DictConfig):
         tools = agent.setup(cfg.actor_rollout_ref.rollout, tokenizer, cfg.data.apply_chat_template_kwargs)
         tools.close()
         data_kwargs.update(apply_chat_template_kwargs=tools.chat_template_kwargs, system_prompt=tools.system_prompt)
-    train_dataset = RLDataset(train_files, tokenizer, max_samples=cfg.data.train_max_samples, **data_kwargs)
-    val_dataset = (RLDataset(val_files, tokenizer, max_samples=cfg.data.val_max_samples, **data_kwargs)
-                   if val_files else None)
+
+    def dataset(files, max_samples: int) -> RLDataset:
+        # verl's data.custom_cls: a user's dataset class gives the rows.
+        rows = custom_rows(cfg.data, files, tokenizer, max_samples) if cfg.data.custom_cls.path else None
+        return RLDataset(files, tokenizer, max_samples=max_samples, rows=rows, **data_kwargs)
+
+    train_dataset = dataset(train_files, cfg.data.train_max_samples)
+    val_dataset = dataset(val_files, cfg.data.val_max_samples) if val_files else None
     if cfg.actor_rollout_ref.rollout.multi_turn.enable and tools.interactions:
         for files, dataset in ((train_files, train_dataset), (val_files, val_dataset)):
             if dataset is not None:  # every row must name one of the interactions, or there must be one

@@ -23,7 +23,7 @@ from hybrid_rl.protocol import Batch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RLDataset", "collate_prompts", "read_rows"]
+__all__ = ["RLDataset", "collate_prompts", "custom_rows", "read_rows"]
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
 _PARQUET_EXT = (".parquet",)
@@ -131,6 +131,44 @@ def with_system_prompt(messages: list[dict], text: str) -> list[dict]:
     return [{"role": "system", "content": text}, *messages]
 
 
+def custom_rows(data_cfg, files: str | Sequence[str], tokenizer, max_samples: int) -> list[dict]:
+    """The rows of verl's `data.custom_cls`: the class `name` from the file (or `pkg://` module)
+    `path`, a torch Dataset built as verl builds one, `cls(data_files=files, tokenizer=tokenizer,
+    processor=None, config=data, max_samples=max_samples)` (no processor: vision-language models
+    are not supported), and read item by item. An item is a row as a data file's: its prompt in
+    `raw_prompt` (the chat messages verl's RLHFDataset returns) or in data.prompt_key, beside its
+    data_source, reward_model and extra_info."""
+    from hybrid_rl.user_code import load_object
+
+    section = data_cfg.custom_cls
+    key = "data.custom_cls"
+    if not section.get("name"):
+        raise ValueError(f"{key}.path={section.path} needs {key}.name, the dataset class in that file.")
+    cls = load_object(section.path, section.name, key, f"class {section.name}(torch.utils.data.Dataset)")
+    if not (isinstance(cls, type) and issubclass(cls, Dataset)):
+        raise ValueError(f"{key}.name={section.name} in {section.path} is {cls!r}, not a torch.utils.data.Dataset "
+                         "subclass; name the dataset class.")
+    files = [files] if isinstance(files, (str, os.PathLike)) else [str(f) for f in files]
+    try:
+        dataset = cls(data_files=files, tokenizer=tokenizer, processor=None, config=data_cfg, max_samples=max_samples)
+        items = [dataset[i] for i in range(len(dataset))]
+    except Exception as exc:  # re-raised with the call that failed
+        raise ValueError(f"{key}: {section.name}(data_files={files}, tokenizer=..., processor=None, config=data, "
+                         f"max_samples={max_samples}), then reading its items by index, failed with "
+                         f"{type(exc).__name__}: {exc}. A dataset class is built with those keyword arguments, as "
+                         "verl builds it, and needs __len__ and __getitem__.") from exc
+    rows = []
+    for index, item in enumerate(items):
+        if not isinstance(item, Mapping):
+            raise ValueError(f"{key}: item {index} of {section.name} is a {type(item).__name__}; an item is a row, "
+                             "a dict with the prompt (raw_prompt or data.prompt_key), data_source and reward_model.")
+        row = dict(item)
+        if "raw_prompt" in row:  # what verl generates from
+            row[data_cfg.prompt_key] = row["raw_prompt"]
+        rows.append(row)
+    return rows
+
+
 def _truncate(ids: list[int], max_len: int, mode: str) -> list[int]:
     if len(ids) <= max_len:
         return ids
@@ -167,7 +205,10 @@ class RLDataset(Dataset):
         seed: int | None = None,
         apply_chat_template_kwargs: Mapping[str, Any] | None = None,
         system_prompt: str | None = None,
+        rows: Sequence[Mapping] | None = None,
     ):
+        """`rows`: the rows themselves (a user's dataset class's: `custom_rows`) instead of those
+        read from `files`."""
         if truncation not in TRUNCATION_MODES:
             raise ValueError(
                 f"data.truncation must be one of {TRUNCATION_MODES}, got {truncation!r}"
@@ -190,7 +231,7 @@ class RLDataset(Dataset):
 
         files_list = [files] if isinstance(files, (str, os.PathLike)) else list(files)
         self.files = [os.path.expanduser(str(f)) for f in files_list]
-        rows = read_rows(self.files)
+        rows = read_rows(self.files) if rows is None else list(rows)
         if not rows:
             raise ValueError(
                 f"dataset is empty: no rows in {self.files}. Point data.train_files / data.val_files "

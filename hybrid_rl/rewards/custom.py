@@ -1,32 +1,15 @@
-"""Load a user-supplied reward function from a Python file."""
+"""Load a user-supplied reward function from a Python file (or a module: `user_code`)."""
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.util
 import inspect
 import os
-import sys
 from typing import Any, Callable, Mapping
 
+from hybrid_rl.user_code import load_object
+
 EXPECTED_SIGNATURE = "fn(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float | dict"
-
-
-def _module_name_for(path: str) -> str:
-    digest = hashlib.sha1(path.encode()).hexdigest()[:12]
-    stem = os.path.splitext(os.path.basename(path))[0]
-    safe = "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in stem)
-    return f"hybrid_rl_custom_reward_{safe}_{digest}"
-
-
-def _callables_defined_in(module) -> list[str]:
-    names = []
-    for attr, value in vars(module).items():
-        if attr.startswith("_") or inspect.ismodule(value) or not callable(value):
-            continue
-        names.append(attr)
-    return sorted(names)
 
 
 def load_custom_reward_fn(
@@ -36,7 +19,7 @@ def load_custom_reward_fn(
     key: str = "custom_reward_function",
     provided: tuple[str, ...] = (),
 ) -> Callable | None:
-    """Import ``name`` from the Python file at ``path``.
+    """Import ``name`` from the Python file at ``path`` (or the module `pkg://package.module`).
 
     Returns ``None`` when ``path`` is empty (no custom function configured).
     ``reward_kwargs`` are bound as keyword arguments with ``functools.partial``.
@@ -49,47 +32,7 @@ def load_custom_reward_fn(
     if path is None or str(path).strip() == "":
         return None
     name = name or "compute_score"
-    path = os.path.abspath(os.path.expanduser(str(path)))
-    if not os.path.exists(path):
-        raise FileNotFoundError(
-            f"custom reward function file not found: {path}. "
-            f"Fix {key}.path to point at an existing .py file "
-            "(an absolute path is safest; relative paths are resolved against the working directory "
-            f"{os.getcwd()})."
-        )
-    if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"{key}.path={path} is not a regular file; point it at a .py file"
-        )
-
-    module_name = _module_name_for(path)
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise ValueError(
-            f"cannot import custom reward file {path}: Python does not recognise it as a module. "
-            f"Make sure {key}.path names a .py source file."
-        )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # lets dataclasses/pickle resolve the module
-    try:
-        spec.loader.exec_module(module)
-    except (Exception, SystemExit) as exc:  # re-raised with context below
-        sys.modules.pop(module_name, None)
-        raise ValueError(
-            f"importing custom reward file {path} failed with {type(exc).__name__}: {exc}. "
-            "Fix the error in that file (try `python " + path + "` to reproduce it) "
-            f"or point {key}.path at another file."
-        ) from exc
-
-    if not hasattr(module, name):
-        found = _callables_defined_in(module)
-        raise ValueError(
-            f"custom reward file {path} has no attribute {name!r}. "
-            f"Callables found in the file: {found if found else 'none'}. "
-            f"Set {key}.name to one of them, or define "
-            f"{name}({EXPECTED_SIGNATURE.split('(', 1)[1]}"
-        )
-    fn = getattr(module, name)
+    fn = load_object(path, name, key, f"{name}({EXPECTED_SIGNATURE.split('(', 1)[1]}")
     if not callable(fn):
         raise ValueError(
             f"{name!r} in custom reward file {path} is of type {type(fn).__name__}, not a function. "
