@@ -34,6 +34,17 @@ def test_loads_and_binds_kwargs(tmp_path):
     assert load_custom_reward_fn(path, name="other")("d", "x", "y", None)["acc"] is True
 
 
+def test_loads_from_a_module_and_verls_file_form(tmp_path, monkeypatch):
+    """verl's `pkg://package.module` and `file://path` forms of the path."""
+    path = _write(tmp_path, "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                            "    return 2.0\n", name="module_reward.py")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for ref in ("pkg://module_reward", f"file://{path}"):
+        assert load_custom_reward_fn(ref)(data_source="d", solution_str="1", ground_truth="1") == 2.0
+    with pytest.raises(ValueError, match="pkg://no_such_module_xyz: importing the module no_such_module_xyz failed"):
+        load_custom_reward_fn("pkg://no_such_module_xyz")
+
+
 def test_kwargs_only_function_is_accepted(tmp_path):
     path = _write(tmp_path, "def compute_score(**kwargs):\n    return 1.0\n")
     assert load_custom_reward_fn(path)(data_source="a", solution_str="b", ground_truth="c", extra_info=None) == 1.0
