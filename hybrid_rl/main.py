@@ -82,13 +82,13 @@ def prepare(cfg: DictConfig):
         tools.close()
         data_kwargs.update(apply_chat_template_kwargs=tools.chat_template_kwargs, system_prompt=tools.system_prompt)
 
-    def dataset(files, max_samples: int) -> RLDataset:
+    def load_dataset(files, max_samples: int) -> RLDataset:
         # verl's data.custom_cls: a user's dataset class gives the rows.
         rows = custom_rows(cfg.data, files, tokenizer, max_samples) if cfg.data.custom_cls.path else None
         return RLDataset(files, tokenizer, max_samples=max_samples, rows=rows, **data_kwargs)
 
-    train_dataset = dataset(train_files, cfg.data.train_max_samples)
-    val_dataset = dataset(val_files, cfg.data.val_max_samples) if val_files else None
+    train_dataset = load_dataset(train_files, cfg.data.train_max_samples)
+    val_dataset = load_dataset(val_files, cfg.data.val_max_samples) if val_files else None
     if cfg.actor_rollout_ref.rollout.multi_turn.enable and tools.interactions:
         for files, dataset in ((train_files, train_dataset), (val_files, val_dataset)):
             if dataset is not None:  # every row must name one of the interactions, or there must be one

@@ -330,7 +330,7 @@ def _reward_file(ctx, source):
 
 REWARD_CASES = [
     case("reward-file-missing", lambda ctx: [f"custom_reward_function.path={ctx.tmp}/nope.py"], FileNotFoundError,
-         "custom reward function file not found", "nope.py", "Fix custom_reward_function.path"),
+         "custom_reward_function.path: file not found", "nope.py", "Point it at an existing .py file"),
     case("reward-not-callable", lambda ctx: _reward_file(ctx, "compute_score = 3\n"), ValueError,
          "'compute_score' in custom reward file", "is of type int, not a function",
          "Set custom_reward_function.name to a function with signature fn(data_source, solution_str"),
@@ -338,12 +338,12 @@ REWARD_CASES = [
          ValueError, "has signature compute_score(text)", "cannot be called as fn(data_source=",
          "Change it to fn(data_source, solution_str, ground_truth, extra_info=None, **kwargs)"),
     case("reward-import-fails", lambda ctx: _reward_file(ctx, "import no_such_module_xyz\n"), ValueError,
-         "importing custom reward file", "ModuleNotFoundError", "no_such_module_xyz",
+         "my_reward.py (custom_reward_function.path) failed with ModuleNotFoundError", "no_such_module_xyz",
          "Fix the error in that file"),
     case("reward-name-missing",
          lambda ctx: _reward_file(ctx, "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
                                        "    return 1.0\n"),
-         ValueError, "has no attribute 'compute_score'", "Callables found in the file: ['score']",
+         ValueError, "has no attribute 'compute_score'", "Functions and classes found there: ['score']",
          "Set custom_reward_function.name to one of them"),
     case("reward-kwargs-clash",
          lambda ctx: _reward_file(ctx, "def compute_score(data_source, solution_str, ground_truth, "

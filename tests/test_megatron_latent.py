@@ -84,7 +84,8 @@ def _rank_main(rank, world, init_file, model_dirs, mcore, adapters, out_dir):
         engine = make_engine(cfg, model_dirs[name])
         with engine.adapter_disabled():
             base = engine.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None)
-        results[layout] = {"base": base, "infer": engine.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None),
+        results[layout] = {"base": base,
+                           "infer": engine.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None),
                            "first": step(engine, cfg, 1), "after": weights(engine),
                            "trained": sorted(n for n, _ in engine.per_tensor_weights(None, only_trained=True)),
                            "checkpoint": os.path.join(out_dir, f"ckpt_{layout}")}

@@ -5,16 +5,17 @@ the critic's `critic.model.lora.*`: `type`, `rank`, `alpha`, `target_modules` or
 
 Each adapted layer is one of megatron's linears (`linear_qkv`, `linear_proj`, `linear_fc1`,
 `linear_fc2`, an expert's too; of latent attention `linear_q_proj`, `linear_q_down_proj`,
-`linear_q_up_proj`, `linear_kv_down_proj`, `linear_kv_up_proj`) with a `LoraAdapter` beside it (the child
-`<name>_adapter` of the same parent, so every base weight keeps its name): a forward hook adds
+`linear_q_up_proj`, `linear_kv_down_proj`, `linear_kv_up_proj`) with a `LoraAdapter` beside it
+(the child `<name>_adapter` of the same parent, so every base weight keeps its name): a forward hook adds
 scaling * B A x to the layer's output. With `type=lora` (megatron-bridge's default) a fused layer
 gets one adapter: query, key and value (and gate and up) share A. With `type=canonical_lora`
 each of its projections has its own (`linear_q_adapter`, ..., `linear_fc1_up_adapter`), which
 adds to that projection's rows of the fused output, as peft's adapters of the HF model do. An
 adapter is split over TP as its layer is: beside a column-parallel layer A is whole and B holds
 this rank's output rows; beside a row-parallel one A holds this rank's input columns and B is
-whole; beside a replicated one (latent attention's down projections) both are whole. The whole factor's input (or output) is exchanged over TP ranks so that every rank
-computes what a single process would; under sequence parallelism it sees this rank's tokens only,
+whole; beside a replicated one (latent attention's down projections) both are whole. The whole
+factor's input (or output) is exchanged over TP ranks so that every rank computes what a single
+process would; under sequence parallelism it sees this rank's tokens only,
 so its gradient is summed over TP as a sequence-parallel norm's is (`sequence_parallel`).
 
 The base model is frozen (only adapters are in megatron's DDP buffers and optimizer; a critic's
@@ -183,7 +184,8 @@ class LoraAdapter(torch.nn.Module):
         self.lora_A = torch.nn.Parameter(a.to(device))
         self.lora_B = torch.nn.Parameter(b.to(device))
         for param_name, param in (("lora_A", self.lora_A), ("lora_B", self.lora_B)):
-            if getattr(base, "is_expert", False):  # megatron counts an expert's weights in the grad norm on every TP rank
+            # megatron counts an expert's weights in the grad norm on every TP rank
+            if getattr(base, "is_expert", False):
                 set_tensor_model_parallel_attributes(param, True, 0, 1)
             elif param_name == sharded and self.exchange:
                 set_tensor_model_parallel_attributes(param, True, 0 if self.column else 1, 1)
@@ -435,9 +437,9 @@ class Adapters:
 def hf_adapter_state(tensors: dict[str, torch.Tensor], layout: convert.Layout,
                      adapter: str = "default") -> dict[str, torch.Tensor]:
     """A Megatron dist-checkpoint's adapter tensors (read whole, TP shards merged; layers as
-    `convert.decoder_layers` reads them) under the names peft gives them in the HF model (`adapter` is peft's adapter
-    name): a fused layer's A goes to each of its projections, its B is split as the weight is.
-    Experts' adapters are not among them (see `expert_deltas`)."""
+    `convert.decoder_layers` reads them) under the names peft gives them in the HF model
+    (`adapter` is peft's adapter name): a fused layer's A goes to each of its projections, its B
+    is split as the weight is. Experts' adapters are not among them (see `expert_deltas`)."""
     state = {}
     for key, stacked in tensors.items():
         if not key.startswith("decoder.layers."):
@@ -462,9 +464,10 @@ def hf_adapter_state(tensors: dict[str, torch.Tensor], layout: convert.Layout,
 
 def expert_deltas(tensors: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
     """What a Megatron dist-checkpoint's experts' adapters (read whole: [layers, experts, ...], or
-    one layer's [experts, ...]) add to each layer's experts, scaling * B A for every expert, under the names transformers
-    holds a layer's stacked experts by (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`,
-    megatron's orientation: [experts, out, in]). peft has no per-expert module to put them on."""
+    one layer's [experts, ...]) add to each layer's experts, scaling * B A for every expert, under
+    the names transformers holds a layer's stacked experts by (`mlp.experts.gate_up_proj`,
+    `mlp.experts.down_proj`, megatron's orientation: [experts, out, in]). peft has no per-expert
+    module to put them on."""
     deltas: dict[str, torch.Tensor] = {}
     for key, a_stacked in tensors.items():
         if not convert.is_expert(key) or not key.endswith(".lora_A"):
