@@ -10,6 +10,7 @@ routing, not renormalised, limited to the groups of the best experts)."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 from hybrid_rl.engines import Output
 from hybrid_rl.engines.megatron import convert
+from hybrid_rl.engines.megatron.lora import LoraSettings
 from hybrid_rl.export import export_checkpoint
 from tests.conftest import LATENT_VARIANTS as VARIANTS, YARN
 from tests.engine_helpers import (
@@ -90,6 +92,14 @@ def _rank_main(rank, world, init_file, model_dirs, mcore, adapters, out_dir):
                            "trained": sorted(n for n, _ in engine.per_tensor_weights(None, only_trained=True)),
                            "checkpoint": os.path.join(out_dir, f"ckpt_{layout}")}
         engine.save_checkpoint(results[layout]["checkpoint"])
+    # verl's default targets: linear_qkv names no layer of latent attention, which a warning says.
+    parallel_state.destroy_model_parallel()
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("hybrid_rl.engines.megatron.lora").addHandler(handler)
+    make_engine(actor_config("megatron", extra=("actor_rollout_ref.model.lora.rank=4",)), model_dirs["deepseek_v3"])
+    results["default_targets_warnings"] = [record.getMessage() for record in records]
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -211,6 +221,22 @@ def test_lora_on_latent_attention_matches_peft_on_the_fsdp_engine(latent_runs, l
                                              adapter).merge_and_unload().state_dict()
     for state in (merged, from_adapter):
         assert all((state[k] - run["after"][k]).abs().max() <= 1e-6 for k in run["after"])
+
+
+def test_verls_default_lora_targets_on_latent_attention_warn_of_linear_qkv(latent_runs):
+    """verl's default target_modules on a DeepSeek-V3 model: linear_proj and the MLPs are adapted,
+    and rank 0 warns that linear_qkv names nothing, listing the model's linear layers."""
+    (warning,) = latent_runs[0]["default_targets_warnings"]
+    assert "target_modules: ['linear_qkv'] adapt nothing in this model" in warning
+    assert "linear_kv_down_proj" in warning and "linear_q_up_proj" in warning
+    assert latent_runs[1]["default_targets_warnings"] == []
+
+
+def test_unmatched_lora_targets_count_wildcards_and_projection_names():
+    settings = LoraSettings(4, 8.0, ("linear_qkv", "linear_kv_down_proj", "*.layers.1.*.linear_proj", "*.layers.7.*"),
+                            (), "xavier", "zero", None)
+    names = ["decoder.layers.0.self_attention.linear_kv_down_proj", "decoder.layers.1.self_attention.linear_proj"]
+    assert settings.unmatched_targets(names) == ["linear_qkv", "*.layers.7.*"]
 
 
 @pytest.mark.parametrize("name", VARIANTS)

@@ -32,17 +32,21 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import json
+import logging
 import os
 import zlib
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from hybrid_rl.engines.base import all_reduce_scalar
 from hybrid_rl.engines.lora import HEAD_MODULES, VALUE_HEAD
 from hybrid_rl.engines.megatron import convert
+
+logger = logging.getLogger(__name__)
 
 ADAPTER_SUFFIX = "_adapter"
 INIT_METHODS = ("xavier", "kaiming", "normal", "zero")
@@ -114,10 +118,19 @@ class LoraSettings:
         """verl's / megatron-bridge's rule: a target is a layer's own name or a wildcard over
         its full name (`*.layers.0.*.linear_qkv`); `exclude_modules` instead adapts every
         layer except those it names."""
-        leaf = name.rsplit(".", 1)[-1]
         if self.target_modules:
-            return any(leaf == t or fnmatch.fnmatchcase(name, t) for t in self.target_modules)
-        return not any(leaf == e or fnmatch.fnmatchcase(name, e) for e in self.exclude_modules)
+            return any(_names(t, name) for t in self.target_modules)
+        return not any(_names(e, name) for e in self.exclude_modules)
+
+    def unmatched_targets(self, names: list[str]) -> list[str]:
+        """The target_modules that name none of `names` (e.g. verl's default `linear_qkv` on a
+        model with latent attention, whose projections have names of their own)."""
+        return [t for t in self.target_modules if not any(_names(t, name) for name in names)]
+
+
+def _names(pattern: str, name: str) -> bool:
+    """Whether a target (or excluded) module `pattern` names the layer `name`."""
+    return name.rsplit(".", 1)[-1] == pattern or fnmatch.fnmatchcase(name, pattern)
 
 
 def _init(tensor: torch.Tensor, method: str, generator: torch.Generator) -> torch.Tensor:
@@ -304,6 +317,7 @@ class Adapters:
         self.settings, self.layout, self.chunks = settings, layout, chunks
         # Per chunk: chunk-local layer name -> its adapters (several: a fused layer's projections).
         self.by_chunk: list[dict[str, list[LoraAdapter]]] = []
+        layer_names: list[str] = []  # model-wide names of this rank's linears (and their projections)
         for chunk, names in zip(chunks, module_names):
             for name, param in chunk.named_parameters():
                 param.requires_grad_(settings.value_head and is_head_tensor(name))
@@ -313,8 +327,10 @@ class Adapters:
                     continue
                 parent_name, _, leaf = local.rpartition(".")
                 parent = chunk.get_submodule(parent_name)
+                layer_names.append(names[local])
                 if settings.canonical and leaf in CANONICAL_PARTS:  # `linear_qkv` itself names all three
                     prefix = names[local].rpartition(".")[0]
+                    layer_names.extend(f"{prefix}.{part}" for part in CANONICAL_PARTS[leaf])
                     chosen = [(index, part) for index, part in enumerate(CANONICAL_PARTS[leaf])
                               if settings.matches(f"{prefix}.{part}") or settings.matches(names[local])]
                     for index, part in chosen:
@@ -334,8 +350,23 @@ class Adapters:
             raise ValueError(f"{settings.key}.target_modules={list(settings.target_modules)} / exclude_modules="
                              f"{list(settings.exclude_modules)} leave no layer to adapt; the model's linear layers are "
                              f"{leaves} (or wildcards over full names, e.g. '*.layers.0.*.linear_qkv').")
+        if settings.target_modules and not settings.adapter_path:
+            self._warn_unmatched(settings, layer_names, device)
         if settings.adapter_path:
             self._load_peft(settings.adapter_path)
+
+    @staticmethod
+    def _warn_unmatched(settings: LoraSettings, layer_names: list[str], device: torch.device) -> None:
+        """A target that no rank's layer has (under PP another stage's may) is worth a warning,
+        not a stop: verl's default targets name linear_qkv, which latent attention lacks."""
+        unmatched = settings.unmatched_targets(layer_names)
+        flags = torch.tensor([t in unmatched for t in settings.target_modules], dtype=torch.int32, device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        unmatched = [t for t, flag in zip(settings.target_modules, flags.tolist()) if flag]
+        if unmatched and dist.get_rank() == 0:
+            leaves = sorted({name.rsplit(".", 1)[-1] for name in layer_names})
+            logger.warning("%s.target_modules: %s adapt nothing in this model; its linear layers are %s.",
+                           settings.key, unmatched, leaves)
 
     @contextlib.contextmanager
     def disabled(self):
@@ -369,7 +400,6 @@ class Adapters:
         """peft's `adapter_config.json` for the whole model's adapters (every rank's, gathered:
         collective), written by rank 0: with it `hybrid-rl-export` rebuilds the adapter on the
         base model (`hf_adapter_state`) and writes it merged or in peft's format."""
-        import torch.distributed as dist
         from peft import LoraConfig
 
         # Experts' adapters have no module of their own in transformers' model (its experts are
