@@ -281,6 +281,9 @@ _LATENT_NAMES = {
     "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
     "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
 }
+# Latent attention's linears: megatron's module name -> transformers'.
+LATENT_PROJECTIONS = {mcore.split(".")[1]: hf.split(".")[1] for mcore, hf in _LATENT_NAMES.items()
+                      if mcore.split(".")[1].startswith("linear_")}
 _GLOBAL_NAMES = {
     "embedding.word_embeddings.weight": ["model.embed_tokens.weight"],
     "decoder.final_layernorm.weight": ["model.norm.weight"],

@@ -53,9 +53,7 @@ INIT_METHODS = ("xavier", "kaiming", "normal", "zero")
 # The HF projections of each fused Megatron layer, in `convert.hf_names` order.
 HF_PARTS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
             "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",),
-            # latent attention's (DeepSeek-V2/V3)
-            "linear_q_proj": ("q_proj",), "linear_q_down_proj": ("q_a_proj",), "linear_q_up_proj": ("q_b_proj",),
-            "linear_kv_down_proj": ("kv_a_proj_with_mqa",), "linear_kv_up_proj": ("kv_b_proj",)}
+            **{mcore: (hf,) for mcore, hf in convert.LATENT_PROJECTIONS.items()}}
 # canonical_lora's names for the projections of a fused layer (megatron-bridge's), in the same order.
 CANONICAL_PARTS = {"linear_qkv": ("linear_q", "linear_k", "linear_v"), "linear_fc1": ("linear_fc1_gate", "linear_fc1_up")}
 PART_OF = {part: (fused, index) for fused, parts in CANONICAL_PARTS.items() for index, part in enumerate(parts)}

@@ -154,8 +154,8 @@ def build_model(hf_config, layout: convert.Layout, config, transformer_engine: b
             qk_layernorm=layout.qk_norm)
     else:
         moe_spec = local_layer_spec(layout, experts=layout.experts is not None)
-        dense_spec = local_layer_spec(layout, experts=False)
         dense_layers = layout.experts.dense_layers if layout.experts else 0
+        dense_spec = local_layer_spec(layout, experts=False) if dense_layers else moe_spec
     chunks = []
     for stage in range(config.virtual_pipeline_model_parallel_size or 1):
         vp_stage = vp_stage_of(config, stage)
