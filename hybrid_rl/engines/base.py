@@ -112,6 +112,7 @@ class TrainEngine(ABC):
     offload_params: bool = False  # the weights wait in host memory between uses (GPU)
     offload_optimizer: bool = False  # so does the optimizer state between updates (GPU)
     offload_grads: bool = False  # the gradient buffers are freed between updates (GPU, Megatron)
+    route_replay: Any = None  # the engine's router replay, where the role sets router_replay.mode
 
     # ------------------------------------------------------------------ what a backend implements
     @property
@@ -184,13 +185,17 @@ class TrainEngine(ABC):
 
     def recording_routes(self) -> contextlib.AbstractContextManager:
         """Forward-only passes inside also return the experts each token was routed to
-        (`ROUTES_KEY`, see `megatron.routing`), for an update to replay."""
-        raise NotImplementedError(f"The {type(self).__name__} does not record mixture-of-experts routes: router "
-                                  "replay runs on the Megatron engine (strategy=megatron).")
+        (`ROUTES_KEY`, see `hybrid_rl.engines.routing`), for an update to replay."""
+        if self.route_replay is None:
+            raise NotImplementedError(f"The {type(self).__name__} records mixture-of-experts routes only where the "
+                                      "role sets router_replay.mode.")
+        return self.route_replay.record()
 
     def pass_metrics(self) -> dict[str, float]:
-        """Figures of the last training pass the engine measures itself (one mini-batch's)."""
-        return {}
+        """Figures of the last training pass the engine measures itself (one mini-batch's): the
+        share of replayed routes the router would have chosen otherwise."""
+        changed = None if self.route_replay is None else self.route_replay.changed_share
+        return {} if changed is None else {"routes_changed": changed}
 
     def hf_module(self) -> torch.nn.Module:
         """The model as a `transformers` module, for `rollout.name=hf`."""

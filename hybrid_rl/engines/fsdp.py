@@ -10,6 +10,8 @@ and its optimizer state only: the base weights are the model folder's).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import math
 from typing import Any, Callable, Iterator
@@ -21,8 +23,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 
 from hybrid_rl.config_keys import plain
-from hybrid_rl.engines import hf_model, lora, ulysses
-from hybrid_rl.engines.base import Head, ModelSpec, Output, TrainEngine, lr_lambda
+from hybrid_rl.engines import hf_model, lora, routing, ulysses
+from hybrid_rl.engines.base import ROUTES_KEY, Head, ModelSpec, Output, TrainEngine, lr_lambda
 
 
 @functools.cache
@@ -128,6 +130,13 @@ class FSDPEngine(TrainEngine):
                 # bf16 and cast up at each use, exactly.
                 hf_model.cast_frozen_linears(model, torch.bfloat16, upcast=True)
         self.lora_scalings = lora.scalings(self.peft) if self.peft is not None else {}
+        # verl's router_replay (mixture-of-experts policies): routes recorded or imposed per token.
+        replay = routing.replay_mode(role_cfg) if spec.head is Head.LM else "disabled"
+        routing.check_transformers_routers(f"actor_rollout_ref.{spec.role}", replay, model.config)
+        if replay != "disabled":
+            group = self.sequence_parallel.group if self.sequence_parallel else None
+            self.route_replay = routing.RouteReplay(decoder_layers(model), model.config, group)
+            self.options = dataclasses.replace(self.options, routes=self.route_replay)
         if spec.model_cfg.get("compile_layers", False):
             compile_layers(model)
         self.share_prompts = self.options.share_prompts
@@ -215,15 +224,22 @@ class FSDPEngine(TrainEngine):
 
     def forward_backward(self, micros: list[dict[str, torch.Tensor]], output: Output, temperature: float,
                          loss_fn: Callable | None = None) -> list[dict]:
+        replay = self.route_replay
+        if replay is None and any(ROUTES_KEY in micro for micro in micros):
+            raise ValueError(f"{self.spec.role}: the batch carries routes to replay, but this engine was built "
+                             "without router_replay.mode: set it for the role whose model this is.")
         results = []
-        for micro in micros:
-            if loss_fn is None:
-                with torch.no_grad():
-                    results.append(self.forward(micro, output, temperature))
-                continue
-            loss, terms = loss_fn(self.forward(micro, output, temperature), micro)
-            loss.backward()
-            results.append(terms)
+        with replay.pass_over() if replay is not None else contextlib.nullcontext():
+            for micro in micros:
+                if loss_fn is None:
+                    with torch.no_grad():
+                        result = self.forward(micro, output, temperature)
+                    recorded = replay.recorded_table() if replay is not None else None
+                    results.append(result if recorded is None else {**result, ROUTES_KEY: recorded})
+                    continue
+                loss, terms = loss_fn(self.forward(micro, output, temperature), micro)
+                loss.backward()
+                results.append(terms)
         return results
 
     def optimizer_step(self, grad_clip: float) -> float:

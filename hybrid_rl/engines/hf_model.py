@@ -15,6 +15,8 @@ import torch
 from hybrid_rl.hardware import TORCH_DTYPES, resolve_dtype, return_freed_host_memory
 from hybrid_rl.models import model_config
 from hybrid_rl.engines import packing
+from hybrid_rl.engines.base import ROUTES_KEY
+from hybrid_rl.engines.routing import RouteReplay
 from hybrid_rl.engines.ulysses import SequenceParallel, sequence_parallel_attention
 
 
@@ -141,6 +143,7 @@ class ForwardOptions:
     head_chunk_size: int = 256  # positions per chunk of the LM head
     autocast_dtype: torch.dtype | None = None  # CPU mixed precision (fp32 weights stay the masters)
     sequence_parallel: SequenceParallel | None = None  # Ulysses: this rank runs a slice of each packed row
+    routes: RouteReplay | None = None  # mixture-of-experts router replay of the policy's passes
 
 
 def compute_dtype(requested: str, device: torch.device) -> torch.dtype:
@@ -241,7 +244,7 @@ def packed_inputs(model: torch.nn.Module, micro: dict[str, torch.Tensor],
     prompt_len = micro["input_ids"].shape[1] - micro["responses"].shape[1]
     flat = options.dense_mask and getattr(model.config, "_attn_implementation", None) == CPU_ATTENTION
     packed = packing.pack_rows(micro["input_ids"], micro["attention_mask"], prompt_len, options.share_prompts,
-                               options.dense_mask, flat=flat)
+                               options.dense_mask, flat=flat, routes=micro.get(ROUTES_KEY))
     inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids,
               "attention_mask": packed.attention_mask}
     if flat:
@@ -293,6 +296,13 @@ def response_head_outputs(model: torch.nn.Module, micro: dict[str, torch.Tensor]
         keep = torch.arange(prompt_len - 1, prompt_len + resp_len - 1, device=responses.device)
         targets = responses
         select = lambda hidden: hidden  # noqa: E731
+    if options.routes is not None:  # which micro-batch token each of the model's tokens is
+        if packed is not None:
+            options.routes.place(micro, packed.slots, packed.input_ids.numel(), split)
+        else:
+            mask = micro["attention_mask"]
+            slots = torch.arange(mask.numel(), device=mask.device).view(mask.shape)
+            options.routes.place(micro, slots.masked_fill(mask == 0, -1), mask.numel())
     head = model.get_output_embeddings()
     with autocast_to(responses.device.type, options.autocast_dtype), \
             packing.replaced_head(head, lambda hidden: head_fn(select(hidden), targets, head)):

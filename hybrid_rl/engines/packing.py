@@ -41,6 +41,7 @@ class PackedRows:
     cols: torch.Tensor  # (K,)
     own: torch.Tensor  # (K,) flat positions of the response tokens themselves (for per-token scores)
     num_tokens: int  # real tokens, padding excluded
+    slots: torch.Tensor  # (B, prompt_len + T): each real token's position in input_ids flattened, -1 at padding
     # With `flat`: the token each slot of the R x L attention grid holds (padding: any token,
     # masked to attend only to itself), and the grid slot of each of the N tokens.
     grid_tokens: torch.Tensor | None = None  # (R * L,)
@@ -59,24 +60,34 @@ class _Unit:
     targets: list[torch.Tensor]
     rows: list[int]
     cols: list[int]
+    spans: list[tuple[torch.Tensor, torch.Tensor]]  # (flat micro-batch positions, offsets in the unit)
 
 
-def _units(ids: torch.Tensor, real: torch.Tensor, prompt_len: int, share_prompts: bool) -> list[_Unit]:
+def _units(ids: torch.Tensor, real: torch.Tensor, prompt_len: int, share_prompts: bool,
+           routes: torch.Tensor | None) -> list[_Unit]:
     groups: dict[object, list[int]] = {}
+    width = ids.shape[1]
     for b in range(ids.shape[0]):
-        key = tuple(ids[b, :prompt_len][real[b, :prompt_len]].tolist()) if share_prompts else b
+        key = b
+        if share_prompts:
+            key = tuple(ids[b, :prompt_len][real[b, :prompt_len]].tolist())
+            if routes is not None:  # one copy of a prompt runs one set of experts
+                key = (key, routes[b, :prompt_len][real[b, :prompt_len]].numpy().tobytes())
         groups.setdefault(key, []).append(b)
     units = []
     for members in groups.values():
         prompt = ids[members[0], :prompt_len][real[members[0], :prompt_len]]
         p = len(prompt)
-        unit = _Unit([prompt], [torch.arange(p)], [0] * p, [], [], [], [], [])
+        unit = _Unit([prompt], [torch.arange(p)], [0] * p, [], [], [], [], [], [])
         offset = p
         for b in members:
+            # Every member's prompt tokens are the unit's one copy.
+            unit.spans.append((b * width + real[b, :prompt_len].nonzero().flatten(), torch.arange(p)))
             response = ids[b, prompt_len:][real[b, prompt_len:]]
             r = len(response)
             if r == 0:
                 continue
+            unit.spans.append((b * width + prompt_len + torch.arange(r), torch.arange(offset, offset + r)))
             unit.tokens.append(response)
             unit.positions.append(torch.arange(p, p + r))
             unit.segment += [len(unit.targets) + 1] * r
@@ -108,11 +119,13 @@ def _rows_first_fit(lengths: list[int], capacity: int) -> list[list[int]]:
 
 
 def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
-              share_prompts: bool, dense_mask: bool, flat: bool = False) -> PackedRows:
+              share_prompts: bool, dense_mask: bool, flat: bool = False,
+              routes: torch.Tensor | None = None) -> PackedRows:
     """Pack (B, prompt_len + T) padded rows into rows of real tokens (see the module doc).
 
     Rows whose prompt tokens are identical share one prompt copy when `share_prompts` (needs
-    `dense_mask`); an empty response contributes no predictions. With a dense mask, units (a
+    `dense_mask`), and with a route table `routes` (router replay) also their prompts' experts;
+    an empty response contributes no predictions. With a dense mask, units (a
     prompt and its responses) are placed first-fit into rows as long as the longest unit, because
     the mask makes attention cost grow with the square of a row's length; a varlen kernel gets
     everything in one row. `flat` (with a dense mask) lays the tokens out as one row without
@@ -121,7 +134,8 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len:
     if share_prompts and not dense_mask:
         raise ValueError("Sharing prompts between responses needs a dense attention mask (SDPA).")
     device = input_ids.device
-    units = _units(input_ids.cpu(), attention_mask.cpu().bool(), prompt_len, share_prompts)
+    units = _units(input_ids.cpu(), attention_mask.cpu().bool(), prompt_len, share_prompts,
+                   None if routes is None else routes.cpu())
     lengths = [len(u.tokens) for u in units]
     rows = _rows_first_fit(lengths, max(lengths)) if dense_mask else [list(range(len(units)))]
     width = max(sum(lengths[i] for i in row) for row in rows)
@@ -134,6 +148,7 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len:
     unit_of = segment.clone()
     is_prompt = torch.zeros(len(rows), width, dtype=torch.bool)
     keep, own, targets, out_rows, out_cols = [], [], [], [], []
+    slots = torch.full((input_ids.numel(),), -1, dtype=torch.long)
     for r, members in enumerate(rows):
         offset = 0
         for i in members:
@@ -149,6 +164,8 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len:
             targets += unit.targets
             out_rows += unit.rows
             out_cols += unit.cols
+            for places, offsets in unit.spans:
+                slots[places] = r * width + offset + offsets
             offset += n
 
     mask = grid_tokens = token_slots = None
@@ -165,12 +182,14 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len:
             input_ids_out = input_ids_out.flatten()[token_slots][None]
             positions = positions.flatten()[token_slots][None]
             keep, own = grid_tokens[keep], grid_tokens[own]
+            slots = torch.where(slots >= 0, grid_tokens[slots.clamp(min=0)], -1)
             grid_tokens, token_slots = grid_tokens.to(device), token_slots.to(device)
     as_long = lambda values: torch.as_tensor(values, dtype=torch.long, device=device)  # noqa: E731
     return PackedRows(
         input_ids=input_ids_out.to(device), position_ids=positions.to(device), attention_mask=mask,
         keep=keep.to(device), targets=torch.cat(targets).to(device) if targets else as_long([]),
         rows=as_long(out_rows), cols=as_long(out_cols), own=own.to(device), num_tokens=sum(lengths),
+        slots=slots.view(input_ids.shape).to(device),
         grid_tokens=grid_tokens, token_slots=token_slots)
 
 

@@ -23,7 +23,7 @@ from hybrid_rl.controller import Dispatch, register
 from hybrid_rl.controller.worker import get_free_port, get_node_ip
 from hybrid_rl.engines import ModelSpec, Output, build_engine, lora
 from hybrid_rl.engines.base import FORWARD_KEYS, ROUTES_KEY, token_share
-from hybrid_rl.engines.megatron.routing import replay_mode
+from hybrid_rl.engines.routing import replay_mode
 from hybrid_rl.hardware import peak_memory_gb
 from hybrid_rl.models import load_tokenizer, model_config
 from hybrid_rl.protocol import Batch

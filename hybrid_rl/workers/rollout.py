@@ -17,7 +17,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from hybrid_rl.engines.base import ROUTES_KEY
-from hybrid_rl.engines.megatron.routing import route_table
+from hybrid_rl.engines.routing import route_table
 from hybrid_rl.hardware import host_memory_bytes
 from hybrid_rl.models import checkpoint_layout
 from hybrid_rl.protocol import Batch, Sampling

@@ -12,7 +12,8 @@ from typing import Any
 
 from hybrid_rl.engines.megatron import convert
 from hybrid_rl.engines.megatron.cpu import check_version
-from hybrid_rl.engines.megatron.routing import check_replayable, replay_mode
+from hybrid_rl.engines.megatron.routing import check_replayable
+from hybrid_rl.engines.routing import replay_mode
 from hybrid_rl.models import tensor_parallel_sizes
 
 

@@ -36,6 +36,7 @@ from hybrid_rl.engines.megatron import convert
 from hybrid_rl.engines.megatron import lora as mlora
 from hybrid_rl.engines.megatron import model as mmodel
 from hybrid_rl.engines.megatron import routing
+from hybrid_rl.engines.routing import replay_mode
 from hybrid_rl.engines.megatron.checks import (
     check_layout, context_parallel_size, expert_parallel_size, parallel_sizes,
 )
@@ -157,9 +158,9 @@ class MegatronEngine(TrainEngine):
                         if overrides.get(key) is None:
                             overrides[key] = value
             overrides.update(half)
-            replay_mode = routing.replay_mode(role_cfg)
-            routing.check_replayable(ROLE_KEYS[spec.role], replay_mode, self.layout)
-            if replay_mode != "disabled" and overrides.pop("moe_router_fusion", False):
+            replay = replay_mode(role_cfg)
+            routing.check_replayable(ROLE_KEYS[spec.role], replay, self.layout)
+            if replay != "disabled" and overrides.pop("moe_router_fusion", False):
                 # Transformer Engine's fused top-k does not call megatron's replay hook.
                 logger.warning("%s.megatron.override_transformer_config: moe_router_fusion not applied (router replay "
                                "needs megatron's own top-k).", ROLE_KEYS[spec.role])
@@ -194,8 +195,7 @@ class MegatronEngine(TrainEngine):
                                                      self.layout.vocab)
             self.chunks = [self._half(m) for m in self.models]
             # verl's router_replay (mixture-of-experts models): routes recorded or imposed per token.
-            self.route_replay = None
-            if replay_mode != "disabled":
+            if replay != "disabled":
                 self.route_replay = routing.RouteReplay(self.models, self.config, self.layout.num_layers,
                                                         self.layout.experts.count)
             if trainable:
@@ -397,15 +397,6 @@ class MegatronEngine(TrainEngine):
         if replay is not None and replay.recorded:
             results = [{**result, ROUTES_KEY: replay.routes_of(index)} for index, result in enumerate(results)]
         return results
-
-    def recording_routes(self):
-        if self.route_replay is None:
-            return super().recording_routes()
-        return self.route_replay.record()
-
-    def pass_metrics(self) -> dict[str, float]:
-        replay = self.route_replay
-        return {} if replay is None or replay.changed_share is None else {"routes_changed": replay.changed_share}
 
     def _filler_count(self, count: int, training: bool) -> int:
         """Fillers for the interleaved schedule: whole groups of micro-batches, and in training

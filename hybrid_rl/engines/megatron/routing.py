@@ -1,14 +1,5 @@
-"""Router replay for mixture-of-experts models (verl's `router_replay.mode`): the experts each token
-was routed to, recorded in one forward pass and imposed on later ones.
-
-- R2: the old-log-prob pass records the routes, and the update's passes replay them, so every
-  mini-batch's ratio compares the same experts even after the weights have moved.
-- R3: the rollout engine's routes (vLLM's `enable_return_routed_experts`) are replayed in the
-  training passes, so training sees the experts that generated the tokens.
-
-A route table lives in the batch as `routed_experts`: (rows, columns, num_hidden_layers, top_k)
-expert indices aligned with `input_ids` (left-padded prompt, right-padded response), uint8 up to
-256 experts (int16 beyond), as vLLM returns them. Padding positions hold `default_routes`.
+"""Router replay in megatron-core's routers (verl's `router_replay.mode`; the modes and the route
+table are `hybrid_rl.engines.routing`'s).
 
 megatron-core's routers call `router_replay.get_replay_topk` around their top-k when the
 attribute is set; `RouterRoutes` is that object here, one per router. A router sees its layer's
@@ -21,26 +12,13 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from hybrid_rl.engines.base import ROUTES_KEY
 from hybrid_rl.engines.megatron.model import left_aligned_columns, prompt_padding, this_rank_part
-
-MODES = ("disabled", "R2", "R3")
-
-
-def replay_mode(role_cfg: Any) -> str:
-    """A role's router replay mode: verl 0.9's `megatron.router_replay.mode` or 0.7-0.8's
-    `router_replay.mode` (disabled where neither is set)."""
-    sections = ((role_cfg.get("megatron") or {}).get("router_replay"), role_cfg.get("router_replay"))
-    modes = {mode for mode in ((section or {}).get("mode") for section in sections) if mode and mode != "disabled"}
-    if len(modes) > 1:
-        raise ValueError(f"megatron.router_replay.mode and router_replay.mode (verl 0.9's and 0.7-0.8's place for "
-                         f"the same setting) differ: {' and '.join(sorted(modes))}; set one of them.")
-    return modes.pop() if modes else "disabled"
+from hybrid_rl.engines.routing import Recorder, default_routes, route_dtype
 
 
 def check_replayable(key: str, mode: str, layout) -> None:
@@ -48,35 +26,6 @@ def check_replayable(key: str, mode: str, layout) -> None:
     if mode != "disabled" and layout.experts is None:
         raise ValueError(f"{key}.router_replay.mode={mode} replays the routes of a mixture-of-experts model's "
                          "routers; this model has no experts. Set it to disabled.")
-
-
-def route_dtype(num_experts: int) -> torch.dtype:
-    return torch.uint8 if num_experts <= 256 else torch.int16
-
-
-def default_routes(top_k: int) -> torch.Tensor:
-    """What padding positions (and tokens no engine routed) hold: experts 0..k-1, distinct as a
-    router's choices are. They route nothing that is read: padding only follows real tokens."""
-    return torch.arange(top_k)
-
-
-def route_table(attention_mask: torch.Tensor, routes: list) -> torch.Tensor:
-    """The rollout's routes as a batch's table. vLLM returns each sequence's as a (tokens - 1,
-    layers, k) array over its prompt and response, without the last token (no forward pass routed
-    it; its position predicts nothing); the sequence's tokens are the contiguous run of
-    `attention_mask`'s ones ([left-padded prompt | right-padded response])."""
-    rows, columns = attention_mask.shape
-    arrays = [torch.as_tensor(r.astype("int16") if str(r.dtype) == "uint16" else r) for r in routes]
-    layers, top_k = arrays[0].shape[1:]
-    table = default_routes(top_k).to(arrays[0].dtype).expand(rows, columns, layers, top_k).clone()
-    for row, array in enumerate(arrays):
-        start, length = int(attention_mask[row].argmax()), int(attention_mask[row].sum())
-        if len(array) < length - 1:
-            raise RuntimeError(f"The rollout engine returned the routes of {len(array)} tokens for a sequence of "
-                               f"{length}: router replay R3 needs every token's but the last.")
-        count = min(len(array), length)
-        table[row, start:start + count] = array[:count]
-    return table
 
 
 class RouterRoutes:
@@ -115,7 +64,7 @@ class RouterRoutes:
         return probs, indices
 
 
-class RouteReplay:
+class RouteReplay(Recorder):
     """The routers of an engine's model chunks, and the conversions between a micro-batch's route
     table and each router's tokens."""
 
@@ -146,24 +95,12 @@ class RouteReplay:
             (self.cp_size, parallel_state.get_context_parallel_group()),
             (parallel_state.get_pipeline_model_parallel_world_size(),
              parallel_state.get_pipeline_model_parallel_group())) if size > 1]
-        self.recording = False
         self._recorded: list[torch.Tensor] = []
-        # Of the last pass that replayed: the share of (real token, MoE layer) pairs whose imposed
-        # experts differ from the router's own choice under the current weights.
-        self.changed_share: float | None = None
 
     @property
     def recorded(self) -> bool:
         """Whether the last pass recorded routes (`routes_of`)."""
         return bool(self._recorded)
-
-    @contextlib.contextmanager
-    def record(self):
-        self.recording = True
-        try:
-            yield
-        finally:
-            self.recording = False
 
     def local_columns(self, rows: int, length: int) -> torch.Tensor:
         """(B, S_local): the padded micro-batch column of each of this rank's tokens."""
