@@ -82,3 +82,21 @@ def test_a_deepseek_v3_shaped_scripts_model_becomes_a_small_one_of_that_kind(tmp
     assert mcore == [verl_examples.dist_checkpoint_folder(model, "random-deepseek-v3-mcore")]
     assert f"actor_rollout_ref.model.path={model}" not in verl_examples.substituted(
         ["actor_rollout_ref.model.path=Qwen/Qwen2-7B"], tmp_path, ["console"])
+
+
+def test_compose_errors_that_verls_own_config_gives_too_are_marked(tmp_path):
+    """A script that overrides a key verl's composed config lacks, or adds (`+`) one it has, fails
+    in verl as well; an error only ours gives is not marked."""
+    folder = tmp_path / verl_examples.VERL_CONFIG_DIR
+    folder.mkdir(parents=True)
+    (folder / "_generated_ppo_trainer.yaml").write_text("actor_rollout_ref:\n  model:\n    path: m\n")
+
+    def marked(error: str, config_name=None) -> bool:
+        return verl_examples.same_in_verl({"compose": error, "config_name": config_name}, tmp_path)
+
+    assert marked("Could not override 'actor_rollout_ref.model.torch_dtype'.")
+    assert not marked("Could not override 'actor_rollout_ref.model.path'.")
+    assert marked("Could not append to config. An item is already at 'actor_rollout_ref.model.path'.")
+    assert not marked("Could not append to config. An item is already at 'actor_rollout_ref.model.dtype'.")
+    assert not marked("Could not override 'x'.", config_name="ppo_megatron_trainer")  # no such config here
+    assert not marked("Key 'x' is not in struct")

@@ -97,6 +97,7 @@ set() { local a args=(); for a in "$@"; do [[ $a == -* && $a != -- ]] && { a=${a
 
 # Hydra's parse errors: the override text itself is malformed, whichever config it is applied to.
 HYDRA_GRAMMAR_ERRORS = ("LexerNoViableAltException", "Error parsing override")
+VERL_CONFIG_DIR = "verl/trainer/config"
 
 RECORDER = """#!/bin/sh
 # Stands in for python: records its arguments (NUL-separated, one command a line) and succeeds.
@@ -105,13 +106,29 @@ printf '\\n' >> "$VERL_EXAMPLES_LOG"
 """
 
 
-def example_scripts(verl: Path, scratch: Path) -> dict[str, str]:
-    """{path under examples/: script text} for every examples/*_trainer/*.sh."""
+def example_scripts(verl: Path, scratch: Path) -> tuple[Path, dict[str, str]]:
+    """The checkout's folder (or one holding its examples and trainer configs) and {path under
+    examples/: script text} for every examples/*_trainer/*.sh."""
     if not (verl / "examples").is_dir():  # a git directory without a work tree
-        subprocess.run(f"git --git-dir={shlex.quote(str(verl))} archive HEAD examples | tar -x -C "
+        subprocess.run(f"git --git-dir={shlex.quote(str(verl))} archive HEAD examples {VERL_CONFIG_DIR} | tar -x -C "
                        f"{shlex.quote(str(scratch))}", shell=True, check=True)
         verl = scratch
-    return {str(p.relative_to(verl)): p.read_text() for p in sorted(verl.glob("examples/*_trainer/*.sh"))}
+    return verl, {str(p.relative_to(verl)): p.read_text() for p in sorted(verl.glob("examples/*_trainer/*.sh"))}
+
+
+def same_in_verl(result: dict, verl: Path) -> bool:
+    """Whether a compose error is one verl's own config gives too: overriding a key it does not
+    have, or adding (`+key=`) one it has (from verl's generated, fully composed trainer configs)."""
+    from omegaconf import OmegaConf
+
+    match = re.match(r"Could not override '(.+?)'|Could not append to config. An item is already at '(.+?)'",
+                     result["compose"])
+    config = verl / VERL_CONFIG_DIR / f"_generated_{result.get('config_name') or 'ppo_trainer'}.yaml"
+    if match is None or not config.is_file():
+        return False
+    key, absent = match.group(1) or match.group(2), object()
+    has_key = OmegaConf.select(OmegaConf.load(config), key, default=absent) is not absent
+    return has_key == (match.group(2) is not None)
 
 
 def recorded_command(script: Path, scratch: Path) -> list[str] | None:
@@ -338,6 +355,8 @@ def report(results: list[dict], source: str, ran: bool) -> str:
         compose = r["compose"]
         if compose.startswith(HYDRA_GRAMMAR_ERRORS):
             compose += " (the script's own text: Hydra's grammar, the same in verl, rejects it)"
+        elif r.get("same_in_verl"):
+            compose += " (the script's own text: verl's own config stops it the same way)"
         lines.append(f"| {r['script']} | {compose} | {start} | {step} |".replace("\n", " "))
     lines += ["", "Substituted for the one-step runs (the script's own value dropped): "
               + ", ".join(f"`{p}`" for p in SUBSTITUTED) + f"; {REWARD_MODEL}; {DIST_CHECKPOINT}; {SEQUENCE_PARALLEL}; {EXPERT_PARALLEL}; {LATENT_MODEL}; {CONTEXT_PARALLEL}; then " + ", ".join(f"`{o}`" for o in ONE_STEP)
@@ -363,7 +382,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
-        scripts = example_scripts(args.verl.resolve(), scratch)
+        verl, scripts = example_scripts(args.verl.resolve(), scratch)
         results = []
         for name, text in scripts.items():
             if not fnmatch.fnmatchcase(name, args.only) or "main_ppo" not in text:
@@ -372,6 +391,7 @@ def main() -> None:
             script.write_text(text)
             argv = recorded_command(script, scratch)
             result = check(name, argv) if argv is not None else {"script": name, "compose": "no main_ppo call recorded"}
+            result["same_in_verl"] = same_in_verl(result, verl)
             if args.run is not None and result.get("start") == "ok" and (
                     not args.run or any(fnmatch.fnmatchcase(name, g) for g in args.run)):
                 if name in earlier:
