@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from hybrid_rl.engines import Output
 from hybrid_rl.engines.base import ROUTES_KEY
+from hybrid_rl.engines.fsdp import decoder_layers
 from hybrid_rl.engines.packing import pack_rows
 from tests.engine_helpers import actor_config, loss_fn, make_engine, rollout_batch, two_rank_results
 from tests.test_router_replay import TEMPERATURE, changed_share, forced_routes, transformers_model
@@ -201,6 +202,28 @@ def test_rows_share_a_prompt_copy_only_where_their_prompt_routes_agree():
     # Every real token has a place among the packed tokens, the padding none.
     assert ((apart.slots >= 0) == mask.bool()).all()
     assert torch.equal(apart.input_ids.flatten()[apart.slots[mask.bool()]], ids[mask.bool()])
+
+
+def test_routers_that_lora_adapts_record_and_replay_their_adapted_routes(model_dirs):
+    """peft's all-linear LoRA adapts the routers' weights too (peft wraps each router): after an
+    update has moved the adapters, the routes recorded are the adapted routers' (not the base's:
+    with the adapter off they differ), and replaying them reproduces the adapted model's outputs."""
+    cfg = engine_config("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.target_modules=all-linear",
+                        "actor_rollout_ref.actor.optim.lr=0.05")
+    engine = make_engine(cfg, model_dirs["qwen3_moe"])
+    assert all(hasattr(layer.mlp.gate, "get_base_layer") for layer in decoder_layers(engine.module))
+    batch = grouped(1)
+    update(engine, cfg, batch)
+    with engine.recording_routes():
+        adapted = engine.infer(batch, Output.LOG_PROBS, TEMPERATURE, 3, None)
+        with engine.adapter_disabled():
+            base = engine.infer(batch, Output.LOG_PROBS, TEMPERATURE, 3, None)
+    mask = batch["attention_mask"].bool()
+    assert not torch.equal(adapted[ROUTES_KEY][mask], base[ROUTES_KEY][mask])
+    batch[ROUTES_KEY] = adapted[ROUTES_KEY]
+    replayed = engine.infer(batch, Output.LOG_PROBS, TEMPERATURE, 3, None)
+    response_mask = batch["response_mask"].bool()
+    assert (replayed["log_probs"] - adapted["log_probs"])[response_mask].abs().max() <= 1e-5
 
 
 # ---------------------------------------------------------------------- two ranks

@@ -144,8 +144,9 @@ class RouteReplay(Recorder):
         weights_at = ROUTER_WEIGHTS[config.model_type]
         self.group = group
         self.num_layers = len(layers)
-        routers = {index: layer.mlp.gate for index, layer in enumerate(layers)
-                   if hasattr(getattr(layer, "mlp", None), "gate")}
+        # The router itself, where peft wraps it to adapt its weight (LoRA's all-linear does).
+        routers = {index: getattr(layer.mlp.gate, "get_base_layer", lambda: layer.mlp.gate)()
+                   for index, layer in enumerate(layers) if hasattr(getattr(layer, "mlp", None), "gate")}
         if not routers:
             raise ValueError(f"Router replay found no mixture-of-experts router (mlp.gate) in this "
                              f"{config.model_type} model's {len(layers)} layers.")
