@@ -21,6 +21,7 @@ The weights stay differentiable in the logits, so the router trains as it would 
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable
 
 import torch
@@ -153,8 +154,7 @@ class RouteReplay(Recorder):
         first = next(iter(routers.values()))
         self.top_k, self.dtype = first.top_k, route_dtype(first.num_experts)
         for index, router in routers.items():
-            router.register_forward_hook(lambda module, args, out, index=index: self._route(index, weights_at, module,
-                                                                                             out))
+            router.register_forward_hook(functools.partial(self._route, index, weights_at))
         self.counts, self.imposed = None, False  # of the pass running (`pass_over`)
         self._clear()
 
@@ -201,7 +201,7 @@ class RouteReplay(Recorder):
             targets[~self.real] = default_routes(self.top_k).to(targets)
             self.targets = targets  # (this rank's input tokens, layers, k)
 
-    def _route(self, layer: int, weights_at: Callable, router: torch.nn.Module, out):
+    def _route(self, layer: int, weights_at: Callable, router: torch.nn.Module, args, out):
         logits, weights, chosen = out
         if self.targets is None:
             if self.recording and self.real is not None:
