@@ -33,7 +33,9 @@ def quiet_env() -> dict[str, str]:
 def quiet_third_party_output() -> None:
     """Apply `quiet_env` to this process (before the libraries read it) and drop the deprecation
     warnings that third-party modules raise; a user's own code still gets its warnings."""
-    os.environ.update(quiet_env())
+    from hybrid_rl.controller.worker import set_env
+
+    set_env(quiet_env())
     # vLLM configures its logger on first use; a warning raised while it is being imported would
     # bypass the level above.
     logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())

@@ -53,7 +53,7 @@ from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
 from hybrid_rl.workers.critic import CriticWorker
 from hybrid_rl.workers.reward_model import RewardModelWorker
 from hybrid_rl.workers.reward_server import RewardServer
-from hybrid_rl.workers.rollout import training_temperature
+from hybrid_rl.workers.rollout import engine_env, training_temperature
 from hybrid_rl.workers.rollout_worker import RolloutWorker
 
 logger = logging.getLogger(__name__)
@@ -61,18 +61,17 @@ logger = logging.getLogger(__name__)
 
 def worker_env(cfg: DictConfig, cpus_per_worker: float) -> dict[str, str]:
     """Environment of each worker process. Ray would otherwise pin torch to one thread."""
-    env = {
+    # Everything the workers would otherwise write into their environment at run time
+    # (`controller.worker.set_env`). On CPU, VLLM_CPU_KVCACHE_SPACE sizes the engine's cache:
+    # vLLM-CPU otherwise reserves a fraction of all RAM per engine and refuses to start when
+    # several engines and trainers share the machine.
+    return {
         "OMP_NUM_THREADS": str(max(1, int(cpus_per_worker))),
         "TOKENIZERS_PARALLELISM": "false",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CONFIGURE_LOGGING": os.environ.get("VLLM_CONFIGURE_LOGGING", "1"),
         **quiet_env(),
+        **engine_env(cfg.actor_rollout_ref.rollout, cfg.trainer.device),
     }
-    if cfg.trainer.device == "cpu":
-        # vLLM-CPU otherwise reserves a fraction of all RAM per engine and refuses to start when
-        # several engines and trainers share the machine.
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.actor_rollout_ref.rollout.kv_cache_gib)
-    return env
 
 
 def default_cpus_per_worker(trainer_cfg: DictConfig, processes_per_node: int | None = None) -> float:

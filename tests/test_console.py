@@ -60,3 +60,37 @@ def test_third_party_deprecations_are_dropped_and_the_users_kept(monkeypatch):
         warnings.warn_explicit("old API", FutureWarning, "x.py", 1, module="vllm.triton_utils.dispatcher")
         warnings.warn_explicit("my own", FutureWarning, "y.py", 1, module="my_reward")
     assert [str(w.message) for w in caught] == ["my own"]
+
+
+class RecordingEnviron(dict):
+    """os.environ that lists the variables written."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.written = []
+
+    def __setitem__(self, key, value):
+        self.written.append(key)
+        super().__setitem__(key, value)
+
+
+def test_a_ray_worker_writes_no_environment_variable_at_run_time(monkeypatch):
+    """The worker group sets what the worker's set-up and its vLLM engine need before the process
+    starts: writing it at run time could race a read in Ray's metrics thread."""
+    import os
+
+    from hybrid_rl.config_keys import compose_config
+    from hybrid_rl.controller.worker import set_env
+    from hybrid_rl.trainer import worker_env
+    from hybrid_rl.workers.rollout import engine_env
+
+    for device in ("cpu", "cuda"):
+        cfg = compose_config([f"trainer.device={device}",
+                              "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"])
+        environ = RecordingEnviron(worker_env(cfg, 2.0))
+        monkeypatch.setattr(os, "environ", environ)
+        console.quiet_third_party_output()
+        set_env(engine_env(cfg.actor_rollout_ref.rollout, device))
+        assert environ.written == []
+        set_env({"VLLM_LOGGING_LEVEL": "ERROR", "NEW_SETTING": "1"})
+        assert environ.written == ["NEW_SETTING"]

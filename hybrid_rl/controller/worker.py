@@ -11,7 +11,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from hybrid_rl.controller.decorator import Dispatch, register
 
-__all__ = ["Worker", "get_node_ip", "get_free_port"]
+__all__ = ["Worker", "get_node_ip", "get_free_port", "set_env"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,16 @@ def get_node_ip() -> str:
             return s.getsockname()[0]
     except OSError:  # pragma: no cover
         return "127.0.0.1"
+
+
+def set_env(values: dict[str, str]) -> None:
+    """Set each environment variable that does not have its value yet. A Ray worker runs threads
+    of Ray's own (its metrics exporter) that read the environment, and a write racing such a read
+    can crash the process; the worker group sets these variables before the process starts
+    (`trainer.worker_env`), so in a worker this writes nothing."""
+    for key, value in values.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
 
 
 class Worker:

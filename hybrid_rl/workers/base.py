@@ -8,6 +8,7 @@ import torch
 from omegaconf import OmegaConf
 
 from hybrid_rl.controller import Dispatch, RankLayout, Worker, register
+from hybrid_rl.controller.worker import set_env
 from hybrid_rl.hardware import keep_freed_host_memory
 from hybrid_rl.profiler import PROCESS_PROFILER, role_settings
 
@@ -59,7 +60,7 @@ class ModelWorker(Worker):
         if use_cuda:
             # Ray gives each actor one visible GPU; vLLM picks its device from LOCAL_RANK.
             torch.cuda.set_device(0)
-            os.environ["LOCAL_RANK"] = "0"
+            set_env({"LOCAL_RANK": "0"})
         else:
             keep_freed_host_memory()
         self.init_process_group(timeout_s=self.cfg.actor_rollout_ref.nccl_timeout)

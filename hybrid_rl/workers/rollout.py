@@ -16,6 +16,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from hybrid_rl.controller.worker import set_env
 from hybrid_rl.engines.base import ROUTES_KEY
 from hybrid_rl.engines.routing import route_table
 from hybrid_rl.hardware import host_memory_bytes
@@ -231,24 +232,30 @@ def uses_latent_attention(model_path: str) -> bool:
     return getattr(AutoConfig.from_pretrained(model_path).get_text_config(), "kv_lora_rank", None) is not None
 
 
+def engine_env(cfg: Any, device_type: str) -> dict[str, str]:
+    """What vLLM reads from the environment, for an engine in this process (deterministic
+    external launcher); a variable the user set keeps its value where it is only a default."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if device_type == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
+        # vLLM-CPU compiles with plain inductor, whose AOT artifact its loader cannot reload
+        # ("'function' object has no attribute 'finalize_loading'"), so every start compiled
+        # again; inductor's own cache is reused across runs.
+        env["VLLM_USE_AOT_COMPILE"] = os.environ.get("VLLM_USE_AOT_COMPILE", "0")
+    if cfg.get("enable_rollout_routing_replay", False):
+        # The experts each token was routed to (router replay R3): vLLM returns them from its V2
+        # model runner only.
+        env["VLLM_USE_V2_MODEL_RUNNER"] = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "1")
+    return env
+
+
 class VLLMRollout:
     """An in-process vLLM engine that shares the process (and the trainer's process group)."""
 
     def __init__(self, model_path: str, cfg: Any, device: torch.device, eos_token_ids: list[int]):
-        # Set before vLLM is imported: engine in this process, deterministic external launcher.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if device.type == "cpu":
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
-            # vLLM-CPU compiles with plain inductor, whose AOT artifact its loader cannot reload
-            # ("'function' object has no attribute 'finalize_loading'"), so every start compiled
-            # again; inductor's own cache is reused across runs.
-            os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
-        # The experts each token was routed to (router replay R3): vLLM returns them from its V2
-        # model runner only.
+        set_env(engine_env(cfg, device.type))  # before vLLM is imported
         self.return_routes = bool(cfg.get("enable_rollout_routing_replay", False))
         self.routes: list | None = None  # of the last generate_ids call, with return_routes
-        if self.return_routes:
-            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
         from vllm import LLM
 
         from hybrid_rl.hardware import resolve_dtype
