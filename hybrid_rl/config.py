@@ -20,6 +20,7 @@ from hybrid_rl.engines.megatron import lora as megatron_lora
 from hybrid_rl.engines.megatron.checks import check_roles as check_megatron_roles
 from hybrid_rl.engines.megatron.checks import context_parallel_size as megatron_context_parallel_size
 from hybrid_rl.engines.megatron.checks import parallel_sizes as megatron_parallel_sizes
+from hybrid_rl.engines.megatron import schedule as megatron_schedule
 from hybrid_rl.engines.routing import MODES as REPLAY_MODES
 from hybrid_rl.engines.routing import check_transformers_routers, replay_mode
 from hybrid_rl.hardware import TORCH_DTYPES, resolve_dtype
@@ -174,6 +175,8 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     check_fsdp_size(cfg)
     check_sequence_parallel(cfg)
     check_optimizer_overrides(cfg)
+    check_schedules(cfg)
+    resolve_clip_grad(cfg)
     if cfg.actor_rollout_ref.model.compile_layers and cfg.actor_rollout_ref.actor.strategy == "megatron":
         raise ConfigError("actor_rollout_ref.model.compile_layers=true compiles the FSDP engine's decoder layers, "
                           "which the Megatron engine does not have; set it to false, or "
@@ -264,8 +267,6 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     if not actor.optim.lr > 0:
         raise ConfigError(f"actor_rollout_ref.actor.optim.lr={actor.optim.lr} must be positive "
                           "(typical GRPO values are 1e-6 to 1e-5).")
-    _choice(actor.optim.lr_scheduler_type, ("constant", "cosine"),
-            "actor_rollout_ref.actor.optim.lr_scheduler_type")
     if actor.clip_ratio_c <= 1:
         raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c={actor.clip_ratio_c} must be > 1 "
                           "(the dual-clip bound; verl's default is 3.0).")
@@ -681,6 +682,44 @@ def check_optimizer_overrides(cfg: DictConfig) -> None:
         if unknown:
             raise ConfigError(f"{key}.optim.override_optimizer_config sets {', '.join(unknown)}, which torch's AdamW "
                               f"(the FSDP engine's optimizer) does not take; its arguments: {', '.join(accepted)}.")
+
+
+def resolve_clip_grad(cfg: DictConfig) -> None:
+    """The gradient-norm clip of each trained role into its `grad_clip`, which the engines read.
+    verl 0.9 clips at `optim.clip_grad`, older verl at `grad_clip`; both default to 1.0, so the one
+    set away from it is taken, and two different settings are refused."""
+    for key in ("actor_rollout_ref.actor", "critic"):
+        role = OmegaConf.select(cfg, key)
+        if role is None or "clip_grad" not in role.optim:
+            continue
+        in_optim, own = role.optim.clip_grad, role.grad_clip
+        if in_optim != 1.0 and own != 1.0 and in_optim != own:
+            raise ConfigError(f"{key}.optim.clip_grad={in_optim} and {key}.grad_clip={own} are the same setting "
+                              "(verl 0.9's key and older verl's); set one.")
+        if in_optim != 1.0:
+            role.grad_clip = in_optim
+
+
+def check_schedules(cfg: DictConfig) -> None:
+    """Each trained role's learning-rate schedule: megatron's keys on a Megatron role (checked as
+    its engine reads them), the FSDP engine's own elsewhere."""
+    for key in ("actor_rollout_ref.actor", "critic"):
+        role = OmegaConf.select(cfg, key)
+        if role is None:
+            continue
+        if role.strategy == "megatron":
+            try:
+                megatron_schedule.decay(f"{key}.optim", role.optim)
+            except ValueError as error:
+                raise ConfigError(str(error)) from None
+            continue
+        _choice(role.optim.lr_scheduler_type, ("constant", "cosine"), f"{key}.optim.lr_scheduler_type")
+        megatron_keys = [name for name, default in megatron_schedule.DEFAULTS.items()
+                         if role.optim.get(name, default) != default]
+        if megatron_keys:
+            raise ConfigError(f"{key}.optim.{', '.join(megatron_keys)} set megatron's schedule, which only the "
+                              f"Megatron engine follows; with {key}.strategy={role.strategy} use "
+                              "optim.lr_scheduler_type, min_lr_ratio and the warmup keys.")
 
 
 def actor_replicas(cfg: DictConfig, world: int) -> tuple[int, int]:

@@ -180,8 +180,12 @@ RULES: tuple[Rule, ...] = tuple([
             "override_transformer_config and unbatched pipeline messages give way to megatron's torch code and "
             "batched messages on CPU, with a warning; moe_grouped_gemm is not applied)", *(f"*.megatron.{k}" for k in (
                 "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-                "sequence_parallel", "use_distributed_optimizer", "dist_ckpt_optim_fully_reshardable", "seed",
-                "dtype", "override_transformer_config.*", "override_ddp_config"))),
+                "sequence_parallel", "use_distributed_optimizer", "seed", "dtype", "override_transformer_config.*",
+                "override_ddp_config"))),
+    *_rules(WORKS, "checkpoints whose distributed-optimizer state loads into another Megatron layout (gathered on "
+            "save onto every rank, or with the memory-efficient switch over gloo onto the first data-parallel "
+            "rank); without it a resume in another layout is refused, naming this key",
+            "*.megatron.dist_ckpt_optim_fully_reshardable", "*.megatron.distrib_optim_fully_reshardable_mem_efficient"),
     *_rules(WORKS, "expert parallelism for mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, "
             "DeepSeek-V2/V3): each rank holds a block of every layer's experts, tokens reach them by all-to-all; "
             "experts are not split over tensor-parallel ranks (expert_tensor_parallel_size 1 or null)",
@@ -190,8 +194,13 @@ RULES: tuple[Rule, ...] = tuple([
             "load-balanced split), attention over every rank's keys and values (the engine's own all-gather "
             "attention on CPU and on GPUs without Transformer Engine; with it, TE's, not yet run on a GPU here)",
             "*.megatron.context_parallel_size"),
-    *_rules(NOT_YET, "dynamic context parallelism and Megatron-FSDP are not built yet",
-            *(f"*.megatron.{k}" for k in ("dynamic_context_parallel", "use_megatron_fsdp"))),
+    *_rules(NOT_YET, "dynamic context parallelism needs a newer megatron-core than 0.16.1, the version the engine "
+            "is pinned to (its initialize_model_parallel has no dynamic_context_parallel; verl refuses it there too)",
+            *(f"*.megatron.{k}" for k in ("dynamic_context_parallel", "max_seqlen_per_dp_cp_rank"))),
+    *_rules(NOT_YET, "Megatron-FSDP is not built yet", "*.megatron.use_megatron_fsdp"),
+    *_rules(WORKS, "moe_config.freeze_moe_router, the one setting verl reads here: a mixture-of-experts model's "
+            "routers (and shared-expert gates) stay as loaded; other settings are refused",
+            "*.megatron.override_mcore_model_config"),
     *_rules(NO_EFFECT, "the reference policy has no optimizer or gradients",
             "actor_rollout_ref.ref.megatron.optimizer_offload", "actor_rollout_ref.ref.megatron.grad_offload"),
     *_rules(WORKS, "on GPU, the Megatron weights wait in host memory between forwards and updates (the "
@@ -209,7 +218,8 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NO_EFFECT, "the Megatron engine runs each micro-batch padded to its longest row (same numbers)",
             "*.megatron.use_remove_padding", "*.megatron.pad_bshd_to_minibatch_max"),
     *_rules(NO_EFFECT, "the reference model is built frozen and the actor trainable", "*.megatron.forward_only"),
-    *_rules(NOT_YET, "router replay is built for the policy (actor and reference), not the critic",
+    *_rules(NO_EFFECT, "routes are replayed for the policy (actor and reference); verl 0.9.1 does not replay the "
+            "critic's either (only its actor-rollout-ref worker asks an engine to record or replay)",
             "critic.megatron.router_replay.mode"),
     *_rules(WORKS, ROUTER_REPLAY, "actor_rollout_ref.actor.megatron.router_replay.mode",
             "actor_rollout_ref.ref.megatron.router_replay.mode"),
@@ -223,15 +233,18 @@ RULES: tuple[Rule, ...] = tuple([
             "CPU, where the optimizer state is in host memory already)", "*.optim.override_optimizer_config"),
     *_rules(NO_EFFECT, "the schedule length comes from the trainer (trainer.total_training_steps)",
             "*.optim.total_training_steps"),
-    *_rules(NOT_YET, "gradient clipping is set by actor.grad_clip / critic.grad_clip", "*.optim.clip_grad"),
+    *_rules(WORKS, "the gradient-norm clip (verl 0.9's key); actor.grad_clip / critic.grad_clip, older verl's, "
+            "is the same setting", "*.optim.clip_grad"),
     *_rules(NOT_YET, "the scheduler counts steps from 0 as verl's default does", "*.optim.zero_indexed_step"),
     *_rules(NOT_YET, "use optim.lr_scheduler_type (constant or cosine)", "*.optim.warmup_style"),
-    *_rules(NOT_YET, "megatron's own LR scheduler is not used: both engines take the schedule from "
-            "optim.lr_scheduler_type and the warmup keys",
+    *_rules(WORKS, "the Megatron engine's schedule: megatron's OptimizerParamScheduler, set from these keys as "
+            "verl's Megatron engine sets it (lr_scheduler_type=cosine is its cosine decay to min_lr_ratio x lr); "
+            "refused with the FSDP engine, whose schedule is lr_scheduler_type's",
             "*.optim.lr_warmup_init", "*.optim.lr_decay_steps", "*.optim.lr_decay_style", "*.optim.min_lr",
-            "*.optim.weight_decay_incr_style", "*.optim.lr_wsd_*", "*.optim.use_checkpoint_opt_param_scheduler",
-            "*.optim.use_precision_aware_optimizer", "*.optim.main_grads_dtype", "*.optim.exp_avg*_dtype",
-            "*.optim.use_layer_wise_distributed_optimizer", "*.optim.muon_*"),
+            "*.optim.weight_decay_incr_style", "*.optim.lr_wsd_*", "*.optim.use_checkpoint_opt_param_scheduler"),
+    *_rules(NOT_YET, "megatron's precision-aware optimizer (Transformer Engine's fused Adam, CUDA only) and Muon "
+            "are not built yet", "*.optim.use_precision_aware_optimizer", "*.optim.main_grads_dtype",
+            "*.optim.exp_avg*_dtype", "*.optim.use_layer_wise_distributed_optimizer", "*.optim.muon_*"),
     # --- actor / critic
     *_rules(NO_EFFECT, "verl copies rollout.n here for its own bookkeeping", "*.rollout_n"),
     *_rules(NOT_YET, "use the *_micro_batch_size_per_gpu key (the global form is deprecated in verl too)",

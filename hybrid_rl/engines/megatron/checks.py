@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hybrid_rl.config_keys import plain
 from hybrid_rl.engines.megatron import convert
 from hybrid_rl.engines.megatron.cpu import check_version
 from hybrid_rl.engines.megatron.routing import check_replayable
@@ -122,6 +123,25 @@ def check_dist_weights(key: str, megatron_cfg: Any) -> None:
                          f"metadata.json there): {fix}.")
 
 
+def frozen_routers(key: str, megatron_cfg: Any, layout: convert.Layout) -> bool:
+    """verl's `override_mcore_model_config`, of which verl reads `moe_config.freeze_moe_router`
+    only: whether a mixture-of-experts model's routers (and Qwen2-MoE's shared-expert gates) stay
+    as loaded while the rest trains."""
+    section = f"{key}.megatron.override_mcore_model_config"
+    override = plain(megatron_cfg.get("override_mcore_model_config")) or {}
+    moe = override.get("moe_config") or {}
+    unknown = sorted(set(override) - {"moe_config"}) + sorted(f"moe_config.{name}" for name in
+                                                                set(moe) - {"freeze_moe_router"})
+    if unknown:
+        raise ValueError(f"{section} sets {', '.join(unknown)}: verl reads only moe_config.freeze_moe_router there, "
+                         "and so does this engine; set model settings in override_transformer_config.")
+    freeze = bool(moe.get("freeze_moe_router", False))
+    if freeze and layout.experts is None:
+        raise ValueError(f"{section}.moe_config.freeze_moe_router=true, but the model has no mixture-of-experts "
+                         "routers to freeze; remove it.")
+    return freeze
+
+
 def check_roles(cfg: Any, hf_config: Any, roles: dict[str, bool], role_configs: dict[str, Any] | None = None) -> None:
     """Check every role (`{"actor_rollout_ref.actor": in use, ...}`) whose strategy is megatron;
     `role_configs` holds the HF config of a role whose model is not the policy's (a reward model)."""
@@ -143,6 +163,7 @@ def check_roles(cfg: Any, hf_config: Any, roles: dict[str, bool], role_configs: 
         ranks = _section(cfg, pool)
         check_layout(key, _section(cfg, key).megatron, layout, ranks.nnodes * ranks.n_gpus_per_node, pool)
         check_replayable(key, replay_mode(_section(cfg, key)), layout)
+        frozen_routers(key, _section(cfg, key).megatron, layout)
     # The roles in one process share its megatron groups (a reward model in its own pool has its own).
     sizes = {key: (*parallel_sizes(_section(cfg, key).megatron)[:2], expert_parallel_size(_section(cfg, key).megatron),
                    context_parallel_size(_section(cfg, key).megatron))

@@ -18,6 +18,8 @@ which on CPU is the device layer of `cpu.py`.
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 import logging
 import math
 import os
@@ -30,15 +32,16 @@ import torch.distributed as dist
 from hybrid_rl.config_keys import plain
 from hybrid_rl.engines import hf_model
 from hybrid_rl.engines.base import (
-    ROUTES_KEY, Head, ModelSpec, Output, TrainEngine, all_reduce_scalar, lr_lambda,
+    ROUTES_KEY, Head, ModelSpec, Output, TrainEngine, all_reduce_scalar,
 )
 from hybrid_rl.engines.megatron import convert
 from hybrid_rl.engines.megatron import lora as mlora
 from hybrid_rl.engines.megatron import model as mmodel
 from hybrid_rl.engines.megatron import routing
+from hybrid_rl.engines.megatron import schedule
 from hybrid_rl.engines.routing import replay_mode
 from hybrid_rl.engines.megatron.checks import (
-    check_layout, context_parallel_size, expert_parallel_size, parallel_sizes,
+    check_layout, context_parallel_size, expert_parallel_size, frozen_routers, parallel_sizes,
 )
 from hybrid_rl.models import model_config
 
@@ -56,6 +59,7 @@ OUTPUT_KEYS = {Output.LOG_PROBS: ("log_probs",), Output.LOG_PROBS_ENTROPY: ("log
                Output.SCORES: ("scores",)}
 ROLE_KEYS = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "critic": "critic",
              "reward_model": "reward_model"}
+LAYOUT_FILE = "megatron_layout.json"  # the layout a checkpoint was saved in, and its optimizer state's format
 FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 
@@ -86,28 +90,6 @@ def optimizer_overrides(key: str, override: Any, device: torch.device) -> dict:
     return {name: value for name, value in override.items() if name not in dropped}
 
 
-class LambdaSchedules:
-    """Our warmup / cosine multiplier on every torch optimizer inside megatron's (chained)
-    optimizer, with the small interface the trainer uses of a torch LR scheduler."""
-
-    def __init__(self, optimizers: list[torch.optim.Optimizer], factor: Callable[[int], float]):
-        self.schedules = [torch.optim.lr_scheduler.LambdaLR(opt, factor) for opt in optimizers]
-
-    def step(self) -> None:
-        for schedule in self.schedules:
-            schedule.step()
-
-    def get_last_lr(self) -> list[float]:
-        return self.schedules[0].get_last_lr()
-
-    def state_dict(self) -> dict:
-        return {"schedules": [s.state_dict() for s in self.schedules]}
-
-    def load_state_dict(self, state: dict) -> None:
-        for schedule, saved in zip(self.schedules, state["schedules"], strict=True):
-            schedule.load_state_dict(saved)
-
-
 class MegatronEngine(TrainEngine):
     """`strategy: megatron`; the role's `megatron` section sets the parallel layout."""
 
@@ -125,6 +107,9 @@ class MegatronEngine(TrainEngine):
         check_layout(ROLE_KEYS[spec.role], megatron_cfg, self.layout, dist.get_world_size())
         tp, pp, vpp = parallel_sizes(megatron_cfg)
         ep, cp = expert_parallel_size(megatron_cfg), context_parallel_size(megatron_cfg)
+        self.parallel_layout = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                                "virtual_pipeline_model_parallel_size": vpp, "context_parallel_size": cp,
+                                "expert_model_parallel_size": ep}
         seed = int(megatron_cfg.get("seed", 42))
         dtype = hf_model.compute_dtype(megatron_cfg.get("dtype", "auto") or "auto", device)
         trainable = spec.optim_cfg is not None
@@ -190,6 +175,8 @@ class MegatronEngine(TrainEngine):
                         # The adapters' own values, before the chunks are cast to half precision.
                         tensors.update({name: param.float() for name, param in self.models[index].named_parameters()
                                         if mlora.is_adapter_tensor(name)})
+            if trainable and frozen_routers(ROLE_KEYS[spec.role], megatron_cfg, self.layout):
+                mmodel.freeze_routers(self.models)
             chunk_size = hf_model.forward_options(spec.model_cfg, dtype, device).head_chunk_size
             self.head = mmodel.ResponsePositionsHead(self.models, self.config.sequence_parallel, chunk_size,
                                                      self.layout.vocab)
@@ -237,10 +224,14 @@ class MegatronEngine(TrainEngine):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         distributed_optimizer = bool(megatron_cfg.get("use_distributed_optimizer", True))
-        # verl's key: a checkpoint whose optimizer state loads into any layout, at the cost of
-        # gathering it on save; otherwise it loads into the same data-parallel size only.
-        self.optimizer_sharding = ("fully_reshardable" if megatron_cfg.get("dist_ckpt_optim_fully_reshardable")
-                                   else "dp_reshardable")
+        # verl's keys: a checkpoint whose optimizer state loads into any layout, at the cost of
+        # gathering it on save (onto every rank, or, memory-efficient, over gloo onto the first
+        # data-parallel rank only); otherwise it loads into the same data-parallel size only.
+        self.optimizer_metadata = {
+            "distrib_optim_sharding_type": ("fully_reshardable" if megatron_cfg.get("dist_ckpt_optim_fully_reshardable")
+                                            else "dp_reshardable"),
+            "distrib_optim_fully_reshardable_mem_efficient": bool(
+                megatron_cfg.get("distrib_optim_fully_reshardable_mem_efficient", False))}
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                    use_distributed_optimizer=distributed_optimizer,
                                                    **(plain(megatron_cfg.get("override_ddp_config")) or {}))
@@ -250,21 +241,22 @@ class MegatronEngine(TrainEngine):
         self.config.finalize_model_grads_func = finalize_model_grads
         no_sync = [chunk.no_sync for chunk in self.chunks]
         self.config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
-        optim = spec.optim_cfg
+        optim, optim_key = spec.optim_cfg, f"{ROLE_KEYS[spec.role]}.optim"
+        schedule_arguments = schedule.settings(optim_key, optim, spec.total_steps)
         betas = tuple(optim.betas)
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(**{
-                "optimizer": "adam", "lr": optim.lr, "weight_decay": optim.weight_decay, "adam_beta1": betas[0],
+                "optimizer": "adam", "lr": optim.lr, "min_lr": schedule_arguments["min_lr"],
+                "weight_decay": optim.weight_decay, "adam_beta1": betas[0],
                 "adam_beta2": betas[1], "clip_grad": float(role_cfg.grad_clip), "bf16": self.config.bf16,
                 "fp16": self.config.fp16, "params_dtype": self.config.params_dtype,
                 "use_distributed_optimizer": distributed_optimizer,
-                **optimizer_overrides(f"{ROLE_KEYS[spec.role]}.optim.override_optimizer_config",
+                **optimizer_overrides(f"{optim_key}.override_optimizer_config",
                                       optim.get("override_optimizer_config"), self.device)}),
             self.chunks)
         # megatron's per-group optimizers (one for dense models), each around a torch optimizer.
         self.optimizer_parts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-        self.scheduler = LambdaSchedules([part.optimizer for part in self.optimizer_parts],
-                                         lr_lambda(optim, spec.total_steps))
+        self.scheduler = schedule.MegatronSchedule(self.optimizer, schedule_arguments)
 
     @torch.no_grad()
     def _exact_main_weights(self, exact: list[dict[str, torch.Tensor]]) -> None:
@@ -496,8 +488,8 @@ class MegatronEngine(TrainEngine):
                                    if self.adapters is None or mlora.is_adapter_tensor(key) or (
                                        self.layout.value_head and mlora.is_head_tensor(key))}
                  for index, model in enumerate(self.models)}
-        state["optimizer"] = self.optimizer.sharded_state_dict(
-            state, is_loading=loading, metadata={"distrib_optim_sharding_type": self.optimizer_sharding})
+        state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=loading,
+                                                               metadata=self.optimizer_metadata)
         return state
 
     def _save_sharded(self, folder: str) -> None:
@@ -510,10 +502,40 @@ class MegatronEngine(TrainEngine):
             dist_checkpointing.save(self._sharded_state(), folder)
             if self.adapters is not None:
                 self.adapters.save_peft_config(folder)
+        if dist.get_rank() == 0:
+            with open(os.path.join(folder, LAYOUT_FILE), "w") as f:
+                json.dump({**self.parallel_layout, "optimizer_sharding": self._optimizer_sharding}, f)
+
+    @property
+    def _optimizer_sharding(self) -> str:
+        """How the checkpoint holds the optimizer state: megatron's other optimizer keeps it per
+        parameter, like the model (any layout loads it)."""
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        if not any(isinstance(part, DistributedOptimizer) for part in self.optimizer_parts):
+            return "per parameter"
+        return self.optimizer_metadata["distrib_optim_sharding_type"]
+
+    def _check_layout_of(self, folder: str) -> None:
+        """A `dp_reshardable` checkpoint loads into another data-parallel size only: refuse any
+        other change of layout with the fix, before megatron fails on its shapes."""
+        path = os.path.join(folder, LAYOUT_FILE)
+        if not os.path.exists(path):
+            return
+        with open(path) as f:
+            saved = json.load(f)
+        changed = [f"{key} {saved[key]} -> {value}" for key, value in self.parallel_layout.items()
+                   if saved.get(key) != value]
+        if changed and saved["optimizer_sharding"] == "dp_reshardable":
+            raise ValueError(f"The checkpoint in {folder} was saved in another Megatron layout ({', '.join(changed)}) "
+                             "and its distributed optimizer state loads into the same layout only (megatron's "
+                             "dp_reshardable format). Resume with the layout it was saved in; to change layouts, "
+                             "save it with megatron.dist_ckpt_optim_fully_reshardable=true.")
 
     def _load_sharded(self, folder: str) -> None:
         from megatron.core import dist_checkpointing
 
+        self._check_layout_of(folder)
         with self._megatron(), torch.no_grad():  # the optimizer copies into views of the weights
             for part in self.optimizer_parts:
                 _create_adam_state(part.optimizer)
@@ -522,7 +544,8 @@ class MegatronEngine(TrainEngine):
                 # Under LoRA the checkpoint holds the adapters (and a critic's head) only;
                 # dist_checkpointing fails on a missing one.
                 model.load_state_dict(state[f"model{index}"], strict=self.adapters is None)
-            self.optimizer.load_state_dict(state["optimizer"])
+            with _fully_reshardable_load_keeps_steps(self.optimizer_parts):
+                self.optimizer.load_state_dict(state["optimizer"])
             # Without Apex / Transformer Engine, megatron-core 0.16.1's distributed optimizer
             # restores the step count into its param groups only: the parameters' Adam states
             # keep the step they had before loading (here 0), which skews Adam's bias correction.
@@ -578,6 +601,34 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tenso
 
 
 @torch.no_grad()
+@contextlib.contextmanager
+def _fully_reshardable_load_keeps_steps(parts: list) -> Iterator[None]:
+    """megatron-core 0.16.1 loads a `fully_reshardable` optimizer checkpoint into torch's Adam
+    (no Apex / Transformer Engine, always so on CPU) by setting each parameter's step from the
+    groups' count, then asking the checkpoint for a step too: KeyError 'step'. Here each
+    parameter's main weight and moments are copied from the checkpoint and its step is left as
+    set; megatron's own copy runs where its Adam keeps no per-parameter step."""
+    from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
+
+    def copy_without_step(part, model_param, tensors):
+        group_index, group_order = part.model_param_group_index_map[model_param]
+        main_param = part.optimizer.param_groups[group_index]["params"][group_order]
+        main_param.copy_(tensors["param"])
+        for key, value in part.optimizer.state[main_param].items():
+            if key != "step":
+                value.copy_(tensors[key])
+
+    patched = [part for part in parts if isinstance(part, DistributedOptimizer)
+               and not HAVE_APEX_OR_TE and not part.config.use_precision_aware_optimizer]
+    for part in patched:
+        part._set_main_param_and_optimizer_states = functools.partial(copy_without_step, part)
+    try:
+        yield
+    finally:
+        for part in patched:
+            del part._set_main_param_and_optimizer_states
+
+
 def _create_adam_state(optimizer: torch.optim.Optimizer) -> None:
     """Give every parameter an Adam state equal to a fresh one (zero moments, step 0), made by a
     step at learning rate 0 on zero gradients (which changes no weight): megatron saves and loads

@@ -279,6 +279,15 @@ def vp_stage_of(config, index: int) -> int | None:
     return index if config.virtual_pipeline_model_parallel_size else None
 
 
+def freeze_routers(chunks: list[torch.nn.Module]) -> None:
+    """Every mixture-of-experts router and shared-expert gate stays as loaded (verl's
+    `moe_config.freeze_moe_router`): left out of the gradient buffers and the optimizer."""
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if ".mlp.router." in name or ".mlp.shared_experts.gate_" in name:
+                param.requires_grad_(False)
+
+
 def save_dist_weights(chunks: list[torch.nn.Module], folder: str) -> None:
     """The chunks' weights alone as a megatron dist-checkpoint in `folder` (what
     `use_dist_checkpointing` reads): megatron's checkpoint names, every layer's tensor stacked
