@@ -12,7 +12,9 @@ import os
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hybrid_rl.agent.formats import FORMATS
-from hybrid_rl.algorithms import ADV_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_RS_MODES
+from hybrid_rl.algorithms import (
+    ADV_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, PF_PPO_WEIGHTS, POLICY_LOSSES, ROLLOUT_RS_MODES,
+)
 from hybrid_rl.config_keys import check_verl_keys
 from hybrid_rl.controller.worker_group import PLACEMENT_STRATEGIES
 from hybrid_rl.engines import ENGINES, lora, ulysses
@@ -167,6 +169,12 @@ def validate_config(cfg: DictConfig) -> DictConfig:
                           "full logits at rollout time); use actor_rollout_ref.actor.use_kl_loss=true "
                           "actor_rollout_ref.actor.kl_loss_type=full for the exact KL.")
     _choice(algo.kl_ctrl.type, ("fixed", "adaptive"), "algorithm.kl_ctrl.type")
+    if algo.use_pf_ppo:
+        _choice(algo.pf_ppo.reweight_method, tuple(PF_PPO_WEIGHTS.names()), "algorithm.pf_ppo.reweight_method")
+        if algo.adv_estimator != "gae":
+            raise ConfigError(f"algorithm.use_pf_ppo=true resamples the batch after GAE, as verl's does (verl ignores it "
+                              f"with adv_estimator={algo.adv_estimator}); set algorithm.adv_estimator=gae, or "
+                              "use_pf_ppo=false.")
     check_reward_model_config(cfg.reward_model)
     check_overlong_buffer(cfg)
     check_dynamic_sampling(cfg)

@@ -390,10 +390,11 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NO_EFFECT, "read only with a sandbox url, which is not supported yet", "sandbox_fusion.*",
             "reward.sandbox_fusion.*"),
     # --- algorithm
-    *_rules(NOT_YET, "not built yet", "algorithm.use_pf_ppo"),
+    *_rules(WORKS, "PF-PPO: after GAE the batch is drawn again with replacement, each response by a weight of its "
+            "score (reweight_method pow: |score|^weight_pow, max_min, max_random), as verl draws it; refused with "
+            "other estimators, where verl ignores it", "algorithm.use_pf_ppo", "algorithm.pf_ppo.*"),
     *_rules(NOT_YET, "bypass mode trains with the PPO clipped loss (ppo_clip) only",
             "algorithm.rollout_correction.loss_type"),
-    *_rules(NO_EFFECT, "read only with the switch next to it on, which is not supported yet", "algorithm.pf_ppo.*"),
     *_rules(NO_EFFECT, "verl's asynchronous trainer overlaps generation batches; here they run one after another",
             "algorithm.filter_groups.max_inflight_gen_batches"),
     # --- trainer

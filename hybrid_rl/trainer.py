@@ -28,7 +28,7 @@ from transformers import AutoConfig
 
 from hybrid_rl.algorithms import (
     RunningMoments, apply_kl_penalty, compute_rollout_correction, get_advantage_estimator, get_kl_controller,
-    groups_with_variance, mismatch_metrics, overlong_penalty, shape_advantages, shape_scores,
+    groups_with_variance, mismatch_metrics, overlong_penalty, pf_ppo_resample, shape_advantages, shape_scores,
 )
 from hybrid_rl import seqlen_balancing
 from hybrid_rl.checkpoint import CRITIC, CheckpointManager, read_trainer_state
@@ -641,6 +641,8 @@ class Trainer:
                     **{key: batch[key] for key in ADVANTAGE_EXTRAS if key in batch})
                 batch["advantages"] = shape_advantages(advantages, batch["response_mask"], cfg.algorithm)
                 batch["returns"] = returns
+                if cfg.algorithm.use_pf_ppo:
+                    batch, reward_extra = self.policy_filtration(batch, reward_extra, metrics)
 
             if self.use_critic:
                 with timer.phase("update_critic"):
@@ -751,6 +753,19 @@ class Trainer:
         metrics["dynamic_sampling/generation_batches"] = float(generation_batches)
         metrics["dynamic_sampling/zero_variance_groups"] = 1.0 - kept_groups / generated_groups
         return batch, reward_extra
+
+    def policy_filtration(self, batch: Batch, reward_extra: dict, metrics: dict) -> tuple[Batch, dict]:
+        """PF-PPO: the rows the step trains on, drawn again by their scores' weights (with a
+        generator seeded by the step, so a resumed run draws the same), and the reward
+        function's values of each."""
+        pf_ppo = self.cfg.algorithm.pf_ppo
+        generator = torch.Generator().manual_seed(int(self.cfg.trainer.seed) * 1_000_003 + self.global_step)
+        rows = pf_ppo_resample(batch["token_level_scores"].sum(-1), pf_ppo.reweight_method, pf_ppo.weight_pow,
+                               generator)
+        picked = rows.tolist()
+        metrics["pf_ppo/distinct_responses"] = len(set(picked)) / len(picked)
+        return batch[rows], {key: [values[i] for i in picked] if len(values) == len(batch) else values
+                             for key, values in reward_extra.items()}
 
     def filter_values(self, batch: Batch, reward_extra: dict) -> torch.Tensor:
         """Per response, the value whose spread within a group dynamic sampling asks for."""

@@ -39,7 +39,8 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 CASES = {
     "gae": ["algorithm.adv_estimator=gae", f"{A}policy_loss.loss_mode=vanilla", f"{A}kl_loss_type=k1",
-            f"{A}loss_agg_mode=token-mean", "algorithm.whiten_advantages=true", *TWO_MINI],
+            f"{A}loss_agg_mode=token-mean", "algorithm.whiten_advantages=true", "algorithm.use_pf_ppo=true",
+            *TWO_MINI],
     "grpo": ["algorithm.adv_estimator=grpo", f"{A}policy_loss.loss_mode=gspo", f"{A}kl_loss_type=kl",
              f"{A}loss_agg_mode=seq-mean-token-mean", "algorithm.rollout_correction.rollout_is=token", *TWO_MINI],
     "dr_grpo": ["algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=false",
@@ -70,7 +71,7 @@ CASES = {
 }
 
 EXPECTED_METRICS = {
-    "gae": ["critic/vf_loss", "critic/vf_clipfrac", "rollout_corr/abs_logp_diff_max"],
+    "gae": ["critic/vf_loss", "critic/vf_clipfrac", "rollout_corr/abs_logp_diff_max", "pf_ppo/distinct_responses"],
     "grpo": ["rollout_corr/abs_logp_diff_mean", "rollout_corr/k3_mean"],
     "rloo": ["actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff"],
     "reinforce_plus_plus": ["actor/reward_kl_penalty"],

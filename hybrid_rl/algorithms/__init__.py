@@ -9,6 +9,7 @@ from .functional import (
     entropy_from_logits, masked_mean, masked_sum, masked_var, masked_whiten, sum_pi_squared_from_logits, token_log_probs,
 )
 from .kl import KL_ESTIMATORS, kl_penalty
+from .policy_filtration import PF_PPO_WEIGHTS, pf_ppo_resample
 from .policy_loss import POLICY_LOSSES, get_policy_loss
 from .registry import Registry
 from .shaping import (
@@ -34,6 +35,7 @@ __all__ = [
     "FixedKLController",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
+    "PF_PPO_WEIGHTS",
     "POLICY_LOSSES",
     "ROLLOUT_RS_MODES",
     "Registry",
@@ -61,6 +63,7 @@ __all__ = [
     "mismatch_metrics",
     "normalize_rewards",
     "overlong_penalty",
+    "pf_ppo_resample",
     "shape_advantages",
     "shape_scores",
     "sum_pi_squared_from_logits",
