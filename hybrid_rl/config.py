@@ -278,6 +278,13 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     if actor.clip_ratio_c <= 1:
         raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c={actor.clip_ratio_c} must be > 1 "
                           "(the dual-clip bound; verl's default is 3.0).")
+    logits = "vLLM would return logits, read here as log-probs: use processed_logprobs or raw_logprobs"
+    _choice(rollout.logprobs_mode, ("processed_logprobs", "raw_logprobs"), "actor_rollout_ref.rollout.logprobs_mode",
+            verl_only={"processed_logits": logits, "raw_logits": logits})
+    _choice(rollout.scheduling_policy, ("fcfs", "priority"), "actor_rollout_ref.rollout.scheduling_policy")
+    if rollout.ignore_eos and rollout.multi_turn.enable:
+        raise ConfigError("actor_rollout_ref.rollout.ignore_eos=true with multi_turn.enable=true: an assistant turn "
+                          "ends at EOS, so the tool loop needs it; set ignore_eos=false.")
     if rollout.do_sample and not rollout.temperature > 0:
         raise ConfigError("actor_rollout_ref.rollout.temperature must be > 0 when do_sample=true; "
                           "set do_sample=false for greedy decoding.")
@@ -890,16 +897,16 @@ def _positive(value, key: str) -> None:
 def check_model_limits(cfg: DictConfig, model_path: str, reward_model_config=None) -> None:
     """Prompt + response must fit the model's context window, and a Megatron layout the model
     (and the reward model's, `reward_model_config`, when it runs on Megatron)."""
-    from transformers import AutoConfig
-
     from hybrid_rl.models import ModelPathError
+    from hybrid_rl.models import model_config as read_model_config
 
-    try:
-        model_config = AutoConfig.from_pretrained(model_path)
+    config_folder = cfg.actor_rollout_ref.model.get("hf_config_path") or model_path
+    try:  # as the engines build it: hf_config_path and override_config included
+        model_config = read_model_config(model_path, cfg.actor_rollout_ref.model)
     except (OSError, ValueError) as exc:
         reason = (str(exc).strip().splitlines() or [""])[0][:200]
         raise ModelPathError(
-            f"Cannot read the model config {os.path.join(model_path, 'config.json')} ({type(exc).__name__}: "
+            f"Cannot read the model config {os.path.join(config_folder, 'config.json')} ({type(exc).__name__}: "
             f"{reason}). Point actor_rollout_ref.model.path at a Hugging Face model folder with a valid "
             "config.json (including its model_type).") from exc
     limit = getattr(model_config, "max_position_embeddings", None)
@@ -911,7 +918,7 @@ def check_model_limits(cfg: DictConfig, model_path: str, reward_model_config=Non
                 f"= {total}")
         raise ConfigError(
             f"{what} exceeds the model's context window ({limit} tokens, max_position_embeddings in "
-            f"{os.path.join(model_path, 'config.json')}). Shorten data.max_prompt_length or "
+            f"{os.path.join(config_folder, 'config.json')} or model.override_config). Shorten data.max_prompt_length or "
             "data.max_response_length (the rollout's lengths follow them).")
     check_rollout_parallel(cfg, model_config)
     roles = {"actor_rollout_ref.actor": True, "actor_rollout_ref.ref": needs_reference(cfg),

@@ -295,7 +295,12 @@ RULES: tuple[Rule, ...] = tuple([
             "*.model.lora_adapter_path", "*.model.lora_rank"),
     *_rules(NO_EFFECT, "read only with LoRA, which is not supported for this model yet", "*.model.lora_alpha",
             "*.model.target_modules", "*.model.exclude_modules"),
-    *_rules(NOT_YET, "not built yet", "*.model.hf_config_path", "*.model.external_lib",
+    *_rules(WORKS, "the model's config.json comes from this folder (its weights from model.path), for the "
+            "trainer and, unlike in verl, the vLLM engine too", "*.model.hf_config_path"),
+    *_rules(WORKS, "modules (a name, a list of names, or .py files) imported in the driver and every worker "
+            "before a model is read, so that the models they register load in the trainer and the vLLM engine",
+            "*.model.external_lib"),
+    *_rules(NOT_YET, "not built yet",
             "*.model.enable_activation_offload", "*.model.use_liger", "*.model.tiled_mlp.enabled",
             "actor_rollout_ref.model.mtp.enable"),
     *_rules(NO_EFFECT, "read only with the feature above it enabled, which is not supported yet",
@@ -311,9 +316,16 @@ RULES: tuple[Rule, ...] = tuple([
             "enable_expert_parallel crashed with SIGSEGV, data_parallel_size=2 stopped in its CPU communicator's "
             "all_gatherv, which it lacks)",
             "actor_rollout_ref.rollout.data_parallel_size", "actor_rollout_ref.rollout.expert_parallel_size"),
-    *_rules(NOT_YET, "not built yet", "actor_rollout_ref.rollout.nnodes", "actor_rollout_ref.rollout.ignore_eos",
+    *_rules(WORKS, "every response runs to the length limit, EOS tokens included (vLLM's ignore_eos; "
+            "transformers' generate without EOS ids); refused with multi_turn.enable",
+            "actor_rollout_ref.rollout.ignore_eos"),
+    *_rules(WORKS, "vLLM's logprobs_mode: processed_logprobs (verl's default: log-probs of the distribution sampled "
+            "from, after temperature / top-k / top-p) or raw_logprobs (the model's own); the logits modes are "
+            "refused (they would be read as log-probs)", "actor_rollout_ref.rollout.logprobs_mode"),
+    *_rules(WORKS, "vLLM's scheduling_policy (fcfs, or priority: every request has the same priority here, so the "
+            "order is fcfs's)", "actor_rollout_ref.rollout.scheduling_policy"),
+    *_rules(NOT_YET, "not built yet", "actor_rollout_ref.rollout.nnodes",
             "actor_rollout_ref.rollout.cudagraph_capture_sizes", "actor_rollout_ref.rollout.pipeline_model_parallel_size",
-            "actor_rollout_ref.rollout.logprobs_mode", "actor_rollout_ref.rollout.scheduling_policy",
             "actor_rollout_ref.rollout.over_sample_rate", "actor_rollout_ref.rollout.router_config_path",
             "actor_rollout_ref.rollout.quantization",
             "actor_rollout_ref.rollout.quantization_config_file", "actor_rollout_ref.rollout.disaggregation.enabled",

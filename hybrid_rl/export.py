@@ -192,8 +192,10 @@ def _stored_model_config(step: Path, role: str):
         raise ExportError(f"Cannot read {step / STATE} ({exc}); the checkpoint is corrupt. "
                           "Export an earlier global_step_<N> folder.") from exc
     stored = (run_cfg.get(MODEL_KEYS[role].split(".")[0]) or {}).get("model") or {}
-    # A checkpoint's config may come from a version without these keys: their defaults then.
-    return OmegaConf.create({"trust_remote_code": False, "override_config": {}, "path": None, **stored})
+    # A checkpoint's config may come from a version without these keys: their defaults then. Its
+    # huggingface/config.json is the one trained with (read from hf_config_path when that was set).
+    return OmegaConf.create({"trust_remote_code": False, "override_config": {}, "path": None, **stored,
+                             "hf_config_path": None})
 
 
 def _role_config(step: Path, role: str):

@@ -46,9 +46,11 @@ def prepare(cfg: DictConfig):
     from hybrid_rl.rewards import RewardManager, default_compute_score, load_custom_reward_fn
     from hybrid_rl.rewards.custom import keyword_parameter
     from hybrid_rl.rewards.mixture import sources_from_config
+    from hybrid_rl.user_code import import_external_libs
     from hybrid_rl.workers.reward_server import SERVED_KWARGS
 
     validate_config(cfg)
+    import_external_libs(cfg)  # before any model config is read
     check_resume(cfg)
     key, custom = custom_reward_function(cfg)
     compute_score = load_custom_reward_fn(custom.path, custom.name, custom.reward_kwargs, key=key,

@@ -141,12 +141,14 @@ def load_tokenizer(cfg, model_path: str):
 
 
 def model_config(path: str, model_cfg: Any, scalar_head: bool = False, keep_labels: bool = False):
-    """The model's HF config with `override_config` applied; for a scalar head (a value or reward
-    model), one output label (unless `keep_labels`: the folder's count) and no dropout on the head
-    (its outputs must be deterministic)."""
+    """The model's HF config (from verl's `hf_config_path` when set, else the model folder) with
+    `override_config` applied; for a scalar head (a value or reward model), one output label
+    (unless `keep_labels`: the folder's count) and no dropout on the head (its outputs must be
+    deterministic)."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
+    config = AutoConfig.from_pretrained(model_cfg.get("hf_config_path") or path,
+                                        trust_remote_code=model_cfg.trust_remote_code)
     if scalar_head:
         if not keep_labels:
             config.num_labels = 1

@@ -521,7 +521,8 @@ class Trainer:
             # Config, tokenizer and chat template, so a checkpoint exports without the original model.
             hf_dir = os.path.join(folder, "huggingface")
             self.write_hf_files(hf_dir)
-            AutoConfig.from_pretrained(self.model_path).save_pretrained(hf_dir)
+            model_cfg = self.cfg.actor_rollout_ref.model
+            AutoConfig.from_pretrained(model_cfg.get("hf_config_path") or self.model_path).save_pretrained(hf_dir)
             if "hf_model" in self.cfg.actor_rollout_ref.actor.checkpoint.save_contents:
                 self.workers.save_hf_model(hf_dir)  # the weights too: a folder transformers and vLLM load
             self.workers.save_checkpoint(os.path.join(folder, "actor"), self.moving_reference_folder(folder))

@@ -74,3 +74,22 @@ def load_object(path: str | os.PathLike, name: str, key: str, expected: str) -> 
         raise ValueError(f"{path} has no attribute {name!r} ({key}.name). Functions and classes found there: "
                          f"{found if found else 'none'}. Set {key}.name to one of them, or define {expected}.")
     return getattr(module, name)
+
+
+# verl's keys naming modules to import before any model is read.
+EXTERNAL_LIB_KEYS = ("actor_rollout_ref.model.external_lib", "critic.model.external_lib",
+                     "reward_model.model.external_lib")
+
+
+def import_external_libs(cfg) -> None:
+    """verl's `model.external_lib`: a module name (or a list of them; here a .py file too),
+    imported in the driver and in every worker before a model is read, so that what it registers
+    (transformers' Auto classes, vLLM's model registry) is there for the trainer and the engine."""
+    from omegaconf import OmegaConf
+
+    for key in EXTERNAL_LIB_KEYS:
+        libs = OmegaConf.select(cfg, key)
+        for lib in [libs] if isinstance(libs, str) else list(libs or []):
+            is_file = lib.endswith(".py") or lib.startswith((FILE_PREFIX, PACKAGE_PREFIX))
+            load_module(lib if is_file else PACKAGE_PREFIX + lib, key)
+

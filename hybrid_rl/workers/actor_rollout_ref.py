@@ -62,10 +62,12 @@ class ActorRolloutRefWorker(ModelWorker):
             self.rollout = self.multi_turn = None  # the rollout pool generates
             return {"rank": self.rank, "params": self.actor.num_params(), "rollout": {}}
         if rollout_cfg.name == "vllm":
-            self.rollout = VLLMRollout(self.model_path, rollout_cfg, self.device, self.eos_token_ids)
+            self.rollout = VLLMRollout(self.model_path, rollout_cfg, self.device, self.eos_token_ids,
+                                       cfg.actor_rollout_ref.model)
             sync_weights(self.actor, self.rollout)  # the engine starts with random weights
         else:
-            self.rollout = HFRollout(self.actor.hf_module(), self.pad_token_id, self.eos_token_ids)
+            self.rollout = HFRollout(self.actor.hf_module(), self.pad_token_id, self.eos_token_ids,
+                                     raw_log_probs=rollout_cfg.logprobs_mode == "raw_logprobs")
         self.multi_turn = tool_loop(cfg, tok, self.eos_token_ids)
         return {"rank": self.rank, "params": self.actor.num_params(),
                 "rollout": self.rollout.settings() if rollout_cfg.name == "vllm" else {}}

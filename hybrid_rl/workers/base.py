@@ -11,6 +11,7 @@ from hybrid_rl.controller import Dispatch, RankLayout, Worker, register
 from hybrid_rl.controller.worker import set_env
 from hybrid_rl.hardware import keep_freed_host_memory
 from hybrid_rl.profiler import PROCESS_PROFILER, role_settings
+from hybrid_rl.user_code import import_external_libs
 
 
 class ModelWorker(Worker):
@@ -26,6 +27,7 @@ class ModelWorker(Worker):
 
         quiet_third_party_output()
         self.cfg = OmegaConf.create(config)
+        import_external_libs(self.cfg)  # what they register is needed before any model is read
         self.model_path = model_path
         self.total_steps = total_steps
         self.profile_settings = role_settings(self.cfg, self.role)

@@ -16,6 +16,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from hybrid_rl.config_keys import plain
 from hybrid_rl.controller.worker import set_env
 from hybrid_rl.engines.base import ROUTES_KEY
 from hybrid_rl.engines.routing import route_table
@@ -135,6 +136,8 @@ def generate_batch(engine, multi_turn, cfg: Any, prompts: Batch, pad_token_id: i
         settings = greedy_settings()
     else:
         settings = sampling_settings(rollout_cfg, validate=sampling is Sampling.VALIDATE)
+    # verl's rollout.ignore_eos: every response runs to the length limit, EOS tokens included.
+    settings["ignore_eos"] = bool(rollout_cfg.get("ignore_eos", False))
     # Sampling depends only on (seed, step, replica, kind of call), so a resumed run samples
     # exactly what an uninterrupted one would.
     torch.manual_seed(hash((cfg.trainer.seed, prompts.meta.step, engine.dp_rank, sampling.value)) % 2**62)
@@ -153,7 +156,8 @@ def generate_batch(engine, multi_turn, cfg: Any, prompts: Batch, pad_token_id: i
                                  for row, t in zip(rows, trajectories)]
         return out
     tokens, log_probs = engine.generate(prompts, settings, rollout_cfg.response_length)
-    out = assemble_rollout(prompts, tokens, log_probs, rollout_cfg.response_length, pad_token_id, eos_token_ids)
+    out = assemble_rollout(prompts, tokens, log_probs, rollout_cfg.response_length, pad_token_id,
+                           () if settings["ignore_eos"] else eos_token_ids)
     if sampling is Sampling.TRAIN and engine.routes is not None:  # for router replay R3
         out[ROUTES_KEY] = route_table(out["attention_mask"], engine.routes)
     return out
@@ -225,6 +229,17 @@ def engine_kwargs(cfg: Any, device_type: str, latent_attention: bool = False) ->
     return kwargs
 
 
+def same_model_config(model_cfg: Any) -> dict:
+    """vLLM's arguments for the model config the trainer builds (`models.model_config`): verl's
+    `hf_config_path` and `override_config` (which verl's engine does not get), so that both compute
+    with the same settings."""
+    if model_cfg is None:
+        return {}
+    args = {"hf_config_path": model_cfg.get("hf_config_path") or None,
+            "hf_overrides": plain(model_cfg.get("override_config")) or None}
+    return {key: value for key, value in args.items() if value is not None}
+
+
 def uses_latent_attention(model_path: str) -> bool:
     """Whether the model's attention is DeepSeek's multi-head latent attention (MLA)."""
     from transformers import AutoConfig
@@ -252,7 +267,8 @@ def engine_env(cfg: Any, device_type: str) -> dict[str, str]:
 class VLLMRollout:
     """An in-process vLLM engine that shares the process (and the trainer's process group)."""
 
-    def __init__(self, model_path: str, cfg: Any, device: torch.device, eos_token_ids: list[int]):
+    def __init__(self, model_path: str, cfg: Any, device: torch.device, eos_token_ids: list[int],
+                 model_cfg: Any = None):
         set_env(engine_env(cfg, device.type))  # before vLLM is imported
         self.return_routes = bool(cfg.get("enable_rollout_routing_replay", False))
         self.routes: list | None = None  # of the last generate_ids call, with return_routes
@@ -290,11 +306,14 @@ class VLLMRollout:
                 max_num_batched_tokens=max(cfg.max_num_batched_tokens, max_model_len),
                 enable_prefix_caching=cfg.enable_prefix_caching,
                 enable_chunked_prefill=cfg.enable_chunked_prefill,
-                # Log-probs of the distribution actually sampled from (after temperature/top-k/top-p).
-                logprobs_mode="processed_logprobs",
+                # processed_logprobs (verl's default): log-probs of the distribution actually
+                # sampled from (after temperature/top-k/top-p); raw_logprobs: of the model's own.
+                logprobs_mode=cfg.get("logprobs_mode") or "processed_logprobs",
+                scheduling_policy=cfg.get("scheduling_policy") or "fcfs",
                 seed=int(cfg.seed) + self.dp_rank,
                 enable_sleep_mode=self.sleep_between_rollouts,
                 enable_return_routed_experts=self.return_routes,
+                **same_model_config(model_cfg),
                 **engine_kwargs(cfg, device.type, latent_attention=uses_latent_attention(model_path)),
             )
         except RuntimeError as exc:
@@ -371,16 +390,18 @@ class VLLMRollout:
     def generate_ids(self, prompts: list[list[int]], settings: dict, max_tokens: list[int],
                      stop: list[str] | None = None, stop_token_ids: list[int] | None = None) -> tuple[list, list]:
         """One continuation of each token list (at most its ``max_tokens``; ending at a stop token,
-        the model's EOS ids unless ``stop_token_ids`` are given, or after the first of the ``stop``
-        texts), with the sampled tokens' log-probs."""
+        the model's EOS ids unless ``stop_token_ids`` are given or ``settings`` ask to ignore EOS, or
+        after the first of the ``stop`` texts), with the sampled tokens' log-probs."""
         from vllm import SamplingParams
 
+        ignore_eos = settings.get("ignore_eos", False)
+        if stop_token_ids is None:
+            stop_token_ids = [] if ignore_eos else self.stop_token_ids
         by_limit = {limit: SamplingParams(
             n=1, max_tokens=limit, temperature=settings["temperature"],
-            top_p=settings["top_p"], top_k=settings["top_k"], logprobs=0,
+            top_p=settings["top_p"], top_k=settings["top_k"], logprobs=0, ignore_eos=ignore_eos,
             # Stop texts are matched on the detokenised output; token ids alone need no text.
-            detokenize=bool(stop), stop=stop, include_stop_str_in_output=bool(stop),
-            stop_token_ids=self.stop_token_ids if stop_token_ids is None else stop_token_ids,
+            detokenize=bool(stop), stop=stop, include_stop_str_in_output=bool(stop), stop_token_ids=stop_token_ids,
         ) for limit in set(max_tokens)}
         params = [by_limit[limit] for limit in max_tokens]
         with self.sampling():
@@ -436,10 +457,13 @@ class HFRollout:
     """`transformers` generate on the actor's sharded module; ranks stay in lock-step through
     `synced_gpus` so FSDP's per-layer all-gathers line up even when ranks finish early."""
 
-    def __init__(self, module: torch.nn.Module, pad_token_id: int, eos_token_ids: list[int]):
+    def __init__(self, module: torch.nn.Module, pad_token_id: int, eos_token_ids: list[int],
+                 raw_log_probs: bool = False):
         import torch.distributed as dist
 
         self.module = module
+        # rollout.logprobs_mode=raw_logprobs: log-probs of the model's logits, not of the sampler's.
+        self.raw_log_probs = raw_log_probs
         # Every rank generates its own rows.
         self.dp_rank, self.dp_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         self.is_output_rank = True
@@ -456,8 +480,10 @@ class HFRollout:
         greedy = settings["temperature"] == 0.0
         beam_width = settings.get("beam_width")
         kwargs = dict(do_sample=not greedy, max_new_tokens=response_length,
-                      pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_ids,
-                      output_scores=True, return_dict_in_generate=True, use_cache=True,
+                      pad_token_id=self.pad_token_id,
+                      eos_token_id=[] if settings.get("ignore_eos") else self.eos_token_ids,
+                      output_scores=True, output_logits=self.raw_log_probs, return_dict_in_generate=True,
+                      use_cache=True,
                       synced_gpus=dist.is_initialized() and dist.get_world_size() > 1)
         if beam_width:  # one search per group, from its first row
             groups = beam_groups(batch)
@@ -480,6 +506,7 @@ class HFRollout:
             rows = [g * beam_width + min(k, beam_width - 1) for g, (_, count) in enumerate(groups) for k in range(count)]
             return generated[rows].tolist(), token_logp[rows].tolist()
         # Scores are the processed logits the sampler used: their log-softmax is the log-prob.
-        step_logp = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1).cpu()
+        logits = out.logits if self.raw_log_probs else out.scores
+        step_logp = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in logits], dim=1).cpu()
         token_logp = step_logp.gather(-1, generated.unsqueeze(-1)).squeeze(-1)
         return generated.tolist(), token_logp.tolist()

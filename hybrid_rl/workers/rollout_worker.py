@@ -27,7 +27,7 @@ class RolloutWorker(ModelWorker):
         self.eos_token_ids = eos_ids(self.model_path, tok)
         # Random weights until the trainer's first push.
         self.rollout = VLLMRollout(self.model_path, self.cfg.actor_rollout_ref.rollout, self.device,
-                                   self.eos_token_ids)
+                                   self.eos_token_ids, self.cfg.actor_rollout_ref.model)
         self.multi_turn = tool_loop(self.cfg, tok, self.eos_token_ids)
         return self.rollout.settings()
 
