@@ -140,6 +140,11 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     _positive(trainer.n_gpus_per_node, "trainer.n_gpus_per_node")
     _choice(cfg.algorithm.adv_estimator, ADV_ESTIMATORS.names(), "algorithm.adv_estimator", VERL_ONLY_ADV_ESTIMATORS)
     _choice(actor.policy_loss.loss_mode, POLICY_LOSSES.names(), "actor_rollout_ref.actor.policy_loss.loss_mode")
+    beta = actor.policy_loss.get("dro_beta")
+    if actor.policy_loss.loss_mode == "dro" and (isinstance(beta, bool) or not isinstance(beta, (int, float))
+                                                 or not beta > 0):
+        raise ConfigError(f"actor_rollout_ref.actor.policy_loss.loss_mode=dro needs policy_loss.dro_beta > 0, the "
+                          f"weight of its quadratic log-ratio penalty (got {beta}).")
     _choice(actor.kl_loss_type, KL_ESTIMATORS.names(), "actor_rollout_ref.actor.kl_loss_type")
     _choice(cfg.algorithm.kl_penalty, KL_ESTIMATORS.names(), "algorithm.kl_penalty")
     _choice(actor.loss_agg_mode, LOSS_AGG_MODES.names(), "actor_rollout_ref.actor.loss_agg_mode")

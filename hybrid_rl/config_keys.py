@@ -250,8 +250,8 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NOT_YET, "use the *_micro_batch_size_per_gpu key (the global form is deprecated in verl too)",
             "*.ppo_micro_batch_size", "*.log_prob_micro_batch_size", "critic.forward_micro_batch_size"),
     *_rules(NOT_YET, "vision-language models are not supported yet", "*.freeze_vision_tower"),
-    *_rules(NOT_YET, "not built yet", "actor_rollout_ref.actor.policy_loss.dro_beta",
-            "actor_rollout_ref.actor.use_prefix_grouper", "critic.loss_scale_factor"),
+    *_rules(WORKS, "the weight β of loss_mode=dro's quadratic log-ratio penalty", "actor_rollout_ref.actor.policy_loss.dro_beta"),
+    *_rules(NOT_YET, "not built yet", "actor_rollout_ref.actor.use_prefix_grouper", "critic.loss_scale_factor"),
     *_rules(WORKS, "the actor's log-prob pass also returns Σπ² of every next-token distribution (from the "
             "engines' chunked heads, FSDP and Megatron), which algorithm.adv_estimator=optimal_token_baseline "
             "and tir_optimal_token_baseline need", "actor_rollout_ref.actor.calculate_sum_pi_squared"),

@@ -63,11 +63,12 @@ CASES = {
             "algorithm.reward_norm.mean=group", "algorithm.reward_norm.std=group"],
     "gpg": ["algorithm.adv_estimator=gpg", f"{A}policy_loss.loss_mode=gpg", f"{A}kl_loss_type=full",
             f"{A}full_kl_chunk_size=7"],
-    "grpo_process": ["algorithm.adv_estimator=grpo_process", f"{A}kl_loss_type=low_var_kl+"],
+    "grpo_process": ["algorithm.adv_estimator=grpo_process", f"{A}kl_loss_type=low_var_kl+",
+                     f"{A}policy_loss.loss_mode=dro", f"{A}policy_loss.dro_beta=0.1"],
     "optimal_token_baseline": ["algorithm.adv_estimator=optimal_token_baseline", f"{A}calculate_sum_pi_squared=true",
-                               "algorithm.rollout_correction.rollout_is=token"],
+                               "algorithm.rollout_correction.rollout_is=token", f"{A}policy_loss.loss_mode=dppo_tv"],
     "tir_optimal_token_baseline": ["algorithm.adv_estimator=tir_optimal_token_baseline",
-                                   f"{A}calculate_sum_pi_squared=true"],
+                                   f"{A}calculate_sum_pi_squared=true", f"{A}policy_loss.loss_mode=dppo_kl"],
 }
 
 EXPECTED_METRICS = {

@@ -47,9 +47,13 @@ def test_verl_grpo_command_line_composes_and_validates():
 ])
 def test_every_registered_name_and_alias_validates(key, registry):
     for name in registry.names():
-        # The optimal token baseline needs the actor's Σπ² (refused without it: below).
-        needs = ["actor_rollout_ref.actor.calculate_sum_pi_squared=true"] if "optimal_token" in name else []
-        validate_config(compose_config([f"{key}={name}", *needs]))
+        # The optimal token baseline needs the actor's Σπ² (refused without it: below), DRO its β.
+        needs = {"optimal_token": ["actor_rollout_ref.actor.calculate_sum_pi_squared=true"],
+                 "dro": ["actor_rollout_ref.actor.policy_loss.dro_beta=0.1"]}
+        validate_config(compose_config([f"{key}={name}", *next((v for k, v in needs.items() if k in name), [])]))
+    if registry is POLICY_LOSSES:
+        with pytest.raises(ConfigError, match="loss_mode=dro needs policy_loss.dro_beta > 0"):
+            validate_config(compose_config([f"{key}=dro"]))
 
 
 def test_unknown_key_is_rejected_by_hydra():

@@ -7,9 +7,9 @@ agg_kwargs=None, rollout_is_weights=None) -> (loss, metrics)`` with (batch, resp
 (global_num_tokens, global_num_seqs, dp_size, loss_scale_factor) and ``rollout_is_weights`` are detached
 per-token importance weights. Metrics are detached 0-dim tensors (no host sync inside the step).
 
-Registered: vanilla, reinforce (= gpg), gspo, sapo, geo_mean, cispo, clip_cov, kl_cov. Clip ratios and tau_pos /
-tau_neg are read from the actor config itself; loss-mode specific keys (clip_cov_*, kl_cov_ratio, ppo_kl_coef)
-from its ``policy_loss`` section, as in verl's config tree.
+Registered: vanilla, reinforce (= gpg), gspo, sapo, geo_mean, cispo, clip_cov, kl_cov, dro, dppo_tv, dppo_kl.
+Clip ratios and tau_pos / tau_neg are read from the actor config itself; loss-mode specific keys (clip_cov_*,
+kl_cov_ratio, ppo_kl_coef, dro_beta) from its ``policy_loss`` section, as in verl's config tree.
 """
 
 from __future__ import annotations
@@ -352,6 +352,106 @@ def kl_cov_policy_loss(
     with torch.no_grad():
         metrics = {"ppo_kl": masked_mean(abs_log_ratio, response_mask)}
     return loss, metrics
+
+
+@POLICY_LOSSES.register("dro")
+def dro_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    config: Mapping[str, Any] | None = None,
+    agg_kwargs: Mapping[str, Any] | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Direct reward optimisation with a quadratic log-ratio penalty (verl's `dro`).
+
+    L = −(A·logp − ½·β·(logp − old)²), β = policy_loss.dro_beta (> 0); L ×= IS weight; aggregated.
+    Metric: ppo_kl = mean(old − logp).
+    """
+    beta = _loss_cfg(config, "dro_beta", None)
+    if beta is None or not beta > 0:
+        raise ValueError(f"policy_loss.dro_beta must be positive for loss_mode=dro, got {beta}")
+    log_ratio = log_prob - old_log_prob
+    loss_mat = -(advantages * log_prob - 0.5 * beta * log_ratio.square())
+    loss = _aggregate(loss_mat, response_mask, loss_agg_mode, agg_kwargs, rollout_is_weights)
+    with torch.no_grad():
+        metrics = {"ppo_kl": masked_mean(-log_ratio, response_mask)}
+    return loss, metrics
+
+
+def _dppo_loss(old_log_prob, log_prob, advantages, response_mask, inside, loss_agg_mode, config, agg_kwargs,
+               rollout_is_weights):
+    """DPPO's update (arXiv 2602.04879): L = −A·sg(min(r, c))·logp on the tokens `inside` the
+    divergence bound for their advantage's sign (the others get no gradient), c = clip_ratio_c."""
+    clip_c = cfg_get(config, "clip_ratio_c", 20.0)
+    ratio = _ratio(old_log_prob, log_prob)
+    inside = inside.detach().to(log_prob.dtype)
+    loss_mat = -advantages * ratio.clamp(max=clip_c).detach() * log_prob * inside
+    loss = _aggregate(loss_mat, response_mask, loss_agg_mode, agg_kwargs, rollout_is_weights)
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": masked_mean(1.0 - inside, response_mask),
+            "pg_clipfrac_lower": masked_mean((ratio > clip_c).to(inside.dtype) * inside, response_mask),
+            "ppo_kl": masked_mean(old_log_prob - log_prob, response_mask),
+        }
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("dppo_tv")
+def dppo_tv_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    config: Mapping[str, Any] | None = None,
+    agg_kwargs: Mapping[str, Any] | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DPPO-Binary-TV: the sampled token's probability may move by at most δ in total variation.
+
+    p = exp(logp), p_old = exp(old); inside = (p − p_old ≤ δ_high) where A > 0, (p − p_old ≥ −δ_low)
+    elsewhere, δ_low / δ_high = clip_ratio_low / clip_ratio_high (default clip_ratio);
+    L = −A·sg(min(r, c))·logp·inside, c = clip_ratio_c; L ×= IS weight; aggregated.
+    Metrics: pg_clipfrac = mean(1 − inside), pg_clipfrac_lower = mean[(r > c) ∧ inside], ppo_kl.
+    """
+    low, high = _clip_range(config)
+    change = torch.exp(log_prob) - torch.exp(old_log_prob)
+    inside = torch.where(advantages > 0, change <= high, change >= -low)
+    return _dppo_loss(old_log_prob, log_prob, advantages, response_mask, inside, loss_agg_mode, config, agg_kwargs,
+                      rollout_is_weights)
+
+
+@POLICY_LOSSES.register("dppo_kl")
+def dppo_kl_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    config: Mapping[str, Any] | None = None,
+    agg_kwargs: Mapping[str, Any] | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DPPO-Binary-KL: the KL between the old and new Bernoulli of the sampled token is bounded.
+
+    D = p_old·(old − logp) + (1 − p_old)·log((1 − p_old + 1e-8) / (1 − p + 1e-8));
+    inside = (D ≤ δ_high ∨ p ≤ p_old) where A > 0, (D ≤ δ_low ∨ p ≥ p_old) elsewhere;
+    L = −A·sg(min(r, c))·logp·inside; L ×= IS weight; aggregated. Metrics as dppo_tv's.
+    """
+    low, high = _clip_range(config)
+    prob, old_prob = torch.exp(log_prob), torch.exp(old_log_prob)
+    divergence = old_prob * (old_log_prob - log_prob) + (1 - old_prob) * torch.log(
+        (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
+    inside = torch.where(advantages > 0, (divergence <= high) | (prob <= old_prob),
+                         (divergence <= low) | (prob >= old_prob))
+    return _dppo_loss(old_log_prob, log_prob, advantages, response_mask, inside, loss_agg_mode, config, agg_kwargs,
+                      rollout_is_weights)
 
 
 def get_policy_loss(name: str):

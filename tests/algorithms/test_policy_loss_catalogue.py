@@ -127,8 +127,43 @@ def _ref_kl_cov(old, logp, adv, mask, cfg):
     return out
 
 
-REFERENCES = {"gspo": _ref_gspo, "sapo": _ref_sapo, "cispo": _ref_cispo, "gpg": _ref_gpg, "kl_cov": _ref_kl_cov}
+def _ref_dro(old, logp, adv, mask, cfg):
+    beta = cfg["policy_loss"]["dro_beta"]
+    return [[-(adv[i][t].item() * logp[i][t] - 0.5 * beta * (logp[i][t] - old[i][t]) ** 2) for t in range(T)]
+            for i in range(B)]
+
+
+def _dppo_inside(kind, logp, old, a, cfg):
+    """Whether DPPO keeps the token's gradient: its probability's move within the bound for A's sign."""
+    p, p_old = math.exp(logp), math.exp(old)
+    low, high = cfg["clip_ratio_low"], cfg["clip_ratio_high"]
+    if kind == "tv":
+        return p - p_old <= high if a > 0 else p - p_old >= -low
+    d = p_old * (old - logp) + (1 - p_old) * math.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+    return (d <= high or p <= p_old) if a > 0 else (d <= low or p >= p_old)
+
+
+def _ref_dppo(kind):
+    def reference(old, logp, adv, mask, cfg):
+        out = []
+        for i in range(B):
+            row = []
+            for t in range(T):
+                a = adv[i][t].item()
+                w = min(math.exp(min(max(logp[i][t].item() - old[i][t].item(), -20), 20)), cfg["clip_ratio_c"])
+                inside = _dppo_inside(kind, logp[i][t].item(), old[i][t].item(), a, cfg)
+                row.append(-a * w * logp[i][t] * float(inside))
+            out.append(row)
+        return out
+    return reference
+
+
+REFERENCES = {"gspo": _ref_gspo, "sapo": _ref_sapo, "cispo": _ref_cispo, "gpg": _ref_gpg, "kl_cov": _ref_kl_cov,
+              "dro": _ref_dro, "dppo_tv": _ref_dppo("tv"), "dppo_kl": _ref_dppo("kl")}
 KL_COV_CFG = {**CONFIG, "policy_loss": {"kl_cov_ratio": 0.1, "ppo_kl_coef": 0.7}}
+DPPO_CFG = {**CONFIG, "clip_ratio_low": 0.02, "clip_ratio_high": 0.03, "clip_ratio_c": 1.3}  # bounds some tokens pass
+CONFIGS = {"kl_cov": KL_COV_CFG, "dro": {**CONFIG, "policy_loss": {"dro_beta": 0.7}}, "dppo_tv": DPPO_CFG,
+           "dppo_kl": DPPO_CFG}
 
 
 def _check(name, cfg, mode, use_weights, agg_kwargs, seed=0):
@@ -153,13 +188,12 @@ def _check(name, cfg, mode, use_weights, agg_kwargs, seed=0):
 @pytest.mark.parametrize("name", sorted(REFERENCES))
 @pytest.mark.parametrize("mode", MODES)
 def test_loss_value_and_gradient(name, mode):
-    cfg = KL_COV_CFG if name == "kl_cov" else CONFIG
-    _check(name, cfg, mode, use_weights=False, agg_kwargs=None)
+    _check(name, CONFIGS.get(name, CONFIG), mode, use_weights=False, agg_kwargs=None)
 
 
 @pytest.mark.parametrize("name", sorted(REFERENCES))
 def test_is_weights_and_global_normalisation(name):
-    cfg = KL_COV_CFG if name == "kl_cov" else CONFIG
+    cfg = CONFIGS.get(name, CONFIG)
     for mode in ("token-mean", "seq-mean-token-mean"):
         agg = {"global_num_tokens": 40, "global_num_seqs": 9, "dp_size": 3, "loss_scale_factor": None}
         _check(name, cfg, mode, use_weights=True, agg_kwargs=agg)
@@ -382,5 +416,22 @@ def test_kl_cov_metric_and_zero_ratio():
     assert loss.item() > off.item()  # the penalty is non-negative and hits some tokens
 
 
+@pytest.mark.parametrize("kind", ["tv", "kl"])
+def test_dppo_keeps_some_tokens_and_drops_others_and_counts_them(kind):
+    _, metrics = _check(f"dppo_{kind}", DPPO_CFG, "token-mean", False, None)
+    old, logp, adv, mask = _inputs(0)
+    outside = [not _dppo_inside(kind, logp[i][t].item(), old[i][t].item(), adv[i][t].item(), DPPO_CFG)
+               for i in range(B) for t in range(T) if mask[i][t]]
+    assert 0 < sum(outside) < len(outside)  # both kinds of token in the test's batch
+    assert metrics["pg_clipfrac"].item() == pytest.approx(sum(outside) / len(outside))
+
+
+def test_dro_needs_a_positive_beta():
+    old, logp, adv, mask = _inputs(0)
+    with pytest.raises(ValueError, match="dro_beta must be positive"):
+        get_policy_loss("dro")(old, logp, adv, mask, config={**CONFIG, "policy_loss": {"dro_beta": None}})
+
+
 def test_registered_names():
-    assert {"vanilla", "reinforce", "gspo", "sapo", "geo_mean", "cispo", "clip_cov", "kl_cov", "gpg"} <= set(POLICY_LOSSES.names())
+    assert {"vanilla", "reinforce", "gspo", "sapo", "geo_mean", "cispo", "clip_cov", "kl_cov", "gpg", "dro", "dppo_tv",
+            "dppo_kl"} <= set(POLICY_LOSSES.names())
