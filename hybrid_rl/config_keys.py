@@ -251,7 +251,9 @@ RULES: tuple[Rule, ...] = tuple([
             "*.ppo_micro_batch_size", "*.log_prob_micro_batch_size", "critic.forward_micro_batch_size"),
     *_rules(NOT_YET, "vision-language models are not supported yet", "*.freeze_vision_tower"),
     *_rules(WORKS, "the weight β of loss_mode=dro's quadratic log-ratio penalty", "actor_rollout_ref.actor.policy_loss.dro_beta"),
-    *_rules(NOT_YET, "not built yet", "actor_rollout_ref.actor.use_prefix_grouper", "critic.loss_scale_factor"),
+    *_rules(NOT_YET, "not built yet", "actor_rollout_ref.actor.use_prefix_grouper"),
+    *_rules(WORKS, "the constant that loss_agg_mode=seq-mean-token-sum-norm divides the critic's value loss by "
+            "(default: the padded response length), as the actor's does", "critic.loss_scale_factor"),
     *_rules(WORKS, "the actor's log-prob pass also returns Σπ² of every next-token distribution (from the "
             "engines' chunked heads, FSDP and Megatron), which algorithm.adv_estimator=optimal_token_baseline "
             "and tir_optimal_token_baseline need", "actor_rollout_ref.actor.calculate_sum_pi_squared"),
@@ -364,7 +366,9 @@ RULES: tuple[Rule, ...] = tuple([
     # --- data
     *_rules(WORKS, "prompts per generation batch of dynamic sampling; refused without "
             "algorithm.filter_groups.enable unless equal to data.train_batch_size", "data.gen_batch_size"),
-    *_rules(NOT_YET, "not built yet", "data.validation_shuffle"),
+    *_rules(NO_EFFECT, "validation scores every row once and reports means over them; the rows keep the file's "
+            "order (verl shuffles them), which changes only which rows share a generation batch",
+            "data.validation_shuffle"),
     *_rules(WORKS, "a torch Dataset class (name) in a .py file or pkg:// module (path), built as verl builds one "
             "(data_files, tokenizer, processor=None, config, max_samples); its items are rows, the prompt in "
             "raw_prompt or data.prompt_key", "data.custom_cls.path", "data.custom_cls.name"),

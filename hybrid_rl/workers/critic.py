@@ -43,14 +43,20 @@ class CriticWorker(ModelWorker):
     def update_critic(self, batch: Batch) -> dict:
         cfg = self.cfg.critic
         batch = batch.select(list(FORWARD_KEYS) + ["response_mask", "values", "returns"], non_tensor_keys=[])
-
-        def loss_fn(out: dict, t: dict, agg_kwargs: dict):
-            loss, metrics = compute_value_loss(out["values"], t["returns"], t["values"], t["response_mask"],
-                                               cfg.cliprange_value, cfg.loss_agg_mode, agg_kwargs)
-            share = token_share(t["response_mask"], agg_kwargs)
-            return loss, {"critic/vf_loss": float(loss.detach()),
-                          **{f"critic/{k}": float(v) * share for k, v in metrics.items()}}
-
         return self.critic.update(batch, cfg, rollout_n=self.cfg.actor_rollout_ref.rollout.n,
                                   seed=self.cfg.trainer.seed + batch.meta.step, output=Output.VALUES,
-                                  temperature=1.0, loss_fn=loss_fn)
+                                  temperature=1.0, loss_fn=critic_loss(cfg))
+
+
+def critic_loss(cfg):
+    """The critic update's loss callback: the clipped value loss (`cliprange_value`), aggregated by
+    `loss_agg_mode` (seq-mean-token-sum-norm over `loss_scale_factor` when set), with its metrics."""
+    def loss_fn(out: dict, t: dict, agg_kwargs: dict):
+        loss, metrics = compute_value_loss(out["values"], t["returns"], t["values"], t["response_mask"],
+                                           cfg.cliprange_value, cfg.loss_agg_mode,
+                                           {**agg_kwargs, "loss_scale_factor": cfg.get("loss_scale_factor")})
+        share = token_share(t["response_mask"], agg_kwargs)
+        return loss, {"critic/vf_loss": float(loss.detach()),
+                      **{f"critic/{k}": float(v) * share for k, v in metrics.items()}}
+
+    return loss_fn

@@ -68,3 +68,21 @@ def test_value_loss_global_normalisation():
         for s in (slice(0, 1), slice(1, 4))
     )
     torch.testing.assert_close(parts, whole)
+
+
+def test_the_critics_loss_divides_by_its_loss_scale_factor():
+    """critic.loss_scale_factor: the constant of seq-mean-token-sum-norm (the padded length T
+    without it), as the actor's loss_scale_factor is for the policy loss."""
+    from omegaconf import OmegaConf
+
+    from hybrid_rl.workers.critic import critic_loss
+
+    vpreds, returns, values, mask = _inputs(2)
+    agg = {"global_num_tokens": float(mask.sum()), "global_num_seqs": float((mask.sum(-1) > 0).sum()), "dp_size": 1}
+    losses = {}
+    for factor in (None, 3.0):
+        cfg = OmegaConf.create({"cliprange_value": 0.5, "loss_agg_mode": "seq-mean-token-sum-norm",
+                                "loss_scale_factor": factor})
+        losses[factor], _ = critic_loss(cfg)({"values": vpreds}, {"returns": returns, "values": values,
+                                                                  "response_mask": mask}, agg)
+    torch.testing.assert_close(losses[3.0], losses[None] * vpreds.shape[1] / 3.0)

@@ -226,7 +226,7 @@ class MegatronEngine(TrainEngine):
         distributed_optimizer = bool(megatron_cfg.get("use_distributed_optimizer", True))
         # verl's keys: a checkpoint whose optimizer state loads into any layout, at the cost of
         # gathering it on save (onto every rank, or, memory-efficient, over gloo onto the first
-        # data-parallel rank only); otherwise it loads into the same data-parallel size only.
+        # data-parallel rank only); otherwise only the data-parallel size may change on loading.
         self.optimizer_metadata = {
             "distrib_optim_sharding_type": ("fully_reshardable" if megatron_cfg.get("dist_ckpt_optim_fully_reshardable")
                                             else "dp_reshardable"),
