@@ -49,6 +49,9 @@ SUBSTITUTED = (
     "*expert_model_parallel_size", "*context_parallel_size",
     "*.override_transformer_config.num_layers_in_first_pipeline_stage",
     "*.override_transformer_config.num_layers_in_last_pipeline_stage",
+    # Warmup steps are counted in the run's steps: longer than a one-step run, megatron's schedule
+    # (and verl's) refuses them.
+    "*.optim.lr_warmup_steps",
 )
 # A script's reward model (a hub classifier) becomes a classifier built from the default model,
 # its one-label score head untrained: one step needs a scorer that runs, not a good one.
