@@ -187,9 +187,10 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     check_lora(cfg)
     check_fsdp_size(cfg)
     check_sequence_parallel(cfg)
-    check_optimizer_overrides(cfg)
+    check_optimizers(cfg)
     check_schedules(cfg)
     resolve_clip_grad(cfg)
+    check_tiled_mlp(cfg)
     if cfg.actor_rollout_ref.model.compile_layers and cfg.actor_rollout_ref.actor.strategy == "megatron":
         raise ConfigError("actor_rollout_ref.model.compile_layers=true compiles the FSDP engine's decoder layers, "
                           "which the Megatron engine does not have; set it to false, or "
@@ -676,32 +677,47 @@ def check_fsdp_size(cfg: DictConfig) -> None:
                               f"or a divisor of {world}: {_divisors(world)}.")
 
 
-# torch AdamW's own arguments that come from other keys: the parameters and optim.lr / betas /
-# weight_decay (an override may still set the last three, as in verl).
-_ADAMW_FROM_OTHER_KEYS = ("self", "params")
+def check_optimizers(cfg: DictConfig) -> None:
+    """Each trained role's optimizer. FSDP: verl's `optim.optimizer` class in `optimizer_impl`
+    with its arguments (`override_optimizer_config` as the class names them). Megatron: megatron's
+    adam, its `override_optimizer_config` checked where megatron-core is imported (the engine)."""
+    from hybrid_rl.engines import optimizers
 
-
-def check_optimizer_overrides(cfg: DictConfig) -> None:
-    """verl's `optim.override_optimizer_config` on an FSDP role: more arguments for torch's
-    AdamW, named as its constructor names them. (A Megatron role's are megatron's
-    `OptimizerConfig` fields, checked where megatron-core is imported: the engine.)"""
-    import inspect
-
-    import torch
-
-    accepted = [name for name in inspect.signature(torch.optim.AdamW).parameters if name not in _ADAMW_FROM_OTHER_KEYS]
     for key in ("actor_rollout_ref.actor", "critic"):
         role = OmegaConf.select(cfg, key)
-        override = role.optim.get("override_optimizer_config") if role is not None else None
-        if not override or role.strategy == "megatron":
+        if role is None:
             continue
-        if not OmegaConf.is_dict(override):
-            raise ConfigError(f"{key}.optim.override_optimizer_config={override} must be a mapping of optimizer "
-                              "arguments, e.g. {eps: 1e-6}.")
-        unknown = sorted(set(override) - set(accepted))
-        if unknown:
-            raise ConfigError(f"{key}.optim.override_optimizer_config sets {', '.join(unknown)}, which torch's AdamW "
-                              f"(the FSDP engine's optimizer) does not take; its arguments: {', '.join(accepted)}.")
+        optim = role.optim
+        if role.strategy == "megatron":
+            if optim.get("optimizer", "adam") != "adam":
+                raise ConfigError(f"{key}.optim.optimizer={optim.optimizer}: the Megatron engine runs megatron's adam "
+                                  "(AdamW) only; its sgd and Muon are not built yet. Set optim.optimizer=adam, or "
+                                  f"{key}.strategy=fsdp2 for torch's optimizers.")
+            continue
+        try:
+            optimizers.optimizer_arguments(f"{key}.optim", optim, optimizers.optimizer_class(f"{key}.optim", optim))
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+
+
+def check_tiled_mlp(cfg: DictConfig) -> None:
+    """`model.tiled_mlp` tiles the FSDP engine's transformers MLPs; a model on the Megatron engine
+    (megatron's own layers) is refused, as is a shard count that is not a positive integer."""
+    roles = {"actor_rollout_ref.model": ("actor_rollout_ref.actor", "actor_rollout_ref.ref"),
+             "critic.model": ("critic",), "reward_model.model": ("reward_model",)}
+    for model_key, role_keys in roles.items():
+        tiled = OmegaConf.select(cfg, f"{model_key}.tiled_mlp")
+        if not tiled or not tiled.get("enabled", False):
+            continue
+        shards = tiled.get("num_shards", 4)
+        if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
+            raise ConfigError(f"{model_key}.tiled_mlp.num_shards={shards} must be a positive integer (verl's "
+                              "default: 4).")
+        megatron = [key for key in role_keys if OmegaConf.select(cfg, f"{key}.strategy") == "megatron"]
+        if megatron:
+            raise ConfigError(f"{model_key}.tiled_mlp.enabled=true tiles the FSDP engine's transformers MLPs, and "
+                              f"{megatron[0]}.strategy=megatron builds megatron's layers; set it to false (megatron's "
+                              "recomputation: model.enable_gradient_checkpointing=true), or use strategy=fsdp2.")
 
 
 def resolve_clip_grad(cfg: DictConfig) -> None:
@@ -733,6 +749,14 @@ def check_schedules(cfg: DictConfig) -> None:
             except ValueError as error:
                 raise ConfigError(str(error)) from None
             continue
+        style = role.optim.get("warmup_style")
+        if style is not None:  # verl's deprecated name for lr_scheduler_type
+            _choice(style, ("constant", "cosine"), f"{key}.optim.warmup_style")
+            if role.optim.lr_scheduler_type not in ("constant", style):
+                raise ConfigError(f"{key}.optim.warmup_style={style} and lr_scheduler_type="
+                                  f"{role.optim.lr_scheduler_type} are the same setting (older verl's name and "
+                                  "verl 0.9's); set lr_scheduler_type only.")
+            role.optim.lr_scheduler_type = style
         _choice(role.optim.lr_scheduler_type, ("constant", "cosine"), f"{key}.optim.lr_scheduler_type")
         megatron_keys = [name for name, default in megatron_schedule.DEFAULTS.items()
                          if role.optim.get(name, default) != default]

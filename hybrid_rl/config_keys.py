@@ -226,17 +226,22 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NO_EFFECT, ROUTE_FILES, "*.megatron.router_replay.*"),
     *_rules(NOT_YET, "not built yet for the Megatron engine", "*.megatron.*", "critic.nccl_timeout"),
     # --- optimiser
-    *_rules(NOT_YET, "only AdamW is built (torch's, or megatron's adam, which is AdamW)", "*.optim.optimizer",
-            "*.optim.optimizer_impl"),
-    *_rules(WORKS, "more optimizer settings, over ours: torch AdamW's arguments on FSDP, megatron OptimizerConfig "
-            "fields on Megatron (its CPU-offload and precision-aware-optimizer ones are dropped with a warning on "
-            "CPU, where the optimizer state is in host memory already)", "*.optim.override_optimizer_config"),
+    *_rules(WORKS, "the optimizer: on FSDP the class optim.optimizer of the module optim.optimizer_impl, given "
+            "lr, weight_decay and, for an Adam-like name, betas, as verl gives them (torch.optim's classes tested; "
+            "another module, e.g. torchao.optim, is imported by name, not run here); on Megatron megatron's adam "
+            "(its sgd and Muon are refused: not built yet)", "*.optim.optimizer", "*.optim.optimizer_impl"),
+    *_rules(WORKS, "more optimizer settings, over ours: the FSDP optimizer class's own arguments, megatron "
+            "OptimizerConfig fields on Megatron (its CPU-offload and precision-aware-optimizer ones are dropped with "
+            "a warning on CPU, where the optimizer state is in host memory already)",
+            "*.optim.override_optimizer_config"),
     *_rules(NO_EFFECT, "the schedule length comes from the trainer (trainer.total_training_steps)",
             "*.optim.total_training_steps"),
     *_rules(WORKS, "the gradient-norm clip (verl 0.9's key); actor.grad_clip / critic.grad_clip, older verl's, "
             "is the same setting", "*.optim.clip_grad"),
-    *_rules(NOT_YET, "the scheduler counts steps from 0 as verl's default does", "*.optim.zero_indexed_step"),
-    *_rules(NOT_YET, "use optim.lr_scheduler_type (constant or cosine)", "*.optim.warmup_style"),
+    *_rules(WORKS, "false: the cosine schedule counts from 1 (torchtitan's count), as in verl, whose constant "
+            "schedule counts from 0 either way (so a warmup's first update has lr 0)", "*.optim.zero_indexed_step"),
+    *_rules(WORKS, "older verl's name for optim.lr_scheduler_type (constant or cosine); a different "
+            "lr_scheduler_type set beside it is refused", "*.optim.warmup_style"),
     *_rules(WORKS, "the Megatron engine's schedule: megatron's OptimizerParamScheduler, set from these keys as "
             "verl's Megatron engine sets it (lr_scheduler_type=cosine is its cosine decay to min_lr_ratio x lr); "
             "refused with the FSDP engine, whose schedule is lr_scheduler_type's",
@@ -302,11 +307,14 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(WORKS, "modules (a name, a list of names, or .py files) imported in the driver and every worker "
             "before a model is read, so that the models they register load in the trainer and the vLLM engine",
             "*.model.external_lib"),
+    *_rules(WORKS, "the FSDP engine runs each decoder layer's dense MLP over its tokens in num_shards slices, "
+            "each under activation checkpointing: the MLP's intermediate activations exist for one slice at a time "
+            "(expert blocks stay whole; as verl 0.7-0.8 did it, verl 0.9.1 reads the keys nowhere); refused on "
+            "the Megatron engine", "*.model.tiled_mlp.enabled", "*.model.tiled_mlp.num_shards"),
     *_rules(NOT_YET, "not built yet",
-            "*.model.enable_activation_offload", "*.model.use_liger", "*.model.tiled_mlp.enabled",
-            "actor_rollout_ref.model.mtp.enable"),
+            "*.model.enable_activation_offload", "*.model.use_liger", "actor_rollout_ref.model.mtp.enable"),
     *_rules(NO_EFFECT, "read only with the feature above it enabled, which is not supported yet",
-            "*.model.tiled_mlp.num_shards", "actor_rollout_ref.model.mtp.*", "actor_rollout_ref.rollout.mtp"),
+            "actor_rollout_ref.model.mtp.*", "actor_rollout_ref.rollout.mtp"),
     *_rules(NO_EFFECT, "models are read from local folders; there is no shared-memory copy", "*.use_shm"),
     # --- rollout
     *_rules(WORKS, "vLLM returns each token's experts for router replay R3; GPU only (vLLM's V2 model runner; refused "
@@ -328,7 +336,7 @@ RULES: tuple[Rule, ...] = tuple([
             "order is fcfs's)", "actor_rollout_ref.rollout.scheduling_policy"),
     *_rules(NOT_YET, "not built yet", "actor_rollout_ref.rollout.nnodes",
             "actor_rollout_ref.rollout.cudagraph_capture_sizes", "actor_rollout_ref.rollout.pipeline_model_parallel_size",
-            "actor_rollout_ref.rollout.over_sample_rate", "actor_rollout_ref.rollout.router_config_path",
+            "actor_rollout_ref.rollout.router_config_path",
             "actor_rollout_ref.rollout.quantization",
             "actor_rollout_ref.rollout.quantization_config_file", "actor_rollout_ref.rollout.disaggregation.enabled",
             "actor_rollout_ref.rollout.prometheus.enable", "actor_rollout_ref.rollout.trace.backend",
@@ -351,8 +359,10 @@ RULES: tuple[Rule, ...] = tuple([
             "actor_rollout_ref.rollout.agent.custom_async_server.*"),
     *_rules(NOT_YET, "tools are classes named in multi_turn.tool_config_path; Python functions as tools are "
             "not built yet", "actor_rollout_ref.rollout.multi_turn.function_tool_path", "data.function_tool_path"),
-    *_rules(NOT_YET, "repeated rollouts of one prompt inside a trajectory are not built yet",
-            "actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts"),
+    *_rules(NO_EFFECT, "verl's code (0.7.0 to 0.9.1) reads it nowhere; the rollout runs every request to its end, "
+            "as verl's does", "actor_rollout_ref.rollout.over_sample_rate"),
+    *_rules(NO_EFFECT, "verl's code (0.7.0 to 0.9.1) reads it nowhere; each prompt's n responses are separate "
+            "trajectories, as in verl", "actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts"),
     *_rules(NO_EFFECT, "a trajectory is trained on the exact token ids the engine sampled and the tool turns "
             "inserted; nothing is rendered or tokenised again", "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template",
             "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode"),

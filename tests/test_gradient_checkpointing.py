@@ -16,11 +16,13 @@ from tests.conftest import build_tiny_model
 from tests.engine_helpers import actor_config, make_engine, step, weights
 
 
-def checkpointed_update(model_dir: str, checkpointing: bool, device=torch.device("cpu"), strategy="fsdp2") -> dict:
+def checkpointed_update(model_dir: str, checkpointing: bool, device=torch.device("cpu"), strategy="fsdp2",
+                        extra=()) -> dict:
     """One update; the bytes of every tensor the forward passes saved for backward. A checkpointed
     region keeps only its inputs; what its recomputation saves inside the backward pass (where
     megatron's reentrant checkpoint calls these hooks too) lives one layer at a time, uncounted."""
-    cfg = actor_config(strategy, extra=[f"actor_rollout_ref.model.enable_gradient_checkpointing={checkpointing}"])
+    cfg = actor_config(strategy, extra=[f"actor_rollout_ref.model.enable_gradient_checkpointing={checkpointing}",
+                                        *extra])
     engine = make_engine(cfg, model_dir, device)
     saved = [0]
 

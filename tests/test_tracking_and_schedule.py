@@ -69,16 +69,38 @@ def optim(**kw):
 
 
 def test_constant_with_warmup_steps():
+    """verl's count: the first update is step 0, at lr 0 in a warmup."""
     f = lr_lambda(optim(lr_warmup_steps=4), total_steps=10)
-    assert [f(s) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert [f(s) for s in range(6)] == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    # zero_indexed_step shifts only verl's cosine schedule, not its constant one.
+    assert lr_lambda(optim(lr_warmup_steps=4, zero_indexed_step=False), total_steps=10)(0) == 0.0
 
 
-def test_warmup_ratio_then_cosine_to_min():
+@pytest.mark.parametrize("zero_indexed", [True, False])
+def test_warmup_ratio_then_cosine_to_min(zero_indexed):
     total, warmup, floor = 20, 5, 0.1
-    f = lr_lambda(optim(lr_warmup_steps_ratio=0.25, lr_scheduler_type="cosine", min_lr_ratio=floor), total)
-    assert f(0) == pytest.approx(1 / warmup) and f(warmup - 1) == pytest.approx(1.0)
-    for step in range(warmup, total + 1):
-        progress = (step - warmup) / (total - warmup)
-        expected = floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-        assert f(step) == pytest.approx(expected)
-    assert f(total) == pytest.approx(floor)
+    f = lr_lambda(optim(lr_warmup_steps_ratio=0.25, lr_scheduler_type="cosine", min_lr_ratio=floor,
+                        zero_indexed_step=zero_indexed), total)
+    for update in range(total):
+        count = update if zero_indexed else update + 1  # torchtitan's count starts at 1
+        if count < warmup:
+            expected = count / warmup
+        else:
+            progress = (count - warmup) / (total - warmup)
+            expected = floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        assert f(update) == pytest.approx(expected), update
+    assert f(total - (0 if zero_indexed else 1)) == pytest.approx(floor)
+
+
+def test_warmup_style_is_the_older_name_of_lr_scheduler_type():
+    from hybrid_rl.config import ConfigError, validate_config
+    from hybrid_rl.config_keys import compose_config
+
+    key = "actor_rollout_ref.actor.optim"
+    cfg = compose_config([f"{key}.warmup_style=cosine"])
+    validate_config(cfg)
+    assert cfg.actor_rollout_ref.actor.optim.lr_scheduler_type == "cosine"
+    with pytest.raises(ConfigError, match="warmup_style=constant and lr_scheduler_type=cosine are the same setting"):
+        validate_config(compose_config([f"{key}.warmup_style=constant", f"{key}.lr_scheduler_type=cosine"]))
+    with pytest.raises(ConfigError, match="warmup_style"):
+        validate_config(compose_config([f"{key}.warmup_style=linear"]))

@@ -76,6 +76,8 @@ HEAD_CLASSES = {Head.LM: "AutoModelForCausalLM", Head.VALUE: "AutoModelForTokenC
 
 
 # Each role's model section in the config.
+ROLE_KEYS = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "critic": "critic",
+             "reward_model": "reward_model"}
 MODEL_KEYS = {"actor": "actor_rollout_ref.model", "ref": "actor_rollout_ref.model", "critic": "critic.model",
               "reward_model": "reward_model.model"}
 
@@ -96,6 +98,11 @@ class ModelSpec:
     def model_key(self) -> str:
         """Where `model_cfg` sits in the config, for error messages."""
         return MODEL_KEYS[self.role]
+
+    @property
+    def role_key(self) -> str:
+        """Where the role's own section (strategy, optim, fsdp_config, megatron) sits in the config."""
+        return ROLE_KEYS[self.role]
 
 
 # loss_fn(outputs, micro, agg_kwargs) -> (loss, {metric: float}); see `TrainEngine.update`.
@@ -388,17 +395,22 @@ def token_share(mask: torch.Tensor, agg_kwargs: dict) -> float:
 
 
 def lr_lambda(optim_cfg: Any, total_steps: int):
-    """Warmup then constant or cosine decay, as a multiplier of the base learning rate."""
+    """Warmup then constant or cosine decay, as a multiplier of the base learning rate, counted as
+    verl counts it: the first update is step 0, so a warmup starts at 0. `zero_indexed_step=false`
+    (torchtitan's count, from 1) shifts the cosine schedule by one step, as in verl, whose constant
+    schedule counts from 0 either way."""
     warmup = optim_cfg.lr_warmup_steps
     if warmup is None or warmup < 0:
         warmup = int(optim_cfg.lr_warmup_steps_ratio * total_steps)
     kind = optim_cfg.lr_scheduler_type
     min_ratio = optim_cfg.min_lr_ratio or 0.0
     cycles = optim_cfg.num_cycles
+    shift = 0 if kind == "constant" or optim_cfg.get("zero_indexed_step", True) else 1
 
     def factor(step: int) -> float:
-        if warmup > 0 and step < warmup:
-            return (step + 1) / warmup
+        step += shift
+        if step < warmup:
+            return step / warmup
         if kind == "constant":
             return 1.0
         progress = (step - warmup) / max(1, total_steps - warmup)

@@ -22,8 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from hybrid_rl.config_keys import plain
-from hybrid_rl.engines import hf_model, lora, routing, ulysses
+from hybrid_rl.engines import hf_model, lora, optimizers, routing, tiled_mlp, ulysses
 from hybrid_rl.engines.base import ROUTES_KEY, Head, ModelSpec, Output, TrainEngine, lr_lambda
 
 
@@ -85,16 +84,10 @@ def compile_layers(model: torch.nn.Module) -> None:
         layer.compile(dynamic=True)
 
 
-def build_optimizer(model: torch.nn.Module, optim_cfg: Any, total_steps: int):
-    """torch's AdamW, with verl's `optim.override_optimizer_config` as more of its arguments
-    (`config.check_optimizer_overrides` has checked their names)."""
-    # The fused kernel (CPU and CUDA, DTensor shards included) makes one pass over each tensor;
-    # the default for-each path costs ~5x more on CPU.
-    settings = {"lr": optim_cfg.lr, "betas": tuple(optim_cfg.betas), "weight_decay": optim_cfg.weight_decay,
-                "fused": True, **(plain(optim_cfg.get("override_optimizer_config")) or {})}
-    if settings.get("foreach"):  # torch takes one of the two implementations
-        settings["fused"] = False
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **settings)
+def build_optimizer(model: torch.nn.Module, optim_cfg: Any, total_steps: int, key: str = "optim"):
+    """The role's optimizer (`engines/optimizers.py`: verl's optim.optimizer in optim.optimizer_impl,
+    torch's AdamW by default) over the trained parameters, and its learning-rate schedule."""
+    optimizer = optimizers.build(key, optim_cfg, [p for p in model.parameters() if p.requires_grad])
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim_cfg, total_steps))
     return optimizer, scheduler
 
@@ -137,6 +130,9 @@ class FSDPEngine(TrainEngine):
             group = self.sequence_parallel.group if self.sequence_parallel else None
             self.route_replay = routing.RouteReplay(decoder_layers(model), model.config, group)
             self.options = dataclasses.replace(self.options, routes=self.route_replay)
+        tiled = spec.model_cfg.get("tiled_mlp") or {}
+        if tiled.get("enabled", False):
+            tiled_mlp.tile_mlps(decoder_layers(model), tiled.get("num_shards", 4), f"{spec.model_key}.tiled_mlp")
         if spec.model_cfg.get("compile_layers", False):
             compile_layers(model)
         self.share_prompts = self.options.share_prompts
@@ -151,7 +147,8 @@ class FSDPEngine(TrainEngine):
         self.module = shard_model(model, mesh, param_dtype,
                                   fsdp_cfg.reshard_after_forward if trainable else True, cpu_offload)
         if trainable:
-            self.optimizer, self.scheduler = build_optimizer(self.module, spec.optim_cfg, spec.total_steps)
+            self.optimizer, self.scheduler = build_optimizer(self.module, spec.optim_cfg, spec.total_steps,
+                                                               f"{spec.role_key}.optim")
         self.offload_params = on_gpu and not cpu_offload and bool(fsdp_cfg.get("param_offload", False))
         self.offload_optimizer = on_gpu and trainable and bool(fsdp_cfg.get("optimizer_offload", False))
         if self.offload_params:

@@ -57,8 +57,6 @@ for _message in (r"(Transformer Engine and )?Apex (is|are) not installed", r"ful
 OUTPUT_KEYS = {Output.LOG_PROBS: ("log_probs",), Output.LOG_PROBS_ENTROPY: ("log_probs", "entropy"),
                Output.LOG_PROBS_SUM_PI_SQUARED: ("log_probs", "sum_pi_squared"), Output.VALUES: ("values",),
                Output.SCORES: ("scores",)}
-ROLE_KEYS = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "critic": "critic",
-             "reward_model": "reward_model"}
 LAYOUT_FILE = "megatron_layout.json"  # the layout a checkpoint was saved in, and its optimizer state's format
 FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
@@ -104,7 +102,7 @@ class MegatronEngine(TrainEngine):
         hf_config = model_config(spec.path, spec.model_cfg)
         self.layout = convert.Layout.from_hf_config(hf_config, value_head=spec.head in (Head.VALUE, Head.SCORE),
                                                     head_bias=spec.head is Head.VALUE)
-        check_layout(ROLE_KEYS[spec.role], megatron_cfg, self.layout, dist.get_world_size())
+        check_layout(spec.role_key, megatron_cfg, self.layout, dist.get_world_size())
         tp, pp, vpp = parallel_sizes(megatron_cfg)
         ep, cp = expert_parallel_size(megatron_cfg), context_parallel_size(megatron_cfg)
         self.parallel_layout = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
@@ -124,7 +122,7 @@ class MegatronEngine(TrainEngine):
             if (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
                     parallel_state.get_expert_model_parallel_world_size(),
                     parallel_state.get_context_parallel_world_size()) != (tp, pp, ep, cp):
-                raise ValueError(f"{ROLE_KEYS[spec.role]}.megatron sets TP={tp}, PP={pp}, EP={ep}, CP={cp}, but this "
+                raise ValueError(f"{spec.role_key}.megatron sets TP={tp}, PP={pp}, EP={ep}, CP={cp}, but this "
                                  "process already runs another model with a different layout: the roles on Megatron "
                                  "must share tensor_model_parallel_size, pipeline_model_parallel_size, "
                                  "expert_model_parallel_size and context_parallel_size.")
@@ -132,7 +130,7 @@ class MegatronEngine(TrainEngine):
             half = {} if dtype == torch.float32 else {
                 "bf16": dtype == torch.bfloat16, "fp16": dtype == torch.float16, "params_dtype": dtype,
                 "pipeline_dtype": dtype}
-            overrides = transformer_overrides(f"{ROLE_KEYS[spec.role]}.megatron.override_transformer_config",
+            overrides = transformer_overrides(f"{spec.role_key}.megatron.override_transformer_config",
                                               megatron_cfg.get("override_transformer_config"), device)
             if trainable:
                 if spec.model_cfg.get("enable_gradient_checkpointing", False):
@@ -144,11 +142,11 @@ class MegatronEngine(TrainEngine):
                             overrides[key] = value
             overrides.update(half)
             replay = replay_mode(role_cfg)
-            routing.check_replayable(ROLE_KEYS[spec.role], replay, self.layout)
+            routing.check_replayable(spec.role_key, replay, self.layout)
             if replay != "disabled" and overrides.pop("moe_router_fusion", False):
                 # Transformer Engine's fused top-k does not call megatron's replay hook.
                 logger.warning("%s.megatron.override_transformer_config: moe_router_fusion not applied (router replay "
-                               "needs megatron's own top-k).", ROLE_KEYS[spec.role])
+                               "needs megatron's own top-k).", spec.role_key)
             # Adapters sit beside megatron's own parallel linears (the local spec on CUDA too), and
             # latent attention converts to the local spec's layout (TE fuses its norms differently).
             te = mmodel.has_transformer_engine(device) and lora is None and self.layout.latent is None
@@ -175,7 +173,7 @@ class MegatronEngine(TrainEngine):
                         # The adapters' own values, before the chunks are cast to half precision.
                         tensors.update({name: param.float() for name, param in self.models[index].named_parameters()
                                         if mlora.is_adapter_tensor(name)})
-            if trainable and frozen_routers(ROLE_KEYS[spec.role], megatron_cfg, self.layout):
+            if trainable and frozen_routers(spec.role_key, megatron_cfg, self.layout):
                 mmodel.freeze_routers(self.models)
             chunk_size = hf_model.forward_options(spec.model_cfg, dtype, device).head_chunk_size
             self.head = mmodel.ResponsePositionsHead(self.models, self.config.sequence_parallel, chunk_size,
@@ -241,7 +239,7 @@ class MegatronEngine(TrainEngine):
         self.config.finalize_model_grads_func = finalize_model_grads
         no_sync = [chunk.no_sync for chunk in self.chunks]
         self.config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
-        optim, optim_key = spec.optim_cfg, f"{ROLE_KEYS[spec.role]}.optim"
+        optim, optim_key = spec.optim_cfg, f"{spec.role_key}.optim"
         schedule_arguments = schedule.settings(optim_key, optim, spec.total_steps)
         betas = tuple(optim.betas)
         self.optimizer = get_megatron_optimizer(
