@@ -689,7 +689,8 @@ def check_optimizers(cfg: DictConfig) -> None:
             continue
         optim = role.optim
         if role.strategy == "megatron":
-            if optim.get("optimizer", "adam") != "adam":
+            # The FSDP tree names the same optimizer AdamW (verl's ppo_trainer with strategy=megatron).
+            if optim.get("optimizer", "adam") not in ("adam", "AdamW"):
                 raise ConfigError(f"{key}.optim.optimizer={optim.optimizer}: the Megatron engine runs megatron's adam "
                                   "(AdamW) only; its sgd and Muon are not built yet. Set optim.optimizer=adam, or "
                                   f"{key}.strategy=fsdp2 for torch's optimizers.")

@@ -119,7 +119,8 @@ CONFIG_CASES = [
                                       "actor_rollout_ref.actor.use_dynamic_bsz=false"],
          ConfigError, "ppo_micro_batch_size_per_gpu (5)", "32 sequences", "divides 32"),
     case("unknown-optimizer-override", ["+actor_rollout_ref.actor.optim.override_optimizer_config.epsilon=1e-6"],
-         ConfigError, "override_optimizer_config sets epsilon, which torch's AdamW", "eps"),
+         ConfigError, "torch.optim.AdamW does not take epsilon (from actor_rollout_ref.actor.optim.override_"
+         "optimizer_config)", "eps"),
     case("train-dtype-typo", ["actor_rollout_ref.actor.fsdp_config.dtype=bf32"],
          ConfigError, "actor_rollout_ref.actor.fsdp_config.dtype", "bf32"),
     case("engine-dtype-typo", ["actor_rollout_ref.rollout.dtype=half"],
