@@ -156,3 +156,44 @@ def read_trainer_state(folder: Path) -> dict:
     except (OSError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"Cannot read {folder / STATE} ({exc}); the checkpoint is corrupt. Resume from an "
                               "earlier global_step_<N> folder with trainer.resume_mode=resume_path.") from exc
+
+
+CALLBACK_KEY = "trainer.checkpoint_callback_class"
+
+
+def build_checkpoint_callback(cfg):
+    """verl's `trainer.checkpoint_callback_class`: the class (package.module.Class) is built in the
+    driver with `config=` the run's config, and its `on_save(trainer=, global_step=,
+    checkpoint_dir=, async_save=False)` runs after each checkpoint is complete and the latest
+    (uploading it, registering a model version). verl's base class is not needed: any class with
+    that method. None when the key is unset."""
+    from hybrid_rl.user_code import load_class
+
+    name = cfg.trainer.get("checkpoint_callback_class")
+    if not name:
+        return None
+    cls = load_class(name, CALLBACK_KEY)
+    if not callable(getattr(cls, "on_save", None)):
+        raise ValueError(f"{CALLBACK_KEY}={name}: the class has no on_save method; define "
+                         "on_save(self, trainer, global_step, checkpoint_dir, async_save=False, **kwargs).")
+    try:
+        return cls(config=cfg)
+    except Exception as exc:  # re-raised with the setting to fix
+        raise ValueError(f"{CALLBACK_KEY}={name}: building it as {cls.__name__}(config=<the run's config>) failed "
+                         f"with {type(exc).__name__}: {exc}") from exc
+
+
+class CheckpointCallbackError(RuntimeError):
+    """The checkpoint callback's on_save raised; the checkpoint itself is complete."""
+
+
+def run_checkpoint_callback(callback, trainer, step: int, folder: Path) -> None:
+    """`callback.on_save` for the checkpoint just completed. Its failure stops the run (an upload
+    it was to make did not happen), saying that the checkpoint is intact."""
+    try:
+        callback.on_save(trainer=trainer, global_step=step, checkpoint_dir=str(folder), async_save=False)
+    except Exception as exc:
+        raise CheckpointCallbackError(
+            f"{CALLBACK_KEY}: {type(callback).__name__}.on_save failed for checkpoint {folder} with "
+            f"{type(exc).__name__}: {exc}. The checkpoint is complete; fix the callback and rerun the same command "
+            "to resume from it (the callback is not called again for it).") from exc

@@ -424,7 +424,11 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NO_EFFECT, "verl's asynchronous trainer overlaps generation batches; here they run one after another",
             "algorithm.filter_groups.max_inflight_gen_batches"),
     # --- trainer
-    *_rules(NOT_YET, "not built yet", "trainer.checkpoint_callback_class", "trainer.default_hdfs_dir",
+    *_rules(WORKS, "a class (package.module.Class) built in the driver with config=<the run's config>; its "
+            "on_save(trainer=, global_step=, checkpoint_dir=, async_save=False) runs after each checkpoint is "
+            "complete and the latest; its failure stops the run with the checkpoint intact (verl 0.9.1 calls it in "
+            "its v1 trainer only; verl's base class is not needed)", "trainer.checkpoint_callback_class"),
+    *_rules(NOT_YET, "not built yet", "trainer.default_hdfs_dir",
             "trainer.del_local_ckpt_after_load", "trainer.esi_redundant_time",
             "trainer.v1.trainer_mode", "trainer.v1.sampler.custom_sampler.path"),
     *_rules(NO_EFFECT, "verl's choice between its own trainer implementations", "trainer.use_v1",

@@ -392,6 +392,7 @@ class SetupError(RuntimeError):
 @hydra.main(config_path=str(CONF_DIR), config_name="ppo_trainer", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     OmegaConf.resolve(cfg)
+    from hybrid_rl.checkpoint import CheckpointCallbackError
     from hybrid_rl.trainer import DynamicSamplingError, WorkerFailure
 
     stop = GracefulStop()
@@ -411,6 +412,9 @@ def main(cfg: DictConfig) -> None:
         sys.exit(1)
     except DynamicSamplingError as exc:
         print(f"error: {exc} Complete checkpoints are intact.", file=sys.stderr)
+        sys.exit(1)
+    except CheckpointCallbackError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
         print(f"Stopped by {signal.Signals(stop.exit_code - 128).name}; no checkpoint was written for the "

@@ -31,7 +31,8 @@ from hybrid_rl.algorithms import (
     groups_with_variance, mismatch_metrics, overlong_penalty, pf_ppo_resample, shape_advantages, shape_scores,
 )
 from hybrid_rl import seqlen_balancing
-from hybrid_rl.checkpoint import CRITIC, CheckpointManager, read_trainer_state
+from hybrid_rl.checkpoint import (CRITIC, CheckpointManager, build_checkpoint_callback, read_trainer_state,
+                                  run_checkpoint_callback)
 from hybrid_rl.config import FILTER_METRICS_OF_BATCH, needs_critic, needs_reference, to_container
 from hybrid_rl.console import RunSummary, quiet_env
 from hybrid_rl.controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool, WorkerError, create_colocated_worker_cls
@@ -228,8 +229,9 @@ class Trainer:
         self.reset_run_state()
         self.checkpoints = CheckpointManager(cfg.trainer.default_local_dir, cfg.trainer.max_actor_ckpt_to_keep,
                                              cfg.trainer.max_critic_ckpt_to_keep)
-        # Resolved now, before any worker starts, so a bad resume path fails fast.
+        # Resolved now, before any worker starts, so a bad resume path or callback fails fast.
         self.resume_from = self.checkpoints.resume_folder(cfg.trainer.resume_mode, cfg.trainer.resume_from_path)
+        self.checkpoint_callback = build_checkpoint_callback(cfg)
 
     def reset_run_state(self) -> None:
         """Driver-side state that a checkpoint restores; fresh values for a run from scratch."""
@@ -544,7 +546,9 @@ class Trainer:
                  "kl_ctrl": self.kl_ctrl.state_dict(), "reward_stats": self.reward_stats.state_dict(),
                  "weights_version": self.weights_version, "launched_step": self.launched_step,
                  "config": to_container(self.cfg)}
-        self.checkpoints.save(self.global_step, write_parts, state, before_commit)
+        folder = self.checkpoints.save(self.global_step, write_parts, state, before_commit)
+        if self.checkpoint_callback is not None:
+            run_checkpoint_callback(self.checkpoint_callback, self, self.global_step, folder)
 
     def load_checkpoint(self, folder) -> None:
         state = read_trainer_state(folder)

@@ -76,6 +76,20 @@ def load_object(path: str | os.PathLike, name: str, key: str, expected: str) -> 
     return getattr(module, name)
 
 
+def load_class(qualified_name: str, key: str) -> type:
+    """The class `package.module.Class` (verl's fully qualified name), named by the setting `key`."""
+    module_name, _, name = str(qualified_name).rpartition(".")
+    if not module_name or not name:
+        raise ValueError(f"{key}={qualified_name} must be a fully qualified class name, package.module.Class.")
+    module = load_module(PACKAGE_PREFIX + module_name, key)
+    found = getattr(module, name, None)
+    if not inspect.isclass(found):
+        classes = [attr for attr in public_names(module) if inspect.isclass(getattr(module, attr))]
+        raise ValueError(f"{key}={qualified_name}: the module {module_name} has no class {name!r}; its classes: "
+                         f"{', '.join(classes) or 'none'}.")
+    return found
+
+
 # verl's keys naming modules to import before any model is read.
 EXTERNAL_LIB_KEYS = ("actor_rollout_ref.model.external_lib", "critic.model.external_lib",
                      "reward_model.model.external_lib")

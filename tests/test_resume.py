@@ -46,7 +46,8 @@ def command(model_dir, files, run_dir, rollout: str, engine: str = "fsdp") -> li
             f"trainer.total_training_steps={STEPS}", "trainer.save_freq=1", "trainer.test_freq=2",
             "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.actor.optim.lr=1e-3",
-            f"actor_rollout_ref.rollout.name={rollout}", "trainer.cpus_per_worker=1"]
+            f"actor_rollout_ref.rollout.name={rollout}", "trainer.cpus_per_worker=1",
+            "trainer.checkpoint_callback_class=tests.checkpoint_callbacks.RecordSaves"]
 
 
 def run(cmd) -> None:
@@ -108,6 +109,11 @@ def test_kill_and_resume_is_exact(straight_run, tiny_model_dir, arithmetic_files
     assert CheckpointManager(str(resumed)).latest().name == "global_step_2"
     run(command(tiny_model_dir, arithmetic_files, resumed, "vllm"))
     assert_same_run(straight, resumed)
+    # The checkpoint callback ran once per checkpoint, each complete and the latest by then.
+    saves = [json.loads(line) for line in open(straight / "saves.jsonl")]
+    assert saves == [{"step": step, "folder": str(straight / f"global_step_{step}"), "latest": step,
+                      "async_save": False, "complete": True, "trainer_step": step} for step in range(1, STEPS + 1)]
+    assert [row["step"] for row in map(json.loads, open(resumed / "saves.jsonl"))][-2:] == [3, 4]
 
 
 @pytest.mark.parametrize("rollout, engine", [("hf", "fsdp"), ("vllm", "megatron"), ("vllm", "lora")])
