@@ -158,6 +158,32 @@ def read_trainer_state(folder: Path) -> dict:
                               "earlier global_step_<N> folder with trainer.resume_mode=resume_path.") from exc
 
 
+# When the machines' capacity block ends (seconds since the epoch), as Volcano Engine's machine
+# learning platform and AWS SageMaker's training plans tell their jobs (verl reads the same).
+CAPACITY_BLOCK_END_VARS = ("MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP",
+                           "SAGEMAKER_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP")
+CHECKPOINT_SECONDS = 60  # what verl allows for writing one
+
+
+def capacity_block_ending(longest_step_seconds: float, spare_seconds: float, now: float | None = None) -> bool:
+    """Whether the capacity block ends before another step and a checkpoint could be done:
+    0 < seconds left <= 60 + the longest step so far + `spare_seconds` (verl's
+    trainer.esi_redundant_time). False where neither variable is set or readable."""
+    import time
+
+    for name in CAPACITY_BLOCK_END_VARS:
+        value = os.environ.get(name)
+        if value:
+            try:
+                left = float(value) - (time.time() if now is None else now)
+            except ValueError:
+                logger.warning("%s=%r is not a timestamp; the checkpoint before the capacity block ends is not "
+                               "scheduled.", name, value)
+                return False
+            return longest_step_seconds > 0 and 0 < left <= CHECKPOINT_SECONDS + longest_step_seconds + spare_seconds
+    return False
+
+
 CALLBACK_KEY = "trainer.checkpoint_callback_class"
 
 

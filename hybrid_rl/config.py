@@ -242,6 +242,10 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     if not isinstance(trainer.critic_warmup, int) or trainer.critic_warmup < 0:
         raise ConfigError(f"trainer.critic_warmup={trainer.critic_warmup} must be a whole number of steps >= 0 "
                           "(the actor is updated from that step on; 0: from the first).")
+    spare = trainer.esi_redundant_time
+    if isinstance(spare, bool) or not isinstance(spare, (int, float)) or spare < 0:
+        raise ConfigError(f"trainer.esi_redundant_time={spare} must be a number of seconds >= 0 (spare time before "
+                          "the capacity block ends; verl's default 0).")
     check_save_contents(actor.checkpoint.save_contents)
     check_engine_kwargs(rollout)
 

@@ -428,8 +428,12 @@ RULES: tuple[Rule, ...] = tuple([
             "on_save(trainer=, global_step=, checkpoint_dir=, async_save=False) runs after each checkpoint is "
             "complete and the latest; its failure stops the run with the checkpoint intact (verl 0.9.1 calls it in "
             "its v1 trainer only; verl's base class is not needed)", "trainer.checkpoint_callback_class"),
+    *_rules(WORKS, "seconds to spare before the machines' capacity block ends (MLP_ or SAGEMAKER_CURRENT_CAPACITY_"
+            "BLOCK_EXPIRATION_TIMESTAMP, as verl reads them): with trainer.save_freq > 0 a checkpoint is written "
+            "after each step from when less than 60 s + the longest step so far + this is left",
+            "trainer.esi_redundant_time"),
     *_rules(NOT_YET, "not built yet", "trainer.default_hdfs_dir",
-            "trainer.del_local_ckpt_after_load", "trainer.esi_redundant_time",
+            "trainer.del_local_ckpt_after_load",
             "trainer.v1.trainer_mode", "trainer.v1.sampler.custom_sampler.path"),
     *_rules(NO_EFFECT, "verl's choice between its own trainer implementations", "trainer.use_v1",
             "trainer.ray_wait_register_center_timeout"),

@@ -31,8 +31,8 @@ from hybrid_rl.algorithms import (
     groups_with_variance, mismatch_metrics, overlong_penalty, pf_ppo_resample, shape_advantages, shape_scores,
 )
 from hybrid_rl import seqlen_balancing
-from hybrid_rl.checkpoint import (CRITIC, CheckpointManager, build_checkpoint_callback, read_trainer_state,
-                                  run_checkpoint_callback)
+from hybrid_rl.checkpoint import (CRITIC, CheckpointManager, build_checkpoint_callback, capacity_block_ending,
+                                  read_trainer_state, run_checkpoint_callback)
 from hybrid_rl.config import FILTER_METRICS_OF_BATCH, needs_critic, needs_reference, to_container
 from hybrid_rl.console import RunSummary, quiet_env
 from hybrid_rl.controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool, WorkerError, create_colocated_worker_cls
@@ -443,7 +443,9 @@ class Trainer:
         profiled = StepWindows(cfg.global_profiler.steps if cfg.global_profiler.tool == "torch" else (),
                                cfg.global_profiler.profile_continuous_steps)
         profiling = False
+        longest_step = 0.0
         for step in range(self.global_step + 1, self.total_steps + 1):
+            step_start = time.perf_counter()
             self.global_step = step
             if step in profiled.steps and not profiling:
                 self.toggle_profilers("start_profile", step)
@@ -461,7 +463,13 @@ class Trainer:
                 self.summary.add_validation(step, val_metrics)
                 metrics.update(val_metrics)
             save_freq = cfg.trainer.save_freq
-            saved = save_freq > 0 and (is_last or step % save_freq == 0 or bool(self.stop_requested))
+            longest_step = max(longest_step, time.perf_counter() - step_start)
+            # As verl: a checkpoint while one still fits before the machines' capacity block ends.
+            block_ending = capacity_block_ending(longest_step, cfg.trainer.esi_redundant_time)
+            saved = save_freq > 0 and (is_last or step % save_freq == 0 or bool(self.stop_requested) or block_ending)
+            if saved and block_ending:
+                logger.warning("Step %d: the capacity block ends before another step and checkpoint would; saving "
+                               "a checkpoint now.", step)
             start = time.perf_counter()
 
             def log_step() -> None:

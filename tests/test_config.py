@@ -80,6 +80,7 @@ def test_unknown_key_is_rejected_by_hydra():
     ("data.train_batch_size=0", ["data.train_batch_size=0", "positive"]),
     ("reward_model.on_error=ignore", ["reward_model.on_error='ignore'", "raise", "zero"]),
     ("trainer.critic_warmup=-1", ["trainer.critic_warmup=-1", ">= 0"]),
+    ("trainer.esi_redundant_time=-5", ["trainer.esi_redundant_time=-5", "seconds >= 0"]),
     ("+actor_rollout_ref.rollout.engine_kwargs.vllm.mm_preprocessor_cache_size=1",
      ["engine_kwargs.vllm sets mm_preprocessor_cache_size, which vLLM", "does not take"]),
     ("actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,weights]",

@@ -50,8 +50,8 @@ def command(model_dir, files, run_dir, rollout: str, engine: str = "fsdp") -> li
             "trainer.checkpoint_callback_class=tests.checkpoint_callbacks.RecordSaves"]
 
 
-def run(cmd) -> None:
-    done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+def run(cmd, env: dict | None = None) -> None:
+    done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
 
 

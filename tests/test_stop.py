@@ -100,7 +100,13 @@ def test_sigterm_finishes_the_step_saves_and_resumes_exactly(straight_run, tiny_
     exported = export_checkpoint(str(stopped), str(tmp_path / "exported"))  # the stop's checkpoint is whole
     assert AutoModelForCausalLM.from_pretrained(exported).num_parameters() > 0
 
-    run(cmd)  # the same command resumes from the stop's checkpoint and finishes
+    # The same command resumes from the stop's checkpoint and finishes. Its capacity block ends
+    # within the hour, which esi_redundant_time spares: a checkpoint after each step, though
+    # save_freq is 100 (verl's checkpoint before a capacity block ends).
+    block = {**os.environ, "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP": str(time.time() + 3600)}
+    run([*cmd, "trainer.esi_redundant_time=3600"], env=block)
+    assert [p.name for p in CheckpointManager(str(stopped)).completed()] == [
+        f"global_step_{step}" for step in range(last, STEPS + 1)]
     expected, got = step_metrics(straight), step_metrics(stopped)
     assert sorted(got) == sorted(expected)
     for step, row in expected.items():
