@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import shutil
+import time
 import uuid
 from pathlib import Path
 from typing import Callable
@@ -169,8 +170,6 @@ def capacity_block_ending(longest_step_seconds: float, spare_seconds: float, now
     """Whether the capacity block ends before another step and a checkpoint could be done:
     0 < seconds left <= 60 + the longest step so far + `spare_seconds` (verl's
     trainer.esi_redundant_time). False where neither variable is set or readable."""
-    import time
-
     for name in CAPACITY_BLOCK_END_VARS:
         value = os.environ.get(name)
         if value:

@@ -714,10 +714,7 @@ def check_tiled_mlp(cfg: DictConfig) -> None:
         tiled = OmegaConf.select(cfg, f"{model_key}.tiled_mlp")
         if not tiled or not tiled.get("enabled", False):
             continue
-        shards = tiled.get("num_shards", 4)
-        if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
-            raise ConfigError(f"{model_key}.tiled_mlp.num_shards={shards} must be a positive integer (verl's "
-                              "default: 4).")
+        _positive(tiled.get("num_shards", 4), f"{model_key}.tiled_mlp.num_shards")
         megatron = [key for key in role_keys if OmegaConf.select(cfg, f"{key}.strategy") == "megatron"]
         if megatron:
             raise ConfigError(f"{model_key}.tiled_mlp.enabled=true tiles the FSDP engine's transformers MLPs, and "

@@ -464,12 +464,14 @@ class Trainer:
                 metrics.update(val_metrics)
             save_freq = cfg.trainer.save_freq
             longest_step = max(longest_step, time.perf_counter() - step_start)
+            due = save_freq > 0 and (is_last or step % save_freq == 0 or bool(self.stop_requested))
             # As verl: a checkpoint while one still fits before the machines' capacity block ends.
-            block_ending = capacity_block_ending(longest_step, cfg.trainer.esi_redundant_time)
-            saved = save_freq > 0 and (is_last or step % save_freq == 0 or bool(self.stop_requested) or block_ending)
-            if saved and block_ending:
+            block_ending = save_freq > 0 and not due and capacity_block_ending(longest_step,
+                                                                               cfg.trainer.esi_redundant_time)
+            if block_ending:
                 logger.warning("Step %d: the capacity block ends before another step and checkpoint would; saving "
                                "a checkpoint now.", step)
+            saved = due or block_ending
             start = time.perf_counter()
 
             def log_step() -> None:

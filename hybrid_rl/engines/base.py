@@ -75,7 +75,7 @@ HEAD_CLASSES = {Head.LM: "AutoModelForCausalLM", Head.VALUE: "AutoModelForTokenC
                 Head.STEP_TAG: "AutoModelForCausalLM"}
 
 
-# Each role's model section in the config.
+# Each role's own section and its model's section in the config.
 ROLE_KEYS = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "critic": "critic",
              "reward_model": "reward_model"}
 MODEL_KEYS = {"actor": "actor_rollout_ref.model", "ref": "actor_rollout_ref.model", "critic": "critic.model",

@@ -12,8 +12,8 @@ import torch
 
 from hybrid_rl.config_keys import plain
 
-# Arguments the engine itself passes: the parameters, and lr / weight_decay / betas from their keys
-# (an override may still set the last three, as in verl).
+# Constructor arguments no key sets: the optimizer itself and the parameters the engine passes.
+# (lr, weight_decay and betas come from their keys, and an override may still set them, as in verl.)
 _FROM_THE_ENGINE = ("self", "params")
 
 
