@@ -18,6 +18,7 @@ at least 1. Generation runs in vLLM (the engine the trainer uses), in the dtype 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import math
@@ -79,6 +80,7 @@ class Generator:
         self.stop_token_ids = eos_ids(model_path, self.tokenizer)
         # No longer than the model's own context (vLLM refuses that).
         positions = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+        gc.freeze()  # as the rollout engine does: vLLM's start-up collections then skip what is loaded
         self.llm = LLM(model=model_path, dtype=resolve_dtype(dtype, device, "engine").dtype,
                        max_model_len=min(max_model_len, positions or max_model_len), seed=seed,
                        enforce_eager=device == "cpu")

@@ -47,6 +47,8 @@ def test_dynamic_sampling_trains_only_groups_that_differ_and_the_overlong_buffer
                "reward_model.reward_manager=dapo")
     assert done.returncode == 0, done.stderr[-3000:]
     steps = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    # trainer.test_freq=-1 with validation files: no validation, not even at the last step (as in verl).
+    assert [row["step"] for row in steps] == [1, 2] and not [key for row in steps for key in row if key.startswith("val")]
     for step in (1, 2):
         metrics = steps[step - 1]
         # Three prompts per generation batch, four kept prompts a step: at least two batches.

@@ -11,8 +11,7 @@ import sys
 import pytest
 
 from hybrid_rl.evaluate import pass_at_k, score_of
-from hybrid_rl.main import REPO_ROOT, build_trainer, compose_config
-from tests.conftest import run_overrides
+from hybrid_rl.main import REPO_ROOT
 
 
 @pytest.mark.parametrize("n, correct, k", [(4, 0, 1), (4, 1, 1), (4, 1, 2), (5, 2, 3), (6, 6, 4), (8, 3, 8), (7, 1, 7)])
@@ -34,23 +33,12 @@ def test_correctness_follows_acc_when_the_scorer_gives_it():
 
 
 @pytest.mark.slow
-def test_evaluates_a_model_and_a_run_checkpoint_the_same(ray_session, tiny_model_dir, arithmetic_files, tmp_path):
-    run_dir = tmp_path / "run"
-    overrides = run_overrides(tiny_model_dir, arithmetic_files, run_dir, response=12) + [
-        "trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.test_freq=-1",
-        "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "trainer.save_freq=1", f"trainer.final_model_dir={tmp_path}/final"]
-    trainer = build_trainer(compose_config(overrides))
-    try:
-        trainer.fit()
-    finally:
-        trainer.shutdown()
-    # trainer.test_freq=-1: no validation after val_before_train, not even at the last step (as in verl).
-    (line,) = [json.loads(text) for text in open(run_dir / "metrics.jsonl")]
-    assert line["step"] == 1 and not [key for key in line if key.startswith("val")]
-
+def test_evaluates_a_model_and_a_run_checkpoint_the_same(straight_run, arithmetic_files, tmp_path):
+    # test_resume's uninterrupted run: its final model and its run folder (whose latest checkpoint
+    # is the same step) are evaluated.
+    run_dir = straight_run("vllm", "fsdp")
     results = {}
-    for name, model in (("final", tmp_path / "final"), ("checkpoint", run_dir)):
+    for name, model in (("final", run_dir / "final_model"), ("checkpoint", run_dir)):
         out = tmp_path / f"{name}.json"
         done = subprocess.run([sys.executable, "tools/evaluate.py", "--model", str(model), "--data", arithmetic_files[1],
                                "--n", "3", "--k", "1", "2", "3", "--max-response-length", "12", "--out", str(out),

@@ -637,10 +637,19 @@ def critic_lora_case(canonical_lora_adapter, tmp_path_factory) -> tuple[str, str
 PARTS = {"actor": actor_part, "actor_bf16": actor_bf16_part, "lora": lora_part, "critic": critic_part, "reward_model": reward_model_part}
 
 
-def _layout_rank_main(rank, world, init_file, inputs, out_dir, tp, pp, cp, vpp):
+# Each layout as (tensor, pipeline, context parallel size, virtual pipeline stages).
+LAYOUTS = {"tp2": (2, 1, 1, None), "pp2": (1, 2, 1, None), "pp2vpp2": (1, 2, 1, 2), "cp2": (1, 1, 2, None)}
+
+
+def _layouts_rank_main(rank, world, init_file, inputs, out_dir):
+    from megatron.core import parallel_state
+
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    for name, part in PARTS.items():
-        torch.save(part(inputs, out_dir, tp, pp, cp, vpp), os.path.join(out_dir, f"{name}_rank{rank}.pt"))
+    for layout, (tp, pp, cp, vpp) in LAYOUTS.items():
+        layout_dir = os.path.join(out_dir, layout)
+        for name, part in PARTS.items():
+            torch.save(part(inputs, layout_dir, tp, pp, cp, vpp), os.path.join(layout_dir, f"{name}_rank{rank}.pt"))
+        parallel_state.destroy_model_parallel()  # the next layout's engines form their own groups
     dist.destroy_process_group()
 
 
@@ -656,20 +665,25 @@ class LayoutRun:
         return [torch.load(self.out_dir / f"{part}_rank{rank}.pt") for rank in range(2)]
 
 
-@pytest.fixture(scope="module", params=[(2, 1, 1, None), (1, 2, 1, None), (1, 2, 1, 2), (1, 1, 2, None)],
-                ids=["tp2", "pp2", "pp2vpp2", "cp2"])
-def megatron_layout(request, tiny_model_dir4, value_model_dir, reward_model_case, fused_lora_adapter,
-                    canonical_lora_adapter, critic_lora_case, tmp_path_factory) -> LayoutRun:
+@pytest.fixture(scope="module")
+def megatron_layouts(tiny_model_dir4, value_model_dir, reward_model_case, fused_lora_adapter, canonical_lora_adapter,
+                     critic_lora_case, tmp_path_factory) -> Path:
     """The Megatron side of the comparisons with FSDP (actor in fp32 and bf16, critic, reward
-    model) on one TP x PP x CP layout (PP with or without virtual stages), in one spawn of two
-    gloo ranks: a spawn costs each rank ~10 s of imports."""
-    tp, pp, cp, vpp = request.param
-    out_dir = tmp_path_factory.mktemp(f"megatron_tp{tp}_pp{pp}_cp{cp}_vpp{vpp}")
+    model) on each TP x PP x CP layout (PP with or without virtual stages), all in one spawn of
+    two gloo ranks: a spawn costs each rank ~10 s of imports."""
+    out_dir = tmp_path_factory.mktemp("megatron_layouts")
+    for layout in LAYOUTS:
+        (out_dir / layout).mkdir()
     inputs = {"model": tiny_model_dir4, "value_model": value_model_dir, "lora_adapter": fused_lora_adapter,
               "canonical_lora": canonical_lora_adapter, "critic_lora": critic_lora_case, **reward_model_case}
-    mp.start_processes(_layout_rank_main, args=(2, str(out_dir / "init"), inputs, str(out_dir), tp, pp, cp, vpp),
-                       nprocs=2, start_method="spawn")
-    return LayoutRun(tp, pp, cp, vpp, out_dir)
+    mp.start_processes(_layouts_rank_main, args=(2, str(out_dir / "init"), inputs, str(out_dir)), nprocs=2,
+                       start_method="spawn")
+    return out_dir
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def megatron_layout(request, megatron_layouts) -> LayoutRun:
+    return LayoutRun(*LAYOUTS[request.param], megatron_layouts / request.param)
 
 
 def test_megatron_critic_matches_fsdp(megatron_layout, value_model_dir):

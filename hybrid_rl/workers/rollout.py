@@ -10,6 +10,7 @@ attention_mask, position_ids and the sampled tokens' log-probs (`rollout_log_pro
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 from typing import Any, Iterable, Iterator
@@ -290,6 +291,9 @@ class VLLMRollout:
         self.asleep = False
         eager = resolve_enforce_eager(cfg.enforce_eager, device.type)
         self.eager_helpers = eager and device.type == "cpu"
+        # vLLM collects garbage five times while it starts (and freezes the heap after): with all
+        # that is loaded so far frozen first, each pass sees only the engine's new objects (~1.5 s less).
+        gc.freeze()
         try:
             self.llm = LLM(
                 model=model_path,
