@@ -25,6 +25,8 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
+from hybrid_rl.engines.base import CHECKPOINT_PARTS
+
 logger = logging.getLogger(__name__)
 
 POINTER = "latest_checkpointed_iteration.txt"
@@ -149,6 +151,26 @@ class CheckpointManager:
                                       "point it at a global_step_<N> folder written by hybrid-rl.")
             return folder
         raise CheckpointError(f"trainer.resume_mode={mode!r} is not valid. Valid choices: auto, disable, resume_path.")
+
+
+# What starts afresh where a resume leaves a part of the checkpoint out.
+FRESH_PARTS = {"optimizer": "optimizer state", "extra": "learning-rate schedule and RNG states"}
+
+
+def parts_to_load(checkpoint_cfg, role_key: str, folder) -> tuple[str, ...]:
+    """What a resume loads of a role's checkpoint: the parts verl's `checkpoint.load_contents`
+    names (a warning says what starts afresh). Its default is save_contents, which here never
+    narrows what is saved: a list equal to it (or none) loads all."""
+    loaded = checkpoint_cfg.get("load_contents") if checkpoint_cfg else None
+    if loaded is None or list(loaded) == list(checkpoint_cfg.get("save_contents") or []):
+        return CHECKPOINT_PARTS
+    parts = tuple(part for part in CHECKPOINT_PARTS if part in loaded)
+    fresh = [FRESH_PARTS[part] for part in CHECKPOINT_PARTS if part not in parts]
+    if fresh:
+        logger.warning("Resuming from %s with the %s of %s's checkpoint only (%s.checkpoint.load_contents): it starts "
+                       "with a fresh %s, so this run does not go on as the saved one would have.",
+                       folder, " and ".join(parts), role_key, role_key, " and ".join(fresh))
+    return parts
 
 
 def read_trainer_state(folder: Path) -> dict:

@@ -18,6 +18,7 @@ from hybrid_rl.algorithms import (
 from hybrid_rl.config_keys import check_verl_keys
 from hybrid_rl.controller.worker_group import PLACEMENT_STRATEGIES
 from hybrid_rl.engines import ENGINES, lora, ulysses
+from hybrid_rl.engines.base import CHECKPOINT_PARTS
 from hybrid_rl.engines.megatron import lora as megatron_lora
 from hybrid_rl.engines.megatron.checks import check_roles as check_megatron_roles
 from hybrid_rl.engines.megatron.checks import context_parallel_size as megatron_context_parallel_size
@@ -38,7 +39,7 @@ VERL_ONLY_ROLLOUT_ENGINES = {name: "use vllm (or hf)" for name in ("sglang", "tr
 VERL_ONLY_ADV_ESTIMATORS = {"grpo_vectorized": "use grpo", "rloo_vectorized": "use rloo"}
 DEVICES = ("auto", "cpu", "cuda")
 # What a checkpoint holds (verl's names): the first three always, a Hugging Face copy on request.
-CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+CHECKPOINT_CONTENTS = (*CHECKPOINT_PARTS, "hf_model")
 
 
 class ConfigError(ValueError):
@@ -246,7 +247,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     if isinstance(spare, bool) or not isinstance(spare, (int, float)) or spare < 0:
         raise ConfigError(f"trainer.esi_redundant_time={spare} must be a number of seconds >= 0 (spare time before "
                           "the capacity block ends; verl's default 0).")
-    check_save_contents(actor.checkpoint.save_contents)
+    check_checkpoint_contents(cfg)
     check_engine_kwargs(rollout)
 
     sequences = data.train_batch_size * rollout.n
@@ -866,17 +867,35 @@ def check_lengths(cfg: DictConfig) -> None:
                 "or leave it null (the engine is sized to exactly that).")
 
 
-def check_save_contents(contents) -> None:
-    """Checkpoints here always hold what an exact resume needs (a list without it gets a warning);
-    `hf_model` adds a Hugging Face copy."""
-    key = "actor_rollout_ref.actor.checkpoint.save_contents"
-    contents = list(contents or [])
-    for item in contents:
-        _choice(item, CHECKPOINT_CONTENTS, key)
-    missing = [item for item in CHECKPOINT_CONTENTS[:3] if item not in contents]
-    if missing:
-        logger.warning("%s=%s: checkpoints hold %s as well, because resuming needs them (a checkpoint of "
-                       "weights alone cannot be resumed from exactly).", key, contents, ", ".join(missing))
+def check_checkpoint_contents(cfg: DictConfig) -> None:
+    """verl's `checkpoint.save_contents` / `load_contents` of the actor and (when trained) the
+    critic. Checkpoints here always hold what an exact resume needs (a save list without it gets a
+    warning), and `hf_model` adds a Hugging Face copy. A resume loads the parts load_contents names
+    where it differs from save_contents (`checkpoint.parts_to_load`); without the weights it would
+    go on from the checkpoint's step with the starting ones, so `model` must be among them."""
+    for role in ("actor_rollout_ref.actor", "critic") if needs_critic(cfg) else ("actor_rollout_ref.actor",):
+        checkpoint = OmegaConf.select(cfg, f"{role}.checkpoint")
+        if checkpoint is None:
+            continue
+        key = f"{role}.checkpoint.save_contents"
+        contents = list(checkpoint.get("save_contents") or [])
+        for item in contents:
+            _choice(item, CHECKPOINT_CONTENTS, key)
+        missing = [item for item in CHECKPOINT_PARTS if item not in contents]
+        if missing:
+            logger.warning("%s=%s: checkpoints hold %s as well, because resuming needs them (a checkpoint of "
+                           "weights alone cannot be resumed from exactly).", key, contents, ", ".join(missing))
+        loaded = checkpoint.get("load_contents")
+        if loaded is None or list(loaded) == contents:  # verl's default (`${.save_contents}`): everything
+            continue
+        loaded = list(loaded)
+        key = f"{role}.checkpoint.load_contents"
+        for item in loaded:
+            _choice(item, CHECKPOINT_CONTENTS, key)
+        if "model" not in loaded:
+            raise ConfigError(f"{key}={loaded} leaves out model: a resumed run would go on from the checkpoint's step "
+                              "with the weights it started with. Keep model in the list, or start over with "
+                              "trainer.resume_mode=disable.")
 
 
 def check_engine_kwargs(rollout: DictConfig) -> None:

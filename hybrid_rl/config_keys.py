@@ -110,9 +110,13 @@ RULES: tuple[Rule, ...] = tuple([
             "data.trust_remote_code"),
     *_rules(WORKS, "read when the legacy custom_reward_function.path is null (verl 0.9 lets the legacy one win)",
             "reward.custom_reward_function.path", "reward.custom_reward_function.name"),
-    *_rules(WORKS, "hf_model adds a Hugging Face copy in global_step_<N>/huggingface; model, optimizer and "
-            "extra are always saved (an exact resume needs them; a list without them is warned about)",
-            "actor_rollout_ref.actor.checkpoint.save_contents"),
+    *_rules(WORKS, "hf_model adds a Hugging Face copy in global_step_<N>/huggingface (the critic's in "
+            "global_step_<N>/critic/huggingface); model, optimizer and extra are always saved (an exact resume "
+            "needs them; a list without them is warned about)", "*.checkpoint.save_contents"),
+    *_rules(WORKS, "what a resume loads, where the list differs from save_contents (its default, which loads "
+            "all): model always; without optimizer the optimizer state, without extra the learning-rate schedule "
+            "and RNG states start fresh (a warning says so); a run resumed so does not continue exactly",
+            "*.checkpoint.load_contents"),
     *_rules(NO_EFFECT, "verl reads nothing from it either; the tokenizer comes from "
             "actor_rollout_ref.model.tokenizer_path (or the model folder)", "data.tokenizer"),
     *_rules(NO_EFFECT, "verl's copy of actor_rollout_ref.model.use_remove_padding, which is the key read",
@@ -264,9 +268,6 @@ RULES: tuple[Rule, ...] = tuple([
             "and tir_optimal_token_baseline need", "actor_rollout_ref.actor.calculate_sum_pi_squared"),
     *_rules(NO_EFFECT, "entropy is always computed and logged (actor/entropy)",
             "actor_rollout_ref.actor.calculate_entropy"),
-    *_rules(NOT_YET, "checkpoints always hold model, optimizer and trainer state; for a Hugging Face "
-            "folder use hybrid-rl-export (tools/export_hf.py) or trainer.final_model_dir",
-            "*.checkpoint.save_contents", "*.checkpoint.load_contents"),
     *_rules(NOT_YET, "checkpoints are written synchronously", "*.checkpoint.async_save"),
     *_rules(NOT_YET, "checkpoints always load strictly", "*.checkpoint.strict"),
     # --- model

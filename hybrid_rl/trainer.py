@@ -32,7 +32,7 @@ from hybrid_rl.algorithms import (
 )
 from hybrid_rl import seqlen_balancing
 from hybrid_rl.checkpoint import (CRITIC, CheckpointManager, build_checkpoint_callback, capacity_block_ending,
-                                  read_trainer_state, run_checkpoint_callback)
+                                  parts_to_load, read_trainer_state, run_checkpoint_callback)
 from hybrid_rl.config import FILTER_METRICS_OF_BATCH, needs_critic, needs_reference, to_container
 from hybrid_rl.console import RunSummary, quiet_env
 from hybrid_rl.controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool, WorkerError, create_colocated_worker_cls
@@ -540,6 +540,10 @@ class Trainer:
             self.workers.save_checkpoint(os.path.join(folder, "actor"), self.moving_reference_folder(folder))
             if self.critic is not None:
                 self.critic.save_checkpoint(os.path.join(folder, CRITIC))
+                if "hf_model" in self.cfg.critic.checkpoint.save_contents:
+                    critic_hf_dir = os.path.join(folder, CRITIC, "huggingface")
+                    self.critic.save_hf_model(critic_hf_dir)
+                    self.write_hf_files(critic_hf_dir)
             if self.iteration is not None:  # iterative RL trains the reward model
                 self.iteration.save(folder)
                 if self.reward_model is not None:
@@ -562,9 +566,12 @@ class Trainer:
 
     def load_checkpoint(self, folder) -> None:
         state = read_trainer_state(folder)
-        self.workers.load_checkpoint(os.path.join(folder, "actor"), self.moving_reference_folder(folder))
+        actor = "actor_rollout_ref.actor"
+        self.workers.load_checkpoint(os.path.join(folder, "actor"), self.moving_reference_folder(folder),
+                                     parts_to_load(OmegaConf.select(self.cfg, f"{actor}.checkpoint"), actor, folder))
         if self.critic is not None:
-            self.critic.load_checkpoint(str(self.checkpoints.critic_folder(folder)))
+            self.critic.load_checkpoint(str(self.checkpoints.critic_folder(folder)),
+                                        parts_to_load(self.cfg.critic.get("checkpoint"), "critic", folder))
         if self.iteration is not None:
             self.iteration.load(folder)
             if self.reward_model is not None:

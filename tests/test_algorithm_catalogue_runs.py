@@ -129,6 +129,7 @@ def test_cli_runs_ppo_with_critic_and_verl_trainer_keys(tiny_model_dir, arithmet
         f"trainer.rollout_data_dir={out}/rollouts", f"trainer.validation_data_dir={out}/val",
         "trainer.save_freq=1", "trainer.max_critic_ckpt_to_keep=1",
         f"{A}checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+        "critic.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
         "ray_kwargs.ray_init.num_cpus=2", f"ray_kwargs.timeline_json_file={out}/timeline.json",
         "actor_rollout_ref.rollout.max_model_len=300", "actor_rollout_ref.rollout.enable_chunked_prefill=false"]
     done = subprocess.run([sys.executable, "-m", "hybrid_rl.main", *overrides], cwd=REPO_ROOT,
@@ -146,10 +147,22 @@ def test_cli_runs_ppo_with_critic_and_verl_trainer_keys(tiny_model_dir, arithmet
     validation = [json.loads(line) for line in open(out / "val" / "2.jsonl")]
     assert len(validation) == 6 and validation[0]["step"] == 2
 
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
     assert [(tmp_path / f"global_step_{step}" / part).is_dir() for step in (1, 2) for part in ("actor", "critic")] \
         == [True, False, True, True]
     hf_copy = tmp_path / "global_step_2" / "huggingface"
     assert AutoModelForCausalLM.from_pretrained(hf_copy).num_parameters() > 0
+    critic = AutoModelForTokenClassification.from_pretrained(tmp_path / "global_step_2" / "critic" / "huggingface")
+    assert critic.config.num_labels == 1 and critic.score.weight.abs().sum() > 0
     assert isinstance(json.loads((out / "timeline.json").read_text()), list)
+
+    # A third step resumed with the weights and the critic's schedule but fresh optimizers
+    # (verl's checkpoint.load_contents), each said.
+    done = subprocess.run([sys.executable, "-m", "hybrid_rl.main", *overrides, "trainer.total_training_steps=3",
+                           f"{A}checkpoint.load_contents=[model]", "critic.checkpoint.load_contents=[model,extra]"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = done.stdout + done.stderr
+    assert "model of actor_rollout_ref.actor's checkpoint only" in said and "model and extra of critic's" in said
+    assert [json.loads(line)["step"] for line in open(os.path.join(tmp_path, "metrics.jsonl"))] == [1, 2, 3]

@@ -85,6 +85,9 @@ def test_unknown_key_is_rejected_by_hydra():
      ["engine_kwargs.vllm sets mm_preprocessor_cache_size, which vLLM", "does not take"]),
     ("actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,weights]",
      ["save_contents='weights' is not valid", "hf_model"]),
+    ("actor_rollout_ref.actor.checkpoint.load_contents=[model,weights]", ["load_contents='weights' is not valid"]),
+    ("actor_rollout_ref.actor.checkpoint.load_contents=[optimizer,extra]",
+     ["load_contents=['optimizer', 'extra'] leaves out model", "trainer.resume_mode=disable"]),
     ("actor_rollout_ref.rollout.max_model_len=10", ["max_model_len (10)", "prompt_length + rollout.response_length"]),
     ("actor_rollout_ref.rollout.prompt_length=4", ["rollout.prompt_length (4)", "data.max_prompt_length"]),
     ("reward_model.reward_manager=prime", ["reward_manager=prime is not supported yet", "use naive"]),
@@ -183,6 +186,24 @@ def test_verl_trainer_keys_that_work_validate():
 def test_checkpoint_contents_without_resume_state_are_saved_anyway_and_said(caplog):
     validate_config(compose_config(["actor_rollout_ref.actor.checkpoint.save_contents=[hf_model]"]))
     assert "save_contents=['hf_model']: checkpoints hold model, optimizer, extra as well" in caplog.text
+
+
+def test_a_resume_loads_what_load_contents_names_where_it_differs_from_save_contents(caplog):
+    from hybrid_rl.checkpoint import parts_to_load
+
+    def parts(*overrides):
+        cfg = compose_config([f"actor_rollout_ref.actor.checkpoint.{o}" for o in overrides])
+        validate_config(cfg)
+        return parts_to_load(cfg.actor_rollout_ref.actor.checkpoint, "actor_rollout_ref.actor", "ckpt")
+
+    everything = ("model", "optimizer", "extra")
+    assert parts() == parts("save_contents=[model,optimizer,extra,hf_model]") == everything
+    assert parts("save_contents=[hf_model]") == everything  # load_contents follows it; all is saved anyway
+    assert not caplog.records[-1].message.startswith("Resuming")
+    assert parts("load_contents=[extra,model]") == ("model", "extra")
+    assert "with a fresh optimizer state, so this run does not go on" in caplog.records[-1].message
+    assert parts("load_contents=[model]") == ("model",)
+    assert "fresh optimizer state and learning-rate schedule and RNG states" in caplog.records[-1].message
 
 
 def test_reward_function_from_either_of_verls_trees(tmp_path, caplog):

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
+from transformers import AutoConfig
 
 from hybrid_rl.algorithms import sum_pi_squared_from_logits
 from hybrid_rl.controller.decorator import RankLayout, output_ranks, split_by_layout
@@ -46,6 +47,15 @@ def actor_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int, vpp: int |
     resumed = make_engine(cfg, inputs["model"])
     resumed.load_checkpoint(os.path.join(out_dir, "ckpt"))
     resumed_second, resumed_weights = step(resumed, cfg, 2), weights(resumed)
+    # checkpoint.load_contents=[model]: the saved weights with a fresh optimizer and schedule, as an
+    # engine built from a Hugging Face folder of those weights has them.
+    weights_only = make_engine(cfg, inputs["model"])
+    weights_only.load_checkpoint(os.path.join(out_dir, "ckpt"), parts=("model",))
+    loaded, hf_dir = weights(weights_only), os.path.join(out_dir, "after_hf")
+    weights_only.save_hf_model(hf_dir, AutoConfig.from_pretrained(inputs["model"]))
+    dist.barrier()  # (rank 0 writes it)
+    from_hf = make_engine(cfg, hf_dir)
+    model_only = (loaded, step(weights_only, cfg, 2), weights(weights_only), step(from_hf, cfg, 2), weights(from_hf))
     # enable_gradient_checkpointing: megatron's recomputation of every layer in the backward pass.
     cfg = actor_config("megatron", tp, pp, extra=SMALL_HEAD_CHUNKS + RECOMPUTE, cp=cp, vpp=vpp)
     recomputing = make_engine(cfg, inputs["model"])
@@ -59,7 +69,7 @@ def actor_part(inputs: dict, out_dir: str, tp: int, pp: int, cp: int, vpp: int |
                  step(plain, cfg, 1), weights(plain))
     return {"output": engine.is_output_rank, "dp": (engine.dp_rank, engine.dp_size), "infer": infer,
             "before": before, "after": after, "first": first, "second": (second, second_weights),
-            "resumed": (resumed_second, resumed_weights), "recomputed": recomputed,
+            "resumed": (resumed_second, resumed_weights), "model_only": model_only, "recomputed": recomputed,
             "sequence_parallel": engine.config.sequence_parallel, "whole_sequences": whole,
             "sum_pi_squared": sum_pi_squared}
 
@@ -173,6 +183,13 @@ def test_megatron_engine_matches_fsdp_and_resumes_exactly(megatron_layout, tiny_
         resumed, resumed_weights = result["resumed"]
         assert resumed == second
         assert all(torch.equal(second_weights[k], resumed_weights[k]) for k in second_weights)
+        # A load of the weights alone: those saved, then the update a fresh optimizer makes from
+        # them (not the resumed one, whose Adam moments carry over).
+        loaded, model_only, model_only_weights, from_hf, from_hf_weights = result["model_only"]
+        assert all(torch.equal(loaded[k], result["after"][k]) for k in loaded)
+        assert model_only == from_hf  # (the same loss and gradient norm as the resumed step: the same weights)
+        assert all(torch.equal(model_only_weights[k], from_hf_weights[k]) for k in from_hf_weights)
+        assert any(not torch.equal(model_only_weights[k], second_weights[k]) for k in second_weights)
         recomputed, recomputed_weights, granularity = result["recomputed"]
         assert granularity == "full" and recomputed == result["first"]
         assert all(torch.equal(recomputed_weights[k], result["after"][k]) for k in recomputed_weights)

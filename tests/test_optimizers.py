@@ -73,7 +73,8 @@ def test_megatron_runs_its_adam_only():
 
 def test_sgd_with_momentum_updates_the_engine_and_resumes_exactly(tiny_model_dir, tmp_path):
     """Each step moves a weight by lr x SGD's momentum buffer; the buffer goes through the
-    checkpoint (without it the resumed step would differ)."""
+    checkpoint (without it the resumed step would differ), and is left out of a load that leaves
+    out the optimizer (checkpoint.load_contents)."""
     cfg = actor_config("fsdp2", extra=SGD)
     engine = make_engine(cfg, tiny_model_dir)
     assert type(engine.optimizer) is torch.optim.SGD
@@ -97,3 +98,14 @@ def test_sgd_with_momentum_updates_the_engine_and_resumes_exactly(tiny_model_dir
     fresh.optimizer.state.clear()
     step(fresh, cfg, 2)
     assert any(not torch.equal(a[k], v) for k, v in weights(fresh).items())
+
+    # checkpoint.load_contents without optimizer: the saved weights and schedule, no momentum.
+    weights_only = make_engine(cfg, tiny_model_dir)
+    weights_only.load_checkpoint(str(tmp_path), parts=("model", "extra"))
+    assert not weights_only.optimizer.state and weights_only.scheduler.last_epoch == 1
+    step(weights_only, cfg, 2)
+    b = weights(fresh)
+    assert all(torch.equal(b[k], v) for k, v in weights(weights_only).items())
+    model_only = make_engine(cfg, tiny_model_dir)  # without extra the schedule starts over too
+    model_only.load_checkpoint(str(tmp_path), parts=("model",))
+    assert model_only.scheduler.last_epoch == 0 and not model_only.optimizer.state

@@ -75,6 +75,10 @@ HEAD_CLASSES = {Head.LM: "AutoModelForCausalLM", Head.VALUE: "AutoModelForTokenC
                 Head.STEP_TAG: "AutoModelForCausalLM"}
 
 
+# What a checkpoint of a trained engine holds (verl's names): the weights, the optimizer state, and
+# the rest (schedule, RNG states, skipped-step count).
+CHECKPOINT_PARTS = ("model", "optimizer", "extra")
+
 # Each role's own section and its model's section in the config.
 ROLE_KEYS = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "critic": "critic",
              "reward_model": "reward_model"}
@@ -169,7 +173,8 @@ class TrainEngine(ABC):
         """Write this rank's shards of the model and optimizer into `folder`."""
 
     @abstractmethod
-    def _load_sharded(self, folder: str) -> None: ...
+    def _load_sharded(self, folder: str, optimizer: bool) -> None:
+        """Read this rank's shards of the model, and of the optimizer with `optimizer`, from `folder`."""
 
     def local_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, this rank's shard) of every parameter, for `load_weights_from`."""
@@ -336,10 +341,15 @@ class TrainEngine(ABC):
         scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
         torch.save({"scheduler": scheduler, "rng": rng, "skipped_steps": self.skipped_steps}, _extra_path(folder))
 
-    def load_checkpoint(self, folder: str) -> None:
-        """Inverse of `save_checkpoint` (same world size and layout)."""
+    def load_checkpoint(self, folder: str, parts: tuple[str, ...] = CHECKPOINT_PARTS) -> None:
+        """Inverse of `save_checkpoint` (same world size and layout), or only the `parts` of it
+        named (verl's `checkpoint.load_contents`; `model` always): without `optimizer` the
+        optimizer state stays as built, without `extra` the schedule, RNG states and skipped-step
+        count do."""
         with self.resident(optimizer=True):
-            self._load_sharded(folder)
+            self._load_sharded(folder, optimizer="optimizer" in parts)
+        if "extra" not in parts:
+            return
         extra = torch.load(_extra_path(folder), weights_only=True)
         if self.scheduler is not None:
             self.scheduler.load_state_dict(extra["scheduler"])

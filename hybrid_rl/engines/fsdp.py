@@ -288,13 +288,16 @@ class FSDPEngine(TrainEngine):
             return super().adapter_disabled()
         return self.peft.disable_adapter()
 
-    def _sharded_state(self) -> dict:
-        """The model's and optimizer's state-dict entries a checkpoint holds, as DCP writes and
-        reads them: under LoRA the adapter's only, and a critic's head (the frozen base comes from
-        the model folder)."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+    def _sharded_state(self, optimizer: bool = True) -> dict:
+        """The model's and (with `optimizer`) optimizer's state-dict entries a checkpoint holds, as
+        DCP writes and reads them: under LoRA the adapter's only, and a critic's head (the frozen
+        base comes from the model folder)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-        model_state, optim_state = get_state_dict(self.module, self._optimizers())
+        if optimizer:
+            model_state, optim_state = get_state_dict(self.module, self._optimizers())
+        else:  # (get_state_dict would give a fresh optimizer a state: one step at lr 0)
+            model_state, optim_state = get_model_state_dict(self.module), {}
         if self.peft is not None:
             model_state = {name: t for name, t in model_state.items() if lora.is_trained_tensor(name)}
         return {"model": model_state, "optim": optim_state}
@@ -306,13 +309,13 @@ class FSDPEngine(TrainEngine):
         if self.peft is not None and self.dp_rank == 0:
             self.peft.peft_config[lora.ADAPTER].save_pretrained(folder)  # how to rebuild it (export)
 
-    def _load_sharded(self, folder: str) -> None:
+    def _load_sharded(self, folder: str, optimizer: bool) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        state = self._sharded_state()
+        state = self._sharded_state(optimizer)
         dcp.load(state, checkpoint_id=folder)  # fails on a missing tensor, adapter ones included
-        set_state_dict(self.module, self._optimizers(), model_state_dict=state["model"],
+        set_state_dict(self.module, self._optimizers() if optimizer else [], model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=StateDictOptions(strict=self.peft is None))
 
     def _optimizers(self) -> list:

@@ -22,7 +22,7 @@ from hybrid_rl.config import needs_reference
 from hybrid_rl.controller import Dispatch, register
 from hybrid_rl.controller.worker import get_free_port, get_node_ip
 from hybrid_rl.engines import ModelSpec, Output, build_engine, lora
-from hybrid_rl.engines.base import FORWARD_KEYS, ROUTES_KEY, token_share
+from hybrid_rl.engines.base import CHECKPOINT_PARTS, FORWARD_KEYS, ROUTES_KEY, token_share
 from hybrid_rl.engines.routing import replay_mode
 from hybrid_rl.hardware import peak_memory_gb
 from hybrid_rl.models import load_tokenizer, model_config
@@ -132,8 +132,8 @@ class ActorRolloutRefWorker(ModelWorker):
         self.actor.save_hf_model(folder, model_config(self.model_path, self.cfg.actor_rollout_ref.model))
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, folder: str, ref_folder: str | None = None) -> None:
-        self.actor.load_checkpoint(folder)
+    def load_checkpoint(self, folder: str, ref_folder: str | None = None, parts=CHECKPOINT_PARTS) -> None:
+        self.actor.load_checkpoint(folder, parts)
         if ref_folder is not None and self.ref is not None:
             self.ref.load_checkpoint(ref_folder)
         self.sync_rollout_weights()  # the engine must sample from the restored weights

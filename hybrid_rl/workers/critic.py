@@ -6,7 +6,8 @@ from __future__ import annotations
 from hybrid_rl.algorithms import compute_value_loss
 from hybrid_rl.controller import Dispatch, register
 from hybrid_rl.engines import Head, ModelSpec, Output, build_engine
-from hybrid_rl.engines.base import FORWARD_KEYS, token_share
+from hybrid_rl.engines.base import CHECKPOINT_PARTS, FORWARD_KEYS, token_share
+from hybrid_rl.models import model_config
 from hybrid_rl.protocol import Batch
 from hybrid_rl.workers.base import ModelWorker
 
@@ -28,8 +29,13 @@ class CriticWorker(ModelWorker):
         self.critic.save_checkpoint(folder)
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, folder: str) -> None:
-        self.critic.load_checkpoint(folder)
+    def save_hf_model(self, folder: str) -> None:
+        """The critic as a Hugging Face value model: its weights and config (rank 0 writes)."""
+        self.critic.save_hf_model(folder, model_config(self.model_path, self.cfg.critic.model, scalar_head=True))
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, folder: str, parts=CHECKPOINT_PARTS) -> None:
+        self.critic.load_checkpoint(folder, parts)
 
     @register(dispatch=Dispatch.DP_COMPUTE, mesh="critic")
     def compute_values(self, batch: Batch) -> Batch:

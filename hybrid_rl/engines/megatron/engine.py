@@ -479,15 +479,16 @@ class MegatronEngine(TrainEngine):
             return super().adapter_disabled()
         return self.adapters.disabled()
 
-    def _sharded_state(self, loading: bool = False) -> dict:
-        """The model's and optimizer's tensors a checkpoint holds: under LoRA the adapters'
-        only, and a critic's head (the frozen base comes from the model folder)."""
+    def _sharded_state(self, loading: bool = False, optimizer: bool = True) -> dict:
+        """The model's and (with `optimizer`) optimizer's tensors a checkpoint holds: under LoRA
+        the adapters' only, and a critic's head (the frozen base comes from the model folder)."""
         state = {f"model{index}": {key: value for key, value in model.sharded_state_dict().items()
                                    if self.adapters is None or mlora.is_adapter_tensor(key) or (
                                        self.layout.value_head and mlora.is_head_tensor(key))}
                  for index, model in enumerate(self.models)}
-        state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=loading,
-                                                               metadata=self.optimizer_metadata)
+        if optimizer:
+            state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=loading,
+                                                                   metadata=self.optimizer_metadata)
         return state
 
     def _save_sharded(self, folder: str) -> None:
@@ -530,18 +531,23 @@ class MegatronEngine(TrainEngine):
                              "dp_reshardable format). Resume with the layout it was saved in; to change layouts, "
                              "save it with megatron.dist_ckpt_optim_fully_reshardable=true.")
 
-    def _load_sharded(self, folder: str) -> None:
+    def _load_sharded(self, folder: str, optimizer: bool) -> None:
         from megatron.core import dist_checkpointing
 
-        self._check_layout_of(folder)
+        if optimizer:  # (the weights alone load into any layout)
+            self._check_layout_of(folder)
         with self._megatron(), torch.no_grad():  # the optimizer copies into views of the weights
-            for part in self.optimizer_parts:
-                _create_adam_state(part.optimizer)
-            state = dist_checkpointing.load(self._sharded_state(loading=True), folder)
+            if optimizer:
+                for part in self.optimizer_parts:
+                    _create_adam_state(part.optimizer)
+            state = dist_checkpointing.load(self._sharded_state(loading=True, optimizer=optimizer), folder)
             for index, model in enumerate(self.models):
                 # Under LoRA the checkpoint holds the adapters (and a critic's head) only;
                 # dist_checkpointing fails on a missing one.
                 model.load_state_dict(state[f"model{index}"], strict=self.adapters is None)
+            if not optimizer:
+                self.optimizer.reload_model_params()  # main weights (bf16 / fp16 models) from the loaded ones
+                return
             with _fully_reshardable_load_keeps_steps(self.optimizer_parts):
                 self.optimizer.load_state_dict(state["optimizer"])
             # Without Apex / Transformer Engine, megatron-core 0.16.1's distributed optimizer
