@@ -269,7 +269,9 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NO_EFFECT, "entropy is always computed and logged (actor/entropy)",
             "actor_rollout_ref.actor.calculate_entropy"),
     *_rules(NOT_YET, "checkpoints are written synchronously", "*.checkpoint.async_save"),
-    *_rules(NOT_YET, "checkpoints always load strictly", "*.checkpoint.strict"),
+    *_rules(NO_EFFECT, "verl passes it only to megatron-bridge's save_hf_weights, for a Megatron checkpoint's "
+            "hf_model copy (strict: a converted weight the model's own files do not name is an error, else "
+            "skipped); hybrid-rl's converter writes the model's weights by their own names", "*.checkpoint.strict"),
     # --- model
     *_rules(WORKS, "LoRA on the FSDP engine (peft); the reference policy is the base model with the adapter off; "
             "the critic's value head trains whole beside its adapter",
