@@ -436,8 +436,9 @@ RULES: tuple[Rule, ...] = tuple([
             "after each step from when less than 60 s + the longest step so far + this is left",
             "trainer.esi_redundant_time"),
     *_rules(NOT_YET, "not built yet", "trainer.default_hdfs_dir",
-            "trainer.del_local_ckpt_after_load",
             "trainer.v1.trainer_mode", "trainer.v1.sampler.custom_sampler.path"),
+    *_rules(NO_EFFECT, "verl deletes a loaded checkpoint's files only where their path is on HDFS (hdfs://); "
+            "checkpoints here are local folders, which verl keeps too", "trainer.del_local_ckpt_after_load"),
     *_rules(NO_EFFECT, "verl's choice between its own trainer implementations", "trainer.use_v1",
             "trainer.ray_wait_register_center_timeout"),
     *_rules(NO_EFFECT, "read only by verl's asynchronous trainer modes, which are not supported yet", "trainer.v1.*"),
