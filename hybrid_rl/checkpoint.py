@@ -157,12 +157,20 @@ class CheckpointManager:
 FRESH_PARTS = {"optimizer": "optimizer state", "extra": "learning-rate schedule and RNG states"}
 
 
-def parts_to_load(checkpoint_cfg, role_key: str, folder) -> tuple[str, ...]:
-    """What a resume loads of a role's checkpoint: the parts verl's `checkpoint.load_contents`
-    names (a warning says what starts afresh). Its default is save_contents, which here never
-    narrows what is saved: a list equal to it (or none) loads all."""
-    loaded = checkpoint_cfg.get("load_contents") if checkpoint_cfg else None
+def narrowed_load_contents(checkpoint_cfg) -> list[str] | None:
+    """A role's verl `checkpoint.load_contents` where it narrows what a resume loads: None where it
+    is unset or equal to save_contents (its default), which here never narrows what is saved."""
+    loaded = checkpoint_cfg.get("load_contents")
     if loaded is None or list(loaded) == list(checkpoint_cfg.get("save_contents") or []):
+        return None
+    return list(loaded)
+
+
+def parts_to_load(checkpoint_cfg, role_key: str, folder) -> tuple[str, ...]:
+    """What a resume loads of a role's checkpoint: all, or the parts a narrowing load_contents
+    names (a warning says what starts afresh)."""
+    loaded = narrowed_load_contents(checkpoint_cfg)
+    if loaded is None:
         return CHECKPOINT_PARTS
     parts = tuple(part for part in CHECKPOINT_PARTS if part in loaded)
     fresh = [FRESH_PARTS[part] for part in CHECKPOINT_PARTS if part not in parts]

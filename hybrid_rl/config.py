@@ -15,6 +15,7 @@ from hybrid_rl.agent.formats import FORMATS
 from hybrid_rl.algorithms import (
     ADV_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, PF_PPO_WEIGHTS, POLICY_LOSSES, ROLLOUT_RS_MODES,
 )
+from hybrid_rl.checkpoint import narrowed_load_contents
 from hybrid_rl.config_keys import check_verl_keys
 from hybrid_rl.controller.worker_group import PLACEMENT_STRATEGIES
 from hybrid_rl.engines import ENGINES, lora, ulysses
@@ -871,8 +872,8 @@ def check_checkpoint_contents(cfg: DictConfig) -> None:
     """verl's `checkpoint.save_contents` / `load_contents` of the actor and (when trained) the
     critic. Checkpoints here always hold what an exact resume needs (a save list without it gets a
     warning), and `hf_model` adds a Hugging Face copy. A resume loads the parts load_contents names
-    where it differs from save_contents (`checkpoint.parts_to_load`); without the weights it would
-    go on from the checkpoint's step with the starting ones, so `model` must be among them."""
+    where it differs from save_contents (`checkpoint.narrowed_load_contents`); without the weights
+    it would go on from the checkpoint's step with the starting ones, so `model` must be among them."""
     for role in ("actor_rollout_ref.actor", "critic") if needs_critic(cfg) else ("actor_rollout_ref.actor",):
         checkpoint = OmegaConf.select(cfg, f"{role}.checkpoint")
         if checkpoint is None:
@@ -885,10 +886,9 @@ def check_checkpoint_contents(cfg: DictConfig) -> None:
         if missing:
             logger.warning("%s=%s: checkpoints hold %s as well, because resuming needs them (a checkpoint of "
                            "weights alone cannot be resumed from exactly).", key, contents, ", ".join(missing))
-        loaded = checkpoint.get("load_contents")
-        if loaded is None or list(loaded) == contents:  # verl's default (`${.save_contents}`): everything
+        loaded = narrowed_load_contents(checkpoint)
+        if loaded is None:
             continue
-        loaded = list(loaded)
         key = f"{role}.checkpoint.load_contents"
         for item in loaded:
             _choice(item, CHECKPOINT_CONTENTS, key)

@@ -566,12 +566,11 @@ class Trainer:
 
     def load_checkpoint(self, folder) -> None:
         state = read_trainer_state(folder)
-        actor = "actor_rollout_ref.actor"
-        self.workers.load_checkpoint(os.path.join(folder, "actor"), self.moving_reference_folder(folder),
-                                     parts_to_load(OmegaConf.select(self.cfg, f"{actor}.checkpoint"), actor, folder))
+        actor_parts = parts_to_load(self.cfg.actor_rollout_ref.actor.checkpoint, "actor_rollout_ref.actor", folder)
+        self.workers.load_checkpoint(os.path.join(folder, "actor"), self.moving_reference_folder(folder), actor_parts)
         if self.critic is not None:
             self.critic.load_checkpoint(str(self.checkpoints.critic_folder(folder)),
-                                        parts_to_load(self.cfg.critic.get("checkpoint"), "critic", folder))
+                                        parts_to_load(self.cfg.critic.checkpoint, "critic", folder))
         if self.iteration is not None:
             self.iteration.load(folder)
             if self.reward_model is not None:

@@ -534,7 +534,7 @@ class MegatronEngine(TrainEngine):
     def _load_sharded(self, folder: str, optimizer: bool) -> None:
         from megatron.core import dist_checkpointing
 
-        if optimizer:  # (the weights alone load into any layout)
+        if optimizer:  # (the layout check is about the distributed optimizer state's format)
             self._check_layout_of(folder)
         with self._megatron(), torch.no_grad():  # the optimizer copies into views of the weights
             if optimizer:
