@@ -68,6 +68,7 @@ class Generator:
 
         from hybrid_rl.hardware import resolve_dtype
         from hybrid_rl.workers.actor_rollout_ref import eos_ids
+        from hybrid_rl.workers.vllm_cpu import NORM_PRIORITY, register_norm_kernels
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -81,9 +82,13 @@ class Generator:
         # No longer than the model's own context (vLLM refuses that).
         positions = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
         gc.freeze()  # as the rollout engine does: vLLM's start-up collections then skip what is loaded
+        cpu_kwargs = {}
+        if device == "cpu":  # eager, with vLLM-CPU's fused norms, as the rollout engine's CPU default
+            register_norm_kernels()
+            cpu_kwargs = {"ir_op_priority": NORM_PRIORITY}
         self.llm = LLM(model=model_path, dtype=resolve_dtype(dtype, device, "engine").dtype,
                        max_model_len=min(max_model_len, positions or max_model_len), seed=seed,
-                       enforce_eager=device == "cpu")
+                       enforce_eager=device == "cpu", **cpu_kwargs)
 
     def responses(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
                   max_tokens: int) -> list[list[str]]:

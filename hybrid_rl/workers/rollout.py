@@ -24,8 +24,9 @@ from hybrid_rl.engines.routing import route_table
 from hybrid_rl.hardware import host_memory_bytes
 from hybrid_rl.models import checkpoint_layout
 from hybrid_rl.protocol import Batch, Sampling
-from hybrid_rl.workers.vllm_cpu import (expert_layers, in_place_sync, keep_loadable_weights, kept_weight_bytes,
-                                        load_weights_in_place, unlink_shared_memory_names)
+from hybrid_rl.workers.vllm_cpu import (NORM_PRIORITY, expert_layers, in_place_sync, keep_loadable_weights,
+                                        kept_weight_bytes, load_weights_in_place, register_norm_kernels,
+                                        unlink_shared_memory_names)
 
 
 def greedy_settings() -> dict:
@@ -206,13 +207,17 @@ def current_engine_args(kwargs: dict) -> dict:
     return current
 
 
-def engine_kwargs(cfg: Any, device_type: str, latent_attention: bool = False) -> dict:
+def engine_kwargs(cfg: Any, device_type: str, latent_attention: bool = False, eager: bool = False) -> dict:
     """`rollout.engine_kwargs.vllm` (older names in their current form), and on CPU, where vLLM's
     KV blocks hold 128 tokens, blocks of 32 under prefix caching: it shares only full blocks, so
     with 128 every prompt shorter than that is computed in full, again for each of its n samples
     and for the chat template's preamble that all prompts begin with. 32 is the smallest block
     vLLM-CPU's attention takes; it made the default step's rollout 30 % faster, and cost ~5 % where
     nothing was shared (docs/benchmarks.md).
+
+    An `eager` CPU engine also takes vLLM-CPU's fused RMSNorm kernels (`vllm_cpu.NORM_PRIORITY`,
+    unless the user sets the ops' priority): a compiled one gets inductor's fusion of the native
+    norm, and vLLM turns on its norm-fusion passes for a priority that does not start with native.
 
     A model with DeepSeek's multi-head latent attention (`latent_attention`) keeps vLLM-CPU's
     blocks of 16 (its MLA kernel takes no other; prefix caching is off there) and gets torch's
@@ -227,6 +232,8 @@ def engine_kwargs(cfg: Any, device_type: str, latent_attention: bool = False) ->
         kwargs["compilation_config"] = compilation
     elif device_type == "cpu" and cfg.enable_prefix_caching:
         kwargs.setdefault("block_size", 32)
+    if device_type == "cpu" and eager and not {"ir_op_priority", "kernel_config"} & set(kwargs):
+        kwargs["ir_op_priority"] = {op: list(providers) for op, providers in NORM_PRIORITY.items()}
     return kwargs
 
 
@@ -294,6 +301,8 @@ class VLLMRollout:
         # vLLM collects garbage five times while it starts (and freezes the heap after): with all
         # that is loaded so far frozen first, each pass sees only the engine's new objects (~1.5 s less).
         gc.freeze()
+        if device.type == "cpu":
+            register_norm_kernels()
         try:
             self.llm = LLM(
                 model=model_path,
@@ -318,7 +327,7 @@ class VLLMRollout:
                 enable_sleep_mode=self.sleep_between_rollouts,
                 enable_return_routed_experts=self.return_routes,
                 **same_model_config(model_cfg),
-                **engine_kwargs(cfg, device.type, latent_attention=uses_latent_attention(model_path)),
+                **engine_kwargs(cfg, device.type, latent_attention=uses_latent_attention(model_path), eager=eager),
             )
         except RuntimeError as exc:
             if "SHMManager failed. errno: 17" in str(exc):

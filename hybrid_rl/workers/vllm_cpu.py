@@ -7,6 +7,8 @@ pack them again (vLLM 0.32.0 packs them on the first load only), so their kernel
 new weights as if packed. Here the weights a push loads into are kept in the checkpoint's layout
 (`keep_loadable_weights`), and a push copies into them and packs again the layers whose weights it
 changed (`load_weights_in_place`). A mixture-of-experts model on CPU needs this path.
+
+Also here: vLLM-CPU's own RMSNorm kernels offered to an eager engine (`register_norm_kernels`).
 """
 
 from __future__ import annotations
@@ -148,3 +150,51 @@ def unlink_shared_memory_names() -> None:
         if queue is not None and queue.is_creator:
             queue.shared_memory.unlink()
             queue.is_creator = False  # its destructor would remove the name a second time
+
+
+# vLLM 0.32 computes RMSNorm through its IR ops `rms_norm` and `fused_add_rms_norm`, whose kernel
+# implementations it registers for GPUs only: on CPU an eager engine runs the native one, eight
+# torch ops and four dtype casts per norm, though vLLM-CPU's library has the fused kernels. Offered
+# under this provider name; an engine uses them where its `ir_op_priority` names it first.
+NORM_PROVIDER = "hybrid_rl_cpu"
+NORM_PRIORITY = {"rms_norm": [NORM_PROVIDER, "native"], "fused_add_rms_norm": [NORM_PROVIDER, "native"]}
+
+
+def _norm_args_supported(x: torch.Tensor, weight: torch.Tensor | None, epsilon: float,
+                         variance_size: int | None = None) -> bool:
+    # The kernels read contiguous rows and a weight of the activations' dtype, over the whole row.
+    return variance_size is None and weight is not None and weight.dtype == x.dtype and x.is_contiguous()
+
+
+def _add_norm_args_supported(x: torch.Tensor, x_residual: torch.Tensor, weight: torch.Tensor | None,
+                             epsilon: float, variance_size: int | None = None) -> bool:
+    return _norm_args_supported(x, weight, epsilon, variance_size) and x_residual.is_contiguous()
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, epsilon: float,
+              variance_size: int | None = None) -> torch.Tensor:
+    out = torch.empty_like(x)
+    torch.ops._C.rms_norm(out, x, weight, epsilon)
+    return out
+
+
+def _fused_add_rms_norm(x: torch.Tensor, x_residual: torch.Tensor, weight: torch.Tensor | None, epsilon: float,
+                        variance_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    # In place: x becomes the normalised sum, x_residual the sum (vLLM copies inputs it must keep).
+    torch.ops._C.fused_add_rms_norm(x, x_residual, weight, epsilon)
+    return x, x_residual
+
+
+def register_norm_kernels() -> None:
+    """Register vLLM-CPU's fused RMSNorm kernels as `NORM_PROVIDER` implementations of vLLM's
+    norm ops (once per process; before an engine whose priority names them is built). In the
+    default step's eager rollout they replaced 8 % of its time (docs/benchmarks.md)."""
+    from vllm import ir
+    from vllm.platforms import current_platform
+
+    if NORM_PROVIDER in ir.ops.rms_norm.impls:
+        return
+    current_platform.import_kernels()  # vLLM-CPU's library of torch.ops._C kernels
+    ir.ops.rms_norm.register_impl(NORM_PROVIDER, supports_args=_norm_args_supported)(_rms_norm)
+    ir.ops.fused_add_rms_norm.register_impl(NORM_PROVIDER, supports_args=_add_norm_args_supported,
+                                            inplace=True)(_fused_add_rms_norm)
