@@ -23,11 +23,18 @@ def test_block_size(overrides, device, expected):
 
 
 def test_latent_attention_keeps_vllm_cpus_blocks_and_takes_torchs_rotary_embedding():
-    """DeepSeek's latent attention on CPU: vLLM's own blocks of 16 (its MLA kernel's only size) and
-    its rotary custom op off, beside what the user set."""
+    """DeepSeek's latent attention on CPU: vLLM's own blocks of 16 (its MLA kernel's only size), its
+    rotary custom op off, beside what the user set, and the reference MLA backend (vLLM would take
+    its AMX one on an AMX CPU) unless the user names one."""
     rollout = compose_config(["+actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config.custom_ops=[+rms_norm]"]
                              ).actor_rollout_ref.rollout
     kwargs = engine_kwargs(rollout, "cpu", latent_attention=True)
     assert "block_size" not in kwargs
     assert kwargs["compilation_config"]["custom_ops"] == ["+rms_norm", "-rotary_embedding"]
-    assert engine_kwargs(rollout, "cuda", latent_attention=True)["compilation_config"] == {"custom_ops": ["+rms_norm"]}
+    assert kwargs["attention_backend"] == "CPU_MLA"
+    on_gpu = engine_kwargs(rollout, "cuda", latent_attention=True)
+    assert on_gpu["compilation_config"] == {"custom_ops": ["+rms_norm"]} and "attention_backend" not in on_gpu
+    assert "attention_backend" not in engine_kwargs(rollout, "cpu")
+    for chosen, expected in (("attention_backend=AMX_MLA", "AMX_MLA"), ("attention_config.backend=AMX_MLA", None)):
+        rollout = compose_config([f"+actor_rollout_ref.rollout.engine_kwargs.vllm.{chosen}"]).actor_rollout_ref.rollout
+        assert engine_kwargs(rollout, "cpu", latent_attention=True).get("attention_backend") == expected

