@@ -179,7 +179,7 @@ def conversation_rows(prompts: Batch) -> list[dict]:
 
 def resolve_enforce_eager(enforce_eager: bool | None, device_type: str) -> bool:
     """`rollout.enforce_eager: null`: eager on CPU, compiled (CUDA graphs) on GPU. On CPU vLLM's
-    compiled model generates ~1.25x faster in float32 on AVX2 (1.6x in bf16 on AMX) but adds
+    compiled model generates ~1.25x faster in float32 on AVX2 (1.3x in bf16 on AMX) but adds
     ~120 s to a first run and ~16 s to later ones (docs/benchmarks.md): eager starts a user's
     first run soonest."""
     return device_type == "cpu" if enforce_eager is None else bool(enforce_eager)
