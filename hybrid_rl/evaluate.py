@@ -68,7 +68,7 @@ class Generator:
 
         from hybrid_rl.hardware import resolve_dtype
         from hybrid_rl.workers.actor_rollout_ref import eos_ids
-        from hybrid_rl.workers.vllm_cpu import NORM_PRIORITY, register_norm_kernels
+        from hybrid_rl.workers.vllm_cpu import norm_priority, register_norm_kernels
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -85,7 +85,7 @@ class Generator:
         cpu_kwargs = {}
         if device == "cpu":  # eager, with vLLM-CPU's fused norms, as the rollout engine's CPU default
             register_norm_kernels()
-            cpu_kwargs = {"ir_op_priority": NORM_PRIORITY}
+            cpu_kwargs = {"ir_op_priority": norm_priority()}
         self.llm = LLM(model=model_path, dtype=resolve_dtype(dtype, device, "engine").dtype,
                        max_model_len=min(max_model_len, positions or max_model_len), seed=seed,
                        enforce_eager=device == "cpu", **cpu_kwargs)

@@ -9,7 +9,7 @@ import torch
 
 from hybrid_rl.config_keys import compose_config
 from hybrid_rl.workers.rollout import engine_kwargs
-from hybrid_rl.workers.vllm_cpu import NORM_PRIORITY, NORM_PROVIDER, register_norm_kernels
+from hybrid_rl.workers.vllm_cpu import NORM_PROVIDER, norm_priority, register_norm_kernels
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_kernels_give_the_native_norms(ops, dtype):
 def test_priority_chooses_the_kernels_where_they_apply(ops):
     x = torch.randn(4, 64)
     weight = torch.ones(64)
-    with ops.rms_norm.set_priority(NORM_PRIORITY["rms_norm"]):
+    with ops.rms_norm.set_priority(norm_priority()["rms_norm"]):
         assert ops.rms_norm.get_priority() == [NORM_PROVIDER, "native"]
         assert ops.rms_norm.dispatch(x, weight, 1e-6).provider == NORM_PROVIDER
         # A strided view, a weight of another dtype, a partial variance, no weight: native.
@@ -70,13 +70,13 @@ def test_priority_chooses_the_kernels_where_they_apply(ops):
         strided = torch.randn(64, 4).t()
         assert torch.allclose(ops.rms_norm(strided, weight, 1e-6),
                               ops.rms_norm.impls["native"].impl_fn(strided, weight, 1e-6))
-    with ops.fused_add_rms_norm.set_priority(NORM_PRIORITY["fused_add_rms_norm"]):
+    with ops.fused_add_rms_norm.set_priority(norm_priority()["fused_add_rms_norm"]):
         assert ops.fused_add_rms_norm.dispatch(x, x.clone(), weight, 1e-6).provider == NORM_PROVIDER
         assert ops.fused_add_rms_norm.dispatch(x, torch.randn(64, 4).t(), weight, 1e-6).provider == "native"
 
 
 @pytest.mark.parametrize("device, eager, overrides, expected", [
-    ("cpu", True, [], NORM_PRIORITY),
+    ("cpu", True, [], norm_priority()),
     ("cpu", False, [], None),
     ("cuda", True, [], None),
     ("cpu", True, ["+actor_rollout_ref.rollout.engine_kwargs.vllm.ir_op_priority.rms_norm=[native]"],

@@ -24,8 +24,8 @@ from hybrid_rl.engines.routing import route_table
 from hybrid_rl.hardware import host_memory_bytes
 from hybrid_rl.models import checkpoint_layout
 from hybrid_rl.protocol import Batch, Sampling
-from hybrid_rl.workers.vllm_cpu import (NORM_PRIORITY, expert_layers, in_place_sync, keep_loadable_weights,
-                                        kept_weight_bytes, load_weights_in_place, register_norm_kernels,
+from hybrid_rl.workers.vllm_cpu import (expert_layers, in_place_sync, keep_loadable_weights, kept_weight_bytes,
+                                        load_weights_in_place, norm_priority, register_norm_kernels,
                                         unlink_shared_memory_names)
 
 
@@ -215,7 +215,7 @@ def engine_kwargs(cfg: Any, device_type: str, latent_attention: bool = False, ea
     vLLM-CPU's attention takes; it made the default step's rollout 30 % faster, and cost ~5 % where
     nothing was shared (docs/benchmarks.md).
 
-    An `eager` CPU engine also takes vLLM-CPU's fused RMSNorm kernels (`vllm_cpu.NORM_PRIORITY`,
+    An `eager` CPU engine also takes vLLM-CPU's fused RMSNorm kernels (`vllm_cpu.norm_priority`,
     unless the user sets the ops' priority): a compiled one gets inductor's fusion of the native
     norm, and vLLM turns on its norm-fusion passes for a priority that does not start with native.
 
@@ -240,7 +240,7 @@ def engine_kwargs(cfg: Any, device_type: str, latent_attention: bool = False, ea
     elif device_type == "cpu" and cfg.enable_prefix_caching:
         kwargs.setdefault("block_size", 32)
     if device_type == "cpu" and eager and not {"ir_op_priority", "kernel_config"} & set(kwargs):
-        kwargs["ir_op_priority"] = {op: list(providers) for op, providers in NORM_PRIORITY.items()}
+        kwargs["ir_op_priority"] = norm_priority()
     return kwargs
 
 

@@ -157,7 +157,12 @@ def unlink_shared_memory_names() -> None:
 # torch ops and four dtype casts per norm, though vLLM-CPU's library has the fused kernels. Offered
 # under this provider name; an engine uses them where its `ir_op_priority` names it first.
 NORM_PROVIDER = "hybrid_rl_cpu"
-NORM_PRIORITY = {"rms_norm": [NORM_PROVIDER, "native"], "fused_add_rms_norm": [NORM_PROVIDER, "native"]}
+
+
+def norm_priority() -> dict[str, list[str]]:
+    """The `ir_op_priority` engine argument that chooses the kernels (native where they do not
+    apply); new lists each call, since vLLM appends its platform's defaults to those it is given."""
+    return {op: [NORM_PROVIDER, "native"] for op in ("rms_norm", "fused_add_rms_norm")}
 
 
 def _norm_args_supported(x: torch.Tensor, weight: torch.Tensor | None, epsilon: float,
