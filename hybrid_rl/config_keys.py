@@ -184,8 +184,8 @@ RULES: tuple[Rule, ...] = tuple([
             "override_transformer_config and unbatched pipeline messages give way to megatron's torch code and "
             "batched messages on CPU, with a warning; moe_grouped_gemm is not applied)", *(f"*.megatron.{k}" for k in (
                 "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-                "sequence_parallel", "use_distributed_optimizer", "seed", "dtype", "override_transformer_config.*",
-                "override_ddp_config"))),
+                "sequence_parallel", "use_distributed_optimizer", "seed", "dtype", "override_transformer_config",
+                "override_transformer_config.*", "override_ddp_config"))),
     *_rules(WORKS, "checkpoints whose distributed-optimizer state loads into another Megatron layout (gathered on "
             "save onto every rank, or with the memory-efficient switch over gloo onto the first data-parallel "
             "rank); without it a resume in another layout is refused, naming this key",
@@ -228,7 +228,9 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(WORKS, ROUTER_REPLAY, "actor_rollout_ref.actor.megatron.router_replay.mode",
             "actor_rollout_ref.ref.megatron.router_replay.mode"),
     *_rules(NO_EFFECT, ROUTE_FILES, "*.megatron.router_replay.*"),
-    *_rules(NOT_YET, "not built yet for the Megatron engine", "*.megatron.*", "critic.nccl_timeout"),
+    *_rules(NO_EFFECT, "the critic runs in the actor's worker processes and shares their process group "
+            "(actor_rollout_ref.nccl_timeout)", "critic.nccl_timeout"),
+    *_rules(NOT_YET, "not built yet for the Megatron engine", "*.megatron.*"),
     # --- optimiser
     *_rules(WORKS, "the optimizer: on FSDP the class optim.optimizer of the module optim.optimizer_impl, given "
             "lr, weight_decay and, for an Adam-like name, betas, as verl gives them (torch.optim's classes tested; "

@@ -490,6 +490,29 @@ def test_megatron_bf16_main_weights_start_from_the_checkpoints_values(tiny_model
         assert 0.8 * expected <= change <= 1.25 * expected, (name, change, expected)
 
 
+def _role_overrides_rank_main(rank, model_dir, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/init", rank=rank, world_size=1)
+    cfg = actor_config("megatron", extra=("+actor_rollout_ref.ref.megatron.override_transformer_config.attention_dropout=0.25",))
+    ref = build_engine(ModelSpec("ref", model_dir, cfg.actor_rollout_ref.model), cfg.actor_rollout_ref.ref,
+                       torch.device("cpu"))
+    torch.save({"actor": make_engine(cfg, model_dir).config.attention_dropout,
+                "ref": ref.config.attention_dropout}, os.path.join(out_dir, "dropout.pt"))
+    dist.destroy_process_group()
+
+
+def test_each_megatron_role_takes_its_own_transformer_overrides(tiny_model_dir4, tmp_path):
+    """verl's ref.megatron.override_transformer_config is the actor's unless set; set, it reaches
+    the reference engine's TransformerConfig and leaves the actor's alone."""
+    from hybrid_rl.config_keys import check_verl_keys
+
+    key = "actor_rollout_ref.ref.megatron.override_transformer_config"
+    cfg = compose_config([f"+{key}.attention_dropout=0.25", "critic.nccl_timeout=1200"],
+                         config_name="ppo_megatron_trainer")
+    assert check_verl_keys(cfg, "cpu") == []
+    mp.start_processes(_role_overrides_rank_main, args=(tiny_model_dir4, str(tmp_path)), nprocs=1, start_method="spawn")
+    assert torch.load(tmp_path / "dropout.pt") == {"actor": 0.0, "ref": 0.25}
+
+
 def reward_model_config(tp: int = 1, pp: int = 1, cp: int = 1, vpp: int | None = None):
     return compose_config(["reward_model.enable=true", "reward_model.strategy=megatron", "reward_model.megatron.dtype=fp32",
                            "reward_model.model.fsdp_config.dtype=fp32",
