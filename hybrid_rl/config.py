@@ -228,6 +228,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
         _check_rollout_pool(cfg)
 
     world = trainer.nnodes * trainer.n_gpus_per_node
+    check_global_micro_batch_sizes(cfg)
     _positive(data.train_batch_size, "data.train_batch_size")
     _positive(rollout.n, "actor_rollout_ref.rollout.n")
     _positive(actor.ppo_mini_batch_size, "actor_rollout_ref.actor.ppo_mini_batch_size")
@@ -269,7 +270,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
             f"actor_rollout_ref.actor.ppo_mini_batch_size ({actor.ppo_mini_batch_size}); e.g. set "
             f"ppo_mini_batch_size to a divisor of {data.train_batch_size}.")
     mini_sequences = actor.ppo_mini_batch_size * rollout.n
-    replicas, replica_ranks = actor_replicas(cfg, world)
+    replicas, replica_ranks = role_replicas(actor, world)
     where = f"{replicas} data-parallel replicas of {replica_ranks} ranks" if replica_ranks > 1 else f"{world} ranks"
     if mini_sequences % replicas:
         raise ConfigError(
@@ -770,22 +771,86 @@ def check_schedules(cfg: DictConfig) -> None:
                               "optim.lr_scheduler_type, min_lr_ratio and the warmup keys.")
 
 
-def actor_replicas(cfg: DictConfig, world: int) -> tuple[int, int]:
-    """(replicas, ranks per replica) of the actor's update: a mini-batch is split over its
+def role_replicas(role_cfg: DictConfig, world: int) -> tuple[int, int]:
+    """(replicas, ranks per replica) of a role over its `world` ranks: a batch is split over its
     data-parallel replicas, one per Megatron tensor x pipeline x context group or Ulysses
     sequence-parallel group (every rank when neither divides the ranks: the layout checks say why)."""
-    actor = cfg.actor_rollout_ref.actor
     try:
-        if actor.strategy == "megatron":
-            tp, pp, _ = megatron_parallel_sizes(actor.megatron)
-            group = tp * pp * megatron_context_parallel_size(actor.megatron)
+        if role_cfg.strategy == "megatron":
+            tp, pp, _ = megatron_parallel_sizes(role_cfg.megatron)
+            group = tp * pp * megatron_context_parallel_size(role_cfg.megatron)
         else:
-            group = int(ulysses.configured_size(actor))
+            group = int(ulysses.configured_size(role_cfg))
     except (TypeError, ValueError):  # not numbers: the layout checks name the key
         group = 0
     if group < 1 or world % group:
         return world, 1
     return world // group, group
+
+
+# verl's deprecated global micro-batch sizes: (section, global key, the per-rank key it sets,
+# the section whose data-parallel replicas divide it). The rollout's log-probs are the actor's.
+GLOBAL_MICRO_BATCH_KEYS = (
+    ("actor_rollout_ref.actor", "ppo_micro_batch_size", "ppo_micro_batch_size_per_gpu", "actor_rollout_ref.actor"),
+    ("actor_rollout_ref.rollout", "log_prob_micro_batch_size", "log_prob_micro_batch_size_per_gpu",
+     "actor_rollout_ref.actor"),
+    ("actor_rollout_ref.ref", "log_prob_micro_batch_size", "log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.ref"),
+    ("critic", "ppo_micro_batch_size", "ppo_micro_batch_size_per_gpu", "critic"),
+    ("critic", "forward_micro_batch_size", "forward_micro_batch_size_per_gpu", "critic"),
+    ("reward_model", "micro_batch_size", "micro_batch_size_per_gpu", "reward_model"),
+)
+
+
+def _global_micro_batch_sizes(cfg: DictConfig):
+    """(global key, its value, per-rank key, the dividing replicas) of each global size that is set."""
+    unused = {"actor_rollout_ref.ref": not needs_reference(cfg), "critic": not needs_critic(cfg),
+              "reward_model": not cfg.reward_model.enable}
+    for section, key, per_rank_key, divided_by in GLOBAL_MICRO_BATCH_KEYS:
+        value = OmegaConf.select(cfg, f"{section}.{key}")
+        if value is None or unused.get(section, False):
+            continue
+        pool = cfg.reward_model if section == "reward_model" and cfg.reward_model.enable_resource_pool else cfg.trainer
+        replicas, _ = role_replicas(OmegaConf.select(cfg, divided_by), pool.nnodes * pool.n_gpus_per_node)
+        yield f"{section}.{key}", value, f"{section}.{per_rank_key}", replicas
+
+
+def adopt_global_micro_batch_sizes(cfg: DictConfig) -> None:
+    """verl's deprecated global micro-batch sizes (`actor.ppo_micro_batch_size`, ...), where set,
+    become the per-rank sizes as verl makes them: divided by the role's data-parallel replicas,
+    rounded down. Run before the config is resolved, so that the per-rank keys that follow another
+    (the reference's follows the rollout's) follow the adopted size; validate_config checks it."""
+    for _, value, per_rank_key, replicas in _global_micro_batch_sizes(cfg):
+        if isinstance(value, int) and not isinstance(value, bool) and value >= replicas:
+            OmegaConf.update(cfg, per_rank_key, value // replicas)
+
+
+def resolve_config(cfg: DictConfig) -> DictConfig:
+    """The composed config with verl's global micro-batch sizes adopted, then resolved in place."""
+    adopt_global_micro_batch_sizes(cfg)
+    OmegaConf.resolve(cfg)
+    return cfg
+
+
+def check_global_micro_batch_sizes(cfg: DictConfig) -> None:
+    """Each global micro-batch size that is set leaves every replica at least one row; adopted
+    here too for a config that was resolved without `resolve_config`."""
+    for key, value, per_rank_key, replicas in _global_micro_batch_sizes(cfg):
+        _positive(value, key)
+        if value < replicas:
+            raise ConfigError(f"{key}={value} is split over the role's {replicas} data-parallel replicas (verl's "
+                              f"deprecated global form: each gets {value} // {replicas} rows), leaving none: set it "
+                              f"to at least {replicas}, or set {per_rank_key} instead.")
+    adopt_global_micro_batch_sizes(cfg)
+
+
+def micro_batch_sizes_set_twice(keys) -> list[str]:
+    """Errors for a global micro-batch size given beside its per-rank key (`keys`: the command
+    line's), which verl refuses too: adopting the global one would silently drop the other."""
+    keys = set(keys)
+    return [f"{section}.{key} and {section}.{per_rank_key} are both set: they are one setting (verl's deprecated "
+            f"global form, divided by the data-parallel replicas, and the per-rank one); set {section}.{per_rank_key} "
+            "only." for section, key, per_rank_key, _ in GLOBAL_MICRO_BATCH_KEYS
+            if f"{section}.{key}" in keys and f"{section}.{per_rank_key}" in keys]
 
 
 def check_sequence_parallel(cfg: DictConfig) -> None:

@@ -37,6 +37,9 @@ ROUTER_REPLAY = ("mixture-of-experts models on the Megatron engine, and on the F
                  "in the update (where that pass runs: more than one mini-batch or epoch), R3 the rollout's (needs "
                  "rollout.enable_rollout_routing_replay); verl 0.9's place for the key is the megatron section, "
                  "0.7-0.8's the role's")
+GLOBAL_MICRO_BATCH = ("verl's deprecated global form of the *_per_gpu key: divided by the role's data-parallel "
+                      "replicas, rounded down, as verl does (the rollout's by the actor's); given beside that key "
+                      "on the command line, refused")
 ROUTE_FILES = "routes travel in the batch; verl reads neither file either"
 REMOTE_SANDBOX = ("verl's remote sandbox service is not used; code rewards run in the local sandbox "
                   "(reward.funcs=[code_tests])")
@@ -51,10 +54,11 @@ def compose_config(overrides=(), config_name: str = "ppo_trainer") -> DictConfig
     rather than in `hybrid_rl.main`, which imports Ray, so engine-level tools can compose one)."""
     from hydra import compose, initialize_config_dir
 
+    from hybrid_rl.config import resolve_config
+
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name=config_name, overrides=list(overrides))
-    OmegaConf.resolve(cfg)
-    return cfg
+    return resolve_config(cfg)
 
 
 @dataclass(frozen=True)
@@ -258,8 +262,8 @@ RULES: tuple[Rule, ...] = tuple([
             "*.optim.exp_avg*_dtype", "*.optim.use_layer_wise_distributed_optimizer", "*.optim.muon_*"),
     # --- actor / critic
     *_rules(NO_EFFECT, "verl copies rollout.n here for its own bookkeeping", "*.rollout_n"),
-    *_rules(NOT_YET, "use the *_micro_batch_size_per_gpu key (the global form is deprecated in verl too)",
-            "*.ppo_micro_batch_size", "*.log_prob_micro_batch_size", "critic.forward_micro_batch_size"),
+    *_rules(WORKS, GLOBAL_MICRO_BATCH, "*.ppo_micro_batch_size", "*.log_prob_micro_batch_size",
+            "critic.forward_micro_batch_size", "reward_model.micro_batch_size"),
     *_rules(NOT_YET, "vision-language models are not supported yet", "*.freeze_vision_tower"),
     *_rules(WORKS, "the weight β of loss_mode=dro's quadratic log-ratio penalty", "actor_rollout_ref.actor.policy_loss.dro_beta"),
     *_rules(NOT_YET, "not built yet", "actor_rollout_ref.actor.use_prefix_grouper"),
@@ -413,8 +417,6 @@ RULES: tuple[Rule, ...] = tuple([
             "reward_model.enable_resource_pool", "reward_model.n_gpus_per_node", "reward_model.nnodes"),
     *_rules(WORKS, "on GPU, the reward model's weights wait in host memory between scorings; no effect on CPU",
             "reward_model.model.fsdp_config.param_offload"),
-    *_rules(NOT_YET, "use reward_model.micro_batch_size_per_gpu (the global form is deprecated in verl too)",
-            "reward_model.micro_batch_size"),
     *_rules(NOT_YET, "only the naive reward manager is built", "reward.reward_manager.*"),
     *_rules(NO_EFFECT, "rewards are scored in the driver process", "reward.num_workers"),
     *_rules(NOT_YET, REMOTE_SANDBOX, "sandbox_fusion.url", "reward.sandbox_fusion.url"),

@@ -300,3 +300,59 @@ def test_router_replay_settings_that_cannot_work_are_refused(overrides, message)
     cfg = compose_config(["trainer.device=cpu", *overrides], config_name="ppo_megatron_trainer")
     with pytest.raises(ConfigError, match=message):
         validate_config(cfg)
+
+
+# TinyZero's GRPO script (Jiayi-Pan/TinyZero, scripts/train_tiny_zero_a100_grpo.sh), written for
+# verl's early global micro-batch sizes.
+TINYZERO_MICRO_BATCHES = ("actor_rollout_ref.actor.ppo_mini_batch_size=64", "actor_rollout_ref.actor.ppo_micro_batch_size=4",
+                          "actor_rollout_ref.rollout.log_prob_micro_batch_size=4", "actor_rollout_ref.rollout.n=5",
+                          "actor_rollout_ref.ref.log_prob_micro_batch_size=2", "actor_rollout_ref.actor.use_kl_loss=True",
+                          "actor_rollout_ref.actor.use_dynamic_bsz=false", "data.train_batch_size=128")
+
+
+@pytest.mark.parametrize("ranks, extra, expected", [
+    # verl: each rank's size is the global one // (ranks // Ulysses group), or // Megatron's data-parallel size.
+    (2, (), (2, 2, 1)),
+    (1, (), (4, 4, 2)),
+    (2, ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "actor_rollout_ref.model.use_remove_padding=true"),
+     (4, 4, 2)),
+])
+def test_verls_global_micro_batch_sizes_are_divided_over_the_data_parallel_replicas(ranks, extra, expected):
+    cfg = compose_config([*TINYZERO_MICRO_BATCHES, f"trainer.n_gpus_per_node={ranks}", *extra])
+    validate_config(cfg)
+    ar = cfg.actor_rollout_ref
+    assert (ar.actor.ppo_micro_batch_size_per_gpu, ar.rollout.log_prob_micro_batch_size_per_gpu,
+            ar.ref.log_prob_micro_batch_size_per_gpu) == expected
+
+
+def test_global_micro_batch_sizes_on_megatron_and_for_the_roles_that_follow_others():
+    cfg = compose_config(["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=4",
+                          "actor_rollout_ref.actor.ppo_micro_batch_size=6", "algorithm.adv_estimator=gae",
+                          "actor_rollout_ref.rollout.log_prob_micro_batch_size=10", "critic.ppo_micro_batch_size=8",
+                          "actor_rollout_ref.actor.use_kl_loss=true"], config_name="ppo_megatron_trainer")
+    validate_config(cfg)
+    # Two data-parallel replicas of two TP ranks; the reference's per-rank size follows the
+    # rollout's, and the critic's forward size its update size, as their defaults say.
+    assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 3
+    assert cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu == 5
+    assert cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu == 5
+    assert (cfg.critic.ppo_micro_batch_size_per_gpu, cfg.critic.forward_micro_batch_size_per_gpu) == (2, 2)
+
+
+def test_global_micro_batch_sizes_that_leave_a_replica_nothing_or_come_twice_are_refused():
+    from hybrid_rl.config import micro_batch_sizes_set_twice
+
+    cfg = compose_config(["actor_rollout_ref.actor.ppo_micro_batch_size=1", "trainer.n_gpus_per_node=2"])
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.ppo_micro_batch_size=1 is split over the role's 2 "
+                                          r"data-parallel replicas .* set it to at least 2, or set "
+                                          r"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu instead"):
+        validate_config(cfg)
+    # A critic-free run does not read the critic's.
+    validate_config(compose_config(["critic.ppo_micro_batch_size=1", "trainer.n_gpus_per_node=2"]))
+    assert micro_batch_sizes_set_twice(["critic.ppo_micro_batch_size", "critic.forward_micro_batch_size_per_gpu"]) == []
+    cli = subprocess.run([sys.executable, "-m", "hybrid_rl.main", "actor_rollout_ref.ref.log_prob_micro_batch_size=4",
+                          "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2"], cwd=REPO_ROOT,
+                         capture_output=True, text=True)
+    assert cli.returncode == 2
+    assert ("error: actor_rollout_ref.ref.log_prob_micro_batch_size and "
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu are both set") in cli.stderr
