@@ -16,7 +16,7 @@ from hybrid_rl.algorithms import (
     ADV_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, PF_PPO_WEIGHTS, POLICY_LOSSES, ROLLOUT_RS_MODES,
 )
 from hybrid_rl.checkpoint import narrowed_load_contents
-from hybrid_rl.config_keys import check_verl_keys
+from hybrid_rl.config_keys import RENAMED_KEYS, check_verl_keys, plain, verl_defaults
 from hybrid_rl.controller.worker_group import PLACEMENT_STRATEGIES
 from hybrid_rl.engines import ENGINES, lora, ulysses
 from hybrid_rl.engines.base import CHECKPOINT_PARTS
@@ -810,6 +810,8 @@ def _global_micro_batch_sizes(cfg: DictConfig):
         if value is None or unused.get(section, False):
             continue
         pool = cfg.reward_model if section == "reward_model" and cfg.reward_model.enable_resource_pool else cfg.trainer
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (pool.nnodes, pool.n_gpus_per_node)):
+            continue  # not positive whole numbers: validate_config names them first
         replicas, _ = role_replicas(OmegaConf.select(cfg, divided_by), pool.nnodes * pool.n_gpus_per_node)
         yield f"{section}.{key}", value, f"{section}.{per_rank_key}", replicas
 
@@ -824,8 +826,24 @@ def adopt_global_micro_batch_sizes(cfg: DictConfig) -> None:
             OmegaConf.update(cfg, per_rank_key, value // replicas)
 
 
+def adopt_renamed_keys(cfg: DictConfig) -> None:
+    """The keys of older verl releases that are set away from verl's default, copied (converted)
+    into the keys they are now (config_keys.RENAMED_KEYS)."""
+    absent = object()
+    defaults = verl_defaults()
+    for old, renamed in RENAMED_KEYS.items():
+        value = plain(OmegaConf.select(cfg, old, default=absent))
+        if value is absent or value == defaults[old]:
+            continue
+        value = value if renamed.convert is None else renamed.convert(value)
+        for key in renamed.keys:
+            OmegaConf.update(cfg, key, value)
+
+
 def resolve_config(cfg: DictConfig) -> DictConfig:
-    """The composed config with verl's global micro-batch sizes adopted, then resolved in place."""
+    """The composed config with older verl's names and global micro-batch sizes adopted, then
+    resolved in place."""
+    adopt_renamed_keys(cfg)
     adopt_global_micro_batch_sizes(cfg)
     OmegaConf.resolve(cfg)
     return cfg
@@ -843,14 +861,18 @@ def check_global_micro_batch_sizes(cfg: DictConfig) -> None:
     adopt_global_micro_batch_sizes(cfg)
 
 
-def micro_batch_sizes_set_twice(keys) -> list[str]:
-    """Errors for a global micro-batch size given beside its per-rank key (`keys`: the command
-    line's), which verl refuses too: adopting the global one would silently drop the other."""
+def settings_given_twice(keys) -> list[str]:
+    """Errors for an older verl key given beside the key it is now, or a global micro-batch size
+    beside its per-rank key (`keys`: the command line's; verl refuses the latter too): adopting
+    the one would silently drop the other."""
     keys = set(keys)
-    return [f"{section}.{key} and {section}.{per_rank_key} are both set: they are one setting (verl's deprecated "
-            f"global form, divided by the data-parallel replicas, and the per-rank one); set {section}.{per_rank_key} "
-            "only." for section, key, per_rank_key, _ in GLOBAL_MICRO_BATCH_KEYS
-            if f"{section}.{key}" in keys and f"{section}.{per_rank_key}" in keys]
+    errors = [f"{section}.{key} and {section}.{per_rank_key} are both set: they are one setting (verl's deprecated "
+              f"global form, divided by the data-parallel replicas, and the per-rank one); set "
+              f"{section}.{per_rank_key} only." for section, key, per_rank_key, _ in GLOBAL_MICRO_BATCH_KEYS
+              if f"{section}.{key}" in keys and f"{section}.{per_rank_key}" in keys]
+    errors += [f"{old} and {new} are both set: {old} is older verl's name for {new}; set {new} only."
+               for old, renamed in RENAMED_KEYS.items() if old in keys for new in renamed.keys if new in keys]
+    return errors
 
 
 def check_sequence_parallel(cfg: DictConfig) -> None:

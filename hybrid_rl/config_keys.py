@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -57,8 +58,22 @@ def compose_config(overrides=(), config_name: str = "ppo_trainer") -> DictConfig
     from hybrid_rl.config import resolve_config
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name=config_name, overrides=list(overrides))
+        cfg = compose(config_name=config_name, overrides=additions_of_verl_keys_as_overrides(overrides))
     return resolve_config(cfg)
+
+
+def additions_of_verl_keys_as_overrides(overrides) -> list[str]:
+    """The overrides, with each `+key=value` that adds a key verl's tree has (scripts written for a
+    verl release that lacked it: TinyZero's `+trainer.val_before_train=False`) as `++key=value`,
+    which sets it; Hydra refuses to add a key that exists."""
+    out = []
+    for override in overrides:
+        key = override.partition("=")[0]
+        if key.startswith("+") and not key.startswith("++") and key[1:] in verl_defaults():
+            logger.info("%s: verl's tree has %s (a newer verl's key); it is set.", key, key[1:])
+            override = "+" + override
+        out.append(override)
+    return out
 
 
 @dataclass(frozen=True)
@@ -103,7 +118,70 @@ def _served_model_rules(prefix: str, present: frozenset[str] | None = None) -> l
     ]
 
 
+@dataclass(frozen=True)
+class Renamed:
+    """The keys an older verl key now lives under, and how its value converts (`how` says it)."""
+    keys: tuple[str, ...]
+    convert: Callable | None = None
+    how: str = ""
+
+
+# Keys of older verl releases (conf/verl/legacy*.yaml) that now live under another name. Set away
+# from verl's default, the old key is copied into the new ones before the config resolves
+# (hybrid_rl.config.resolve_config); given on the command line beside one of them, it is refused.
+RENAMED_KEYS: dict[str, Renamed] = {
+    "trainer.val_generations_to_log_to_wandb": Renamed(("trainer.log_val_generations",)),
+    "trainer.remove_previous_ckpt_in_save": Renamed(("trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep"),
+                                                    lambda remove: 1 if remove else None,
+                                                    " (true: 1, verl 0.2 kept only the newest checkpoint)"),
+    **{f"{role}.checkpoint.contents": Renamed((f"{role}.checkpoint.save_contents", f"{role}.checkpoint.load_contents"))
+       for role in ("actor_rollout_ref.actor", "critic")},
+    "ray_init.num_cpus": Renamed(("ray_kwargs.ray_init.num_cpus",)),
+    "ray_init.timeline_json_file": Renamed(("ray_kwargs.timeline_json_file",)),
+    "actor_rollout_ref.profiler.all_ranks": Renamed(("actor_rollout_ref.actor.profiler.all_ranks",)),
+    "actor_rollout_ref.profiler.ranks": Renamed(("actor_rollout_ref.actor.profiler.ranks",)),
+    "actor_rollout_ref.ref.param_offload": Renamed(("actor_rollout_ref.ref.megatron.param_offload",)),
+    "reward_model.param_offload": Renamed(("reward_model.megatron.param_offload",)),
+    **{f"{model}.gradient_checkpointing_kwargs.activations_checkpoint_{name}":
+       Renamed((f"{megatron}.override_transformer_config.recompute_{name}",))
+       for model, megatron in (("actor_rollout_ref.model", "actor_rollout_ref.actor.megatron"),
+                               ("critic.model", "critic.megatron"))
+       for name in ("granularity", "method", "num_layers")},
+}
+
+
+def _renamed_rules() -> list[Rule]:
+    return [Rule(old, WORKS, f"older verl's name for {' and '.join(new.keys)}{new.how}; given beside it on the "
+                 "command line, refused") for old, new in RENAMED_KEYS.items()]
+
+
 RULES: tuple[Rule, ...] = tuple([
+    # --- keys of verl 0.2-0.6 that 0.9.1 dropped (conf/verl/legacy*.yaml)
+    *_renamed_rules(),
+    *_rules(NO_EFFECT_ON_CPU, "verl 0.2's gradient offload; on CPU the gradients are in host memory already (on GPU, "
+            "param_offload offloads them with the weights)", "actor_rollout_ref.actor.fsdp_config.grad_offload",
+            "critic.model.fsdp_config.grad_offload"),
+    *_rules(NO_EFFECT, "verl 0.2's wrap policy: FSDP2 shards each decoder layer", "reward_model.model.fsdp_config.min_num_params"),
+    *_rules(NO_EFFECT, "the KL controller is algorithm.kl_ctrl", "critic.kl_ctrl.*"),
+    *_rules(NOT_YET, "verl 0.2's form of the virtual pipeline: set virtual_pipeline_model_parallel_size (layers / "
+            "pipeline stages / this)", "*.megatron.num_layers_per_virtual_pipeline_stage"),
+    *_rules(NOT_YET, "verl 0.4-0.5's Nsight profiler steps; the torch profiler runs over global_profiler.steps with "
+            "global_profiler.tool=torch", "trainer.profile_steps"),
+    *_rules(NO_EFFECT, "options of the Nsight profiler, which is not supported yet", "trainer.controller_nsight_options.*",
+            "trainer.worker_nsight_options.*"),
+    *_rules(NO_EFFECT, "options of Ascend NPU profiling; NPUs are not supported", "trainer.npu_profile.*"),
+    *_rules(NOT_YET, "verl 0.4-0.5's Megatron profiler; set global_profiler.tool=torch, global_profiler.steps and "
+            "actor_rollout_ref.actor.profiler.enable=true", "*.profile.use_profile"),
+    *_rules(NO_EFFECT, "read only with profile.use_profile, which is not supported yet", "*.profile.*"),
+    *_rules(NO_EFFECT, "the torch profiler records whole steps", "actor_rollout_ref.profiler.discrete"),
+    *_rules(NOT_YET, "a reference model of its own is not built: the reference is the actor's starting weights",
+            "actor_rollout_ref.ref.model"),
+    *_rules(NOT_YET, "FIRE sampling (the first token at a higher temperature) is not built",
+            "actor_rollout_ref.rollout.use_fire_sampling"),
+    *_rules(NOT_YET, "verl 0.4-0.5's SGLang completion callback is not built",
+            "actor_rollout_ref.rollout.multi_turn.completion_callback"),
+    *_rules(NOT_YET, "bypass mode trains with the PPO clipped loss only (verl 0.6's switch to its policy-gradient "
+            "loss)", "algorithm.rollout_correction.use_policy_gradient"),
     # --- verl keys our own groups do not set but the code reads
     *_rules(WORKS, "", "actor_rollout_ref.ref.strategy", "actor_rollout_ref.rollout.engine_kwargs.vllm",
             "actor_rollout_ref.rollout.max_model_len", "ray_kwargs.ray_init.num_cpus",

@@ -16,8 +16,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from hybrid_rl.config import (ConfigError, adopt_served_reward_model, check_model_limits, custom_reward_function,
-                              micro_batch_sizes_set_twice, resolve_config, validate_config)
-from hybrid_rl.config_keys import CONF_DIR, compose_config, leaves, verl_defaults
+                              resolve_config, settings_given_twice, validate_config)
+from hybrid_rl.config_keys import CONF_DIR, additions_of_verl_keys_as_overrides, compose_config, leaves, verl_defaults
 from hybrid_rl.console import quiet_third_party_output
 from hybrid_rl.models import ModelPathError, cache_dir, load_tokenizer, resolve_model_path
 
@@ -474,7 +474,8 @@ def unknown_override_keys(argv: list[str]) -> list[str]:
 
 def cli() -> None:
     """`python -m hybrid_rl.main` and the `hybrid-rl-train` command."""
-    if errors := unknown_override_keys(sys.argv[1:]) + micro_batch_sizes_set_twice(
+    sys.argv[1:] = additions_of_verl_keys_as_overrides(sys.argv[1:])
+    if errors := unknown_override_keys(sys.argv[1:]) + settings_given_twice(
             o.partition("=")[0].lstrip("+") for o in split_command_line(sys.argv[1:])[2]):
         print("\n".join(f"error: {e}" for e in errors), file=sys.stderr)
         sys.exit(2)

@@ -340,7 +340,7 @@ def test_global_micro_batch_sizes_on_megatron_and_for_the_roles_that_follow_othe
 
 
 def test_global_micro_batch_sizes_that_leave_a_replica_nothing_or_come_twice_are_refused():
-    from hybrid_rl.config import micro_batch_sizes_set_twice
+    from hybrid_rl.config import settings_given_twice
 
     cfg = compose_config(["actor_rollout_ref.actor.ppo_micro_batch_size=1", "trainer.n_gpus_per_node=2"])
     with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.ppo_micro_batch_size=1 is split over the role's 2 "
@@ -349,10 +349,59 @@ def test_global_micro_batch_sizes_that_leave_a_replica_nothing_or_come_twice_are
         validate_config(cfg)
     # A critic-free run does not read the critic's.
     validate_config(compose_config(["critic.ppo_micro_batch_size=1", "trainer.n_gpus_per_node=2"]))
-    assert micro_batch_sizes_set_twice(["critic.ppo_micro_batch_size", "critic.forward_micro_batch_size_per_gpu"]) == []
+    assert settings_given_twice(["critic.ppo_micro_batch_size", "critic.forward_micro_batch_size_per_gpu"]) == []
     cli = subprocess.run([sys.executable, "-m", "hybrid_rl.main", "actor_rollout_ref.ref.log_prob_micro_batch_size=4",
                           "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2"], cwd=REPO_ROOT,
                          capture_output=True, text=True)
     assert cli.returncode == 2
     assert ("error: actor_rollout_ref.ref.log_prob_micro_batch_size and "
             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu are both set") in cli.stderr
+
+
+def test_older_verl_names_set_the_keys_they_are_now():
+    from hybrid_rl.config import settings_given_twice
+    from hybrid_rl.config_keys import check_verl_keys
+
+    cfg = compose_config(["trainer.val_generations_to_log_to_wandb=3", "trainer.remove_previous_ckpt_in_save=true",
+                          "actor_rollout_ref.actor.checkpoint.contents=[model,optimizer,extra]", "ray_init.num_cpus=2",
+                          "ray_init.timeline_json_file=/tmp/timeline.json"])
+    validate_config(cfg)
+    assert cfg.trainer.log_val_generations == 3
+    assert (cfg.trainer.max_actor_ckpt_to_keep, cfg.trainer.max_critic_ckpt_to_keep) == (1, 1)
+    checkpoint = cfg.actor_rollout_ref.actor.checkpoint
+    assert list(checkpoint.save_contents) == list(checkpoint.load_contents) == ["model", "optimizer", "extra"]
+    assert (cfg.ray_kwargs.ray_init.num_cpus, cfg.ray_kwargs.timeline_json_file) == (2, "/tmp/timeline.json")
+    # verl 0.2-0.4's Megatron names.
+    cfg = compose_config(["actor_rollout_ref.ref.param_offload=true",
+                          "actor_rollout_ref.model.gradient_checkpointing_kwargs.activations_checkpoint_granularity=full",
+                          "actor_rollout_ref.model.gradient_checkpointing_kwargs.activations_checkpoint_method=uniform",
+                          "actor_rollout_ref.model.gradient_checkpointing_kwargs.activations_checkpoint_num_layers=2"],
+                         config_name="ppo_megatron_trainer")
+    assert cfg.actor_rollout_ref.ref.megatron.param_offload is True
+    overrides = cfg.actor_rollout_ref.actor.megatron.override_transformer_config
+    assert (overrides.recompute_granularity, overrides.recompute_method, overrides.recompute_num_layers) == (
+        "full", "uniform", 2)
+    # verl 0.2's gradient offload: nothing to do on CPU; the GPU engine has no switch for it alone.
+    cfg = compose_config(["actor_rollout_ref.actor.fsdp_config.grad_offload=true"])
+    assert check_verl_keys(cfg, "cpu") == []
+    assert check_verl_keys(cfg, "cuda") == ["actor_rollout_ref.actor.fsdp_config.grad_offload=True is not supported "
+                                            "yet (verl 0.2's gradient offload; on CPU the gradients are in host memory "
+                                            "already (on GPU, param_offload offloads them with the weights))"]
+    assert settings_given_twice(["ray_init.num_cpus", "ray_kwargs.ray_init.num_cpus"]) == [
+        "ray_init.num_cpus and ray_kwargs.ray_init.num_cpus are both set: ray_init.num_cpus is older verl's name for "
+        "ray_kwargs.ray_init.num_cpus; set ray_kwargs.ray_init.num_cpus only."]
+
+
+def test_adding_a_key_verl_has_since_added_sets_it():
+    """Scripts for early verl add keys it lacked (TinyZero's `+trainer.val_before_train=False`);
+    Hydra refuses to add a key that exists, so such an addition sets it. Keys of one's own are
+    added as before."""
+    cfg = compose_config(["+trainer.val_before_train=False", "+my_own.setting=3"])
+    assert cfg.trainer.val_before_train is False and cfg.my_own.setting == 3
+    # One of this system's own keys is no key verl added later: Hydra's rule stands.
+    with pytest.raises(ConfigCompositionException, match="An item is already at 'actor_rollout_ref.rollout.kv_cache_gib'"):
+        compose_config(["+actor_rollout_ref.rollout.kv_cache_gib=2"])
+    printed = subprocess.run([sys.executable, "-m", "hybrid_rl.main", "--cfg", "job", "+trainer.val_before_train=False"],
+                             cwd=REPO_ROOT, capture_output=True, text=True)
+    assert printed.returncode == 0, printed.stderr
+    assert "val_before_train: false" in printed.stdout

@@ -46,7 +46,7 @@ def main() -> int:
         "",
         "Every leaf key of verl 0.9.1's `ppo_trainer` and `ppo_megatron_trainer` configs exists here with",
         "verl's default (`conf/verl/`, written by `tools/verl_keys.py`), so a verl command line composes;",
-        "so do the keys that verl 0.7.0-0.8.0 had and 0.9.1 dropped (`conf/verl/legacy*.yaml`, e.g.",
+        "so do the keys that verl 0.2-0.8 had and 0.9.1 dropped (`conf/verl/legacy*.yaml`, e.g.",
         "`critic.model.fsdp_config.*`, `trainer.use_legacy_worker_impl`), with the last default they had.",
         "How verl's own example scripts fare: [verl_examples.md](verl_examples.md).",
         "Each key has one status:",

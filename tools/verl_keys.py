@@ -1,9 +1,11 @@
 #!/usr/bin/env python
 """Write verl's config key list (every leaf key with verl's default) into conf/verl/.
 
-    pip download --no-deps verl==0.9.1 verl==0.8.0 verl==0.7.1 verl==0.7.0 -d /tmp/verl  # nothing is installed
+    for v in 0.2.0.post2 0.3.0.post1 0.4.1 0.5.0 0.6.1 0.7.0 0.7.1 0.8.0 0.9.1; do
+        pip download --no-deps verl==$v -d /tmp/verl; done  # nothing is installed
     python tools/verl_keys.py /tmp/verl/verl-0.9.1-py3-none-any.whl \
-        --older /tmp/verl/verl-0.{7.0,7.1,8.0}-py3-none-any.whl
+        --older /tmp/verl/verl-0.{2.0.post2,3.0.post1,4.1,5.0}-py2.py3-none-any.whl \
+        /tmp/verl/verl-0.{6.1,7.0,7.1,8.0}-py3-none-any.whl
 
 verl generates one flat file per trainer config (`trainer/config/_generated_<name>.yaml`). This
 reads the two we follow and writes, as data only (no comment or text of verl's):
@@ -38,14 +40,18 @@ from hybrid_rl.config_keys import CONF_DIR, leaves  # noqa: E402
 
 OUT_DIR = os.path.join(CONF_DIR, "verl")
 GENERATED = "verl/trainer/config/_generated_{}.yaml"
+PLAIN = "verl/trainer/config/{}.yaml"
 
 
 def read_generated(source: str, name: str) -> dict:
-    """verl's generated config `name` from a wheel or from a folder holding the `verl` package."""
-    member = GENERATED.format(name)
+    """verl's generated config `name` from a wheel or from a folder holding the `verl` package;
+    releases before 0.5 generated none, and their one flat file is read instead."""
+    members = (GENERATED.format(name), PLAIN.format(name))
     if zipfile.is_zipfile(source):
         with zipfile.ZipFile(source) as wheel:
+            member = next(m for m in members if m in wheel.namelist())
             return yaml.safe_load(wheel.read(member))
+    member = next(m for m in members if os.path.exists(os.path.join(source, m)))
     with open(os.path.join(source, member)) as f:
         return yaml.safe_load(f)
 
