@@ -722,5 +722,5 @@ DEVIATIONS: dict[str, str] = {
                   "group's prompt once); false runs padded rows", "reward_model.model.use_remove_padding"),
     **_deviations("this project's run names and folder", "trainer.project_name", "trainer.experiment_name",
                   "trainer.default_local_dir"),
-    **_deviations("a run needs no account or network; add wandb, mlflow or tensorboard", "trainer.logger"),
+    **_deviations("a run needs no account or network; add wandb, mlflow, swanlab or tensorboard", "trainer.logger"),
 }

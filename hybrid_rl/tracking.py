@@ -1,9 +1,11 @@
-"""Metric loggers: console, a JSON Lines file in the run folder, TensorBoard, Weights & Biases and MLflow.
+"""Metric loggers: console, a JSON Lines file in the run folder, TensorBoard, Weights & Biases, MLflow
+and SwanLab.
 
 `trainer.logger` takes verl's names. wandb runs online when a W&B server is reachable and an API key
 is configured, otherwise offline into the run folder (upload later with `wandb sync`); `WANDB_MODE`
-overrides that choice. MLflow logs to `MLFLOW_TRACKING_URI` when set, else to a SQLite store in the
-run folder (`mlflow ui --backend-store-uri sqlite:///<run folder>/mlflow.db`).
+overrides that choice. SwanLab does the same with `SWANLAB_API_KEY` (or a saved `swanlab login`) and
+`SWANLAB_MODE` (`swanlab sync` uploads an offline run). MLflow logs to `MLFLOW_TRACKING_URI` when set,
+else to a SQLite store in the run folder (`mlflow ui --backend-store-uri sqlite:///<run folder>/mlflow.db`).
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ from hybrid_rl.config_keys import leaves
 
 logger = logging.getLogger(__name__)
 
-LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow", "swanlab")
 # verl's other logger names, refused with a pointer to the ones above.
-VERL_ONLY_LOGGERS = ("swanlab", "vemlp_wandb", "clearml", "trackio", "file")
+VERL_ONLY_LOGGERS = ("vemlp_wandb", "clearml", "trackio", "file")
 # Loggers whose package is an optional extra of hybrid-rl (pip install 'hybrid-rl[<name>]').
-OPTIONAL_LOGGERS = ("mlflow",)
+OPTIONAL_LOGGERS = ("mlflow", "swanlab")
 
 # Shown on the console line of each step (every metric goes to the files).
 CONSOLE_KEYS = (
@@ -51,6 +53,7 @@ class Tracker:
             self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
         self.wandb = _start_wandb(project, experiment, run_dir, config) if "wandb" in self.loggers else None
         self.mlflow = _start_mlflow(project, experiment, run_dir, config) if "mlflow" in self.loggers else None
+        self.swanlab = _start_swanlab(project, experiment, run_dir, config) if "swanlab" in self.loggers else None
         self.bar = tqdm(total=total_steps, desc=label, unit="step", dynamic_ncols=True,
                         disable=not progress_bar)
 
@@ -66,6 +69,8 @@ class Tracker:
             self.wandb.log(metrics, step=step)
         if self.mlflow:
             self.mlflow.log_metrics({mlflow_name(k): v for k, v in metrics.items()}, step=step)
+        if self.swanlab:
+            self.swanlab.log(metrics, step=step)
         if "console" in self.loggers:
             keys = [k for k in CONSOLE_KEYS if k in metrics] + sorted(k for k in metrics if k.startswith("val"))
             tqdm.write(f"step {step}: " + " | ".join(f"{k}={_fmt(metrics[k])}" for k in keys))
@@ -94,6 +99,8 @@ class Tracker:
             wandb.teardown()
         if self.mlflow:
             self.mlflow.end_run()
+        if self.swanlab:
+            self.swanlab.finish()
 
 
 def _start_wandb(project: str, experiment: str, run_dir: str, config: dict | None):
@@ -107,6 +114,20 @@ def _start_wandb(project: str, experiment: str, run_dir: str, config: dict | Non
     if run.settings.mode == "offline":
         logger.info("wandb runs offline (no W&B server reachable or no API key; WANDB_MODE=online forces "
                     "it); upload it later with: wandb sync %s", os.path.dirname(run.dir))
+    return run
+
+
+def _start_swanlab(project: str, experiment: str, run_dir: str, config: dict | None):
+    import swanlab
+
+    settings = swanlab.Settings()  # the SWANLAB_* environment variables and a saved login
+    mode = os.environ.get("SWANLAB_MODE") or ("online" if settings.api_key and _reachable(settings.api_host)
+                                              else "offline")
+    log_dir = os.environ.get("SWANLAB_LOG_DIR") or os.path.join(run_dir, "swanlog")
+    run = swanlab.init(project=project, name=experiment, config=config, log_dir=log_dir, mode=mode)
+    if mode == "offline":
+        logger.info("swanlab runs offline (no SwanLab server reachable or no SWANLAB_API_KEY; SWANLAB_MODE=online "
+                    "forces it); upload it later with: swanlab sync <the run folder under %s>", log_dir)
     return run
 
 

@@ -72,7 +72,7 @@ def test_unknown_key_is_rejected_by_hydra():
     ("algorithm.adv_estimator=optimal_token_baseline", ["optimal_token_baseline weighs every token by Σπ²",
                                                         "actor_rollout_ref.actor.calculate_sum_pi_squared=true"]),
     ("trainer.logger=[console,wandbx]", ["trainer.logger='wandbx'", "tensorboard", "wandb", "mlflow"]),
-    ("trainer.logger=[console,swanlab]", ["trainer.logger=swanlab is not supported yet", "jsonl", "mlflow"]),
+    ("trainer.logger=[console,clearml]", ["trainer.logger=clearml is not supported yet", "jsonl", "swanlab"]),
     ("actor_rollout_ref.actor.optim.lr=0", ["optim.lr=0", "positive"]),
     ("actor_rollout_ref.actor.optim.lr=-1e-5", ["optim.lr", "positive"]),
     ("actor_rollout_ref.actor.clip_ratio_c=0.5", ["clip_ratio_c", "> 1"]),

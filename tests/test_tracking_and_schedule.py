@@ -62,6 +62,33 @@ def test_mlflow_logs_to_a_store_in_the_run_folder(tmp_path, monkeypatch):
     assert run.data.metrics["val-core/arith/acc/mean_at_1"] == 0.5
 
 
+def test_swanlab_offline_run_in_the_run_folder(tmp_path, monkeypatch):
+    """verl's swanlab logger: with no API key, an offline run under the run folder that
+    `swanlab sync` can upload, holding each metric at its step."""
+    from swanlab.proto.swanlab.record.v1.record_pb2 import Record
+    from swanlab.sdk.internal.core_python.store import DataStoreReader
+
+    for name in ("SWANLAB_MODE", "SWANLAB_API_KEY", "SWANLAB_LOG_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SWANLAB_ROOT", str(tmp_path / "no_login"))  # no saved `swanlab login`
+    tracker = Tracker(["swanlab"], str(tmp_path), total_steps=2, progress_bar=False, project="p", experiment="e",
+                      config={"trainer": {"project_name": "p"}})
+    tracker.log({"critic/score/mean": 0.25, "val-core/arith/acc/mean@1": 0.5}, step=1)
+    tracker.log({"critic/score/mean": 0.5}, step=2)
+    tracker.close()
+    (run_file,) = (tmp_path / "swanlog").glob("run-*/run-*.swanlab")
+    reader, scalars = DataStoreReader(), []
+    reader.open(run_file)
+    for data in reader:
+        record = Record()
+        record.ParseFromString(data)
+        if record.HasField("scalar"):
+            scalars.append((record.scalar.key, record.scalar.step, record.scalar.value.number))
+    reader.close()
+    assert scalars == [("critic/score/mean", 1, 0.25), ("val-core/arith/acc/mean@1", 1, 0.5),
+                       ("critic/score/mean", 2, 0.5)]
+
+
 def optim(**kw):
     base = dict(lr=1.0, lr_warmup_steps=-1, lr_warmup_steps_ratio=0.0, lr_scheduler_type="constant",
                 min_lr_ratio=0.0, num_cycles=0.5)

