@@ -22,6 +22,7 @@ import re
 import shutil
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -57,6 +58,13 @@ def _write_atomic(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
+@dataclass(frozen=True)
+class PendingCheckpoint:
+    """A checkpoint `begin` has written, or whose writes are still under way: not yet the latest."""
+    step: int
+    folder: Path
+
+
 class CheckpointManager:
     """`max_to_keep` (trainer.max_actor_ckpt_to_keep): the newest checkpoints kept whole;
     `max_critic_to_keep` (trainer.max_critic_ckpt_to_keep): of those, the newest that keep their
@@ -72,15 +80,33 @@ class CheckpointManager:
         """`write_parts(folder)` has the workers write their shards under `folder`;
         `before_commit()` runs once everything is written, before the checkpoint becomes the
         latest."""
+        return self.commit(self.begin(step, write_parts, trainer_state), before_commit=before_commit)
+
+    def begin(self, step: int, write_parts: Callable[[str], None], trainer_state: dict) -> PendingCheckpoint:
+        """The first half of `save`: the parts written (or, by workers saving in the background,
+        begun) into a hidden folder, which `commit` makes the checkpoint."""
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".tmp_global_step_{step}_{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
             write_parts(str(tmp))
             _write_atomic(tmp / STATE, json.dumps(trainer_state, indent=1))
+        except BaseException:  # a failure or a second Ctrl-C: leave no half-written folder behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return PendingCheckpoint(step, tmp)
+
+    def commit(self, pending: PendingCheckpoint, wait: Callable[[], None] | None = None,
+               before_commit: Callable[[], None] | None = None) -> Path:
+        """`wait()` returns once the workers' background writes are on disk, `before_commit()`
+        runs after it; then the checkpoint is renamed into place and becomes the latest."""
+        step, tmp = pending.step, pending.folder
+        try:
+            if wait is not None:
+                wait()
             if before_commit is not None:
                 before_commit()
-        except BaseException:  # a failure or a second Ctrl-C: leave no half-written folder behind
+        except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         final = self.root / f"global_step_{step}"

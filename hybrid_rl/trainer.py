@@ -31,8 +31,8 @@ from hybrid_rl.algorithms import (
     groups_with_variance, mismatch_metrics, overlong_penalty, pf_ppo_resample, shape_advantages, shape_scores,
 )
 from hybrid_rl import seqlen_balancing
-from hybrid_rl.checkpoint import (CRITIC, CheckpointManager, build_checkpoint_callback, capacity_block_ending,
-                                  parts_to_load, read_trainer_state, run_checkpoint_callback)
+from hybrid_rl.checkpoint import (CRITIC, CheckpointManager, PendingCheckpoint, build_checkpoint_callback,
+                                  capacity_block_ending, parts_to_load, read_trainer_state, run_checkpoint_callback)
 from hybrid_rl.config import FILTER_METRICS_OF_BATCH, needs_critic, needs_reference, to_container
 from hybrid_rl.console import RunSummary, quiet_env
 from hybrid_rl.controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool, WorkerError, create_colocated_worker_cls
@@ -232,6 +232,10 @@ class Trainer:
         # Resolved now, before any worker starts, so a bad resume path or callback fails fast.
         self.resume_from = self.checkpoints.resume_folder(cfg.trainer.resume_mode, cfg.trainer.resume_from_path)
         self.checkpoint_callback = build_checkpoint_callback(cfg)
+        # verl's checkpoint.async_save: those roles write their shards while training goes on.
+        self.saves_in_background = any(OmegaConf.select(cfg, f"{role}.checkpoint.async_save", default=False)
+                                       for role in ("actor_rollout_ref.actor", "critic"))
+        self.pending_checkpoint: PendingCheckpoint | None = None
 
     def reset_run_state(self) -> None:
         """Driver-side state that a checkpoint restores; fresh values for a run from scratch."""
@@ -375,6 +379,9 @@ class Trainer:
     def restart_workers(self) -> None:
         """New worker processes, resuming from the latest checkpoint of this run (or from
         scratch when there is none)."""
+        if self.pending_checkpoint is not None:  # its writes died with the workers
+            shutil.rmtree(self.pending_checkpoint.folder, ignore_errors=True)
+            self.pending_checkpoint = None
         self.shutdown()
         self.reset_run_state()
         self.resume_from = self.checkpoints.latest()
@@ -484,6 +491,8 @@ class Trainer:
                 # Logged before the checkpoint becomes the latest: a run killed in between repeats
                 # the step when resumed instead of losing its line.
                 self.save_checkpoint(before_commit=log_step)
+                if block_ending:
+                    self.commit_checkpoint()
             else:
                 log_step()
             tracker.advance(metrics["critic/score/mean"])
@@ -493,8 +502,10 @@ class Trainer:
             if self.stop_requested:
                 if save_freq > 0 and not saved:  # the signal came while this step was being logged
                     self.save_checkpoint()
+                self.commit_checkpoint()
                 self.summary.stopped_by = self.stop_requested
                 return
+        self.commit_checkpoint()
         if cfg.trainer.final_model_dir:
             self.summary.final_model = self.save_final_model(cfg.trainer.final_model_dir)
 
@@ -560,9 +571,31 @@ class Trainer:
                  "kl_ctrl": self.kl_ctrl.state_dict(), "reward_stats": self.reward_stats.state_dict(),
                  "weights_version": self.weights_version, "launched_step": self.launched_step,
                  "config": to_container(self.cfg)}
-        folder = self.checkpoints.save(self.global_step, write_parts, state, before_commit)
+        self.commit_checkpoint()  # the one before, if its writes are still under way
+        pending = self.checkpoints.begin(self.global_step, write_parts, state)
+        if self.saves_in_background:
+            if before_commit is not None:
+                before_commit()
+            self.pending_checkpoint = pending
+        else:
+            self._commit(pending, before_commit)
+
+    def commit_checkpoint(self) -> None:
+        """Make the checkpoint whose shards are being written in the background the latest, once
+        they are on disk (a no-op when there is none)."""
+        pending, self.pending_checkpoint = self.pending_checkpoint, None
+        if pending is not None:
+            self._commit(pending)
+
+    def _commit(self, pending: PendingCheckpoint, before_commit=None) -> None:
+        def wait() -> None:
+            self.workers.finish_checkpoint()
+            if self.critic is not None:
+                self.critic.finish_checkpoint()
+
+        folder = self.checkpoints.commit(pending, wait if self.saves_in_background else None, before_commit)
         if self.checkpoint_callback is not None:
-            run_checkpoint_callback(self.checkpoint_callback, self, self.global_step, folder)
+            run_checkpoint_callback(self.checkpoint_callback, self, pending.step, folder)
 
     def load_checkpoint(self, folder) -> None:
         state = read_trainer_state(folder)

@@ -18,7 +18,10 @@ class RecordSaves:
         with open(os.path.join(self.root, "latest_checkpointed_iteration.txt")) as pointer:
             latest = int(pointer.read())
         row = {"step": global_step, "folder": checkpoint_dir, "latest": latest, "async_save": async_save,
-               "complete": os.path.isfile(os.path.join(checkpoint_dir, "trainer_state.json")),
+               # The trainer's state, and the actor's shards: torch.distributed.checkpoint writes
+               # their index (.metadata) once every shard is on disk.
+               "complete": all(os.path.isfile(os.path.join(checkpoint_dir, *part))
+                               for part in (("trainer_state.json",), ("actor", ".metadata"))),
                "trainer_step": trainer.global_step}
         with open(os.path.join(self.root, "saves.jsonl"), "a") as out:
             out.write(json.dumps(row) + "\n")

@@ -124,6 +124,7 @@ class TrainEngine(ABC):
     offload_optimizer: bool = False  # so does the optimizer state between updates (GPU)
     offload_grads: bool = False  # the gradient buffers are freed between updates (GPU, Megatron)
     route_replay: Any = None  # the engine's router replay, where the role sets router_replay.mode
+    pending_save: Any = None  # the Future of a checkpoint being written in the background
 
     # ------------------------------------------------------------------ what a backend implements
     @property
@@ -169,8 +170,9 @@ class TrainEngine(ABC):
     def num_params(self) -> int: ...
 
     @abstractmethod
-    def _save_sharded(self, folder: str) -> None:
-        """Write this rank's shards of the model and optimizer into `folder`."""
+    def _save_sharded(self, folder: str, background: bool = False) -> None:
+        """Write this rank's shards of the model and optimizer into `folder`; with `background`,
+        copy them to host memory and set `pending_save` to the Future of their write."""
 
     @abstractmethod
     def _load_sharded(self, folder: str, optimizer: bool) -> None:
@@ -330,16 +332,26 @@ class TrainEngine(ABC):
         for name, shard in mine.items():
             shard.copy_(theirs[name])
 
-    def save_checkpoint(self, folder: str) -> None:
+    def save_checkpoint(self, folder: str, background: bool = False) -> None:
         """This rank's shards plus its scheduler, RNG states and skipped-step count; everything
-        loads back with `weights_only` loading."""
+        loads back with `weights_only` loading. With `background` (verl's `checkpoint.async_save`)
+        the shards are copied to host memory here and written while training goes on;
+        `finish_checkpoint` waits for them."""
+        self.finish_checkpoint()
+        os.makedirs(folder, exist_ok=True)
         with self.resident(optimizer=True):
-            self._save_sharded(folder)
+            self._save_sharded(folder, background)
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
         scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
         torch.save({"scheduler": scheduler, "rng": rng, "skipped_steps": self.skipped_steps}, _extra_path(folder))
+
+    def finish_checkpoint(self) -> None:
+        """Wait until the shards of a background save are written (raising what the write raised)."""
+        pending, self.pending_save = self.pending_save, None
+        if pending is not None:
+            pending.result()
 
     def load_checkpoint(self, folder: str, parts: tuple[str, ...] = CHECKPOINT_PARTS) -> None:
         """Inverse of `save_checkpoint` (same world size and layout), or only the `parts` of it

@@ -95,6 +95,8 @@ def build_optimizer(model: torch.nn.Module, optim_cfg: Any, total_steps: int, ke
 class FSDPEngine(TrainEngine):
     """`strategy: fsdp` or `fsdp2`; the role's `fsdp_config` sets the dtype and resharding."""
 
+    checkpoint_group: dist.ProcessGroup | None = None  # background checkpoint writes' own gloo group
+
     def __init__(self, spec: ModelSpec, role_cfg: Any, device: torch.device):
         self.spec, self.device = spec, device
         fsdp_cfg = role_cfg.fsdp_config
@@ -302,10 +304,17 @@ class FSDPEngine(TrainEngine):
             model_state = {name: t for name, t in model_state.items() if lora.is_trained_tensor(name)}
         return {"model": model_state, "optim": optim_state}
 
-    def _save_sharded(self, folder: str) -> None:
+    def _save_sharded(self, folder: str, background: bool = False) -> None:
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(self._sharded_state(), checkpoint_id=folder)
+        if background:
+            # The write's own collectives run in a thread while training's run: on a group of their own.
+            if dist.is_initialized() and self.checkpoint_group is None:
+                self.checkpoint_group = dist.new_group(backend="gloo")
+            self.pending_save = dcp.async_save(self._sharded_state(), checkpoint_id=folder,
+                                               process_group=self.checkpoint_group)
+        else:
+            dcp.save(self._sharded_state(), checkpoint_id=folder)
         if self.peft is not None and self.dp_rank == 0:
             self.peft.peft_config[lora.ADAPTER].save_pretrained(folder)  # how to rebuild it (export)
 

@@ -120,11 +120,17 @@ class ActorRolloutRefWorker(ModelWorker):
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, folder: str, ref_folder: str | None = None) -> None:
-        """The actor into `folder`; with `ref_folder` (iterative RL, whose reference moves) the
-        reference too."""
-        self.actor.save_checkpoint(folder)
+        """The actor into `folder` (its shards written in the background with
+        `actor.checkpoint.async_save`); with `ref_folder` (iterative RL, whose reference moves)
+        the reference too."""
+        self.actor.save_checkpoint(folder, background=self.cfg.actor_rollout_ref.actor.checkpoint.async_save)
         if ref_folder is not None and self.ref is not None:
             self.ref.save_checkpoint(ref_folder)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def finish_checkpoint(self) -> None:
+        """Wait until the actor's background checkpoint writes are on disk."""
+        self.actor.finish_checkpoint()
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def save_hf_model(self, folder: str) -> None:

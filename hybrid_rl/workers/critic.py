@@ -26,7 +26,11 @@ class CriticWorker(ModelWorker):
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, folder: str) -> None:
-        self.critic.save_checkpoint(folder)
+        self.critic.save_checkpoint(folder, background=self.cfg.critic.checkpoint.async_save)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def finish_checkpoint(self) -> None:
+        self.critic.finish_checkpoint()
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def save_hf_model(self, folder: str) -> None:

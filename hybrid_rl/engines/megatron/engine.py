@@ -491,9 +491,11 @@ class MegatronEngine(TrainEngine):
                                                                    metadata=self.optimizer_metadata)
         return state
 
-    def _save_sharded(self, folder: str) -> None:
+    def _save_sharded(self, folder: str, background: bool = False) -> None:
         from megatron.core import dist_checkpointing
 
+        if background:  # refused at start (hybrid_rl/config.py)
+            raise ValueError(f"{self.spec.role_key}.checkpoint.async_save is not supported yet on the Megatron engine")
         os.makedirs(folder, exist_ok=True)  # megatron saves into an existing, empty folder
         with self._megatron():
             for part in self.optimizer_parts:  # before the first step (critic warm-up, an early stop)

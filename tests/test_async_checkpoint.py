@@ -1,0 +1,75 @@
+"""verl's `checkpoint.async_save` on the FSDP engine: the shards are copied to host memory when the
+save starts and written while training goes on; the checkpoint holds the state of that moment, and
+it becomes the latest only once every part is on disk."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.engine_helpers import actor_config, make_engine, step, two_rank_results, weights
+
+
+def _background_save_rank_main(rank, world, init_file, model_dir, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    cfg = actor_config("fsdp2")
+    engine = make_engine(cfg, model_dir)
+    step(engine, cfg, 1)
+    saved = weights(engine)
+    folder = os.path.join(out_dir, "ckpt")
+    engine.save_checkpoint(folder, background=True)
+    assert engine.pending_save is not None
+    after_save = step(engine, cfg, 2)  # the FSDP collectives of an update while the write runs
+    moved = weights(engine)
+    engine.finish_checkpoint()
+    resumed = make_engine(cfg, model_dir)
+    resumed.load_checkpoint(folder)
+    loaded = weights(resumed)
+    torch.save({"saved": saved, "moved": moved, "loaded": loaded, "after_save": after_save,
+                "resumed_step": step(resumed, cfg, 2), "resumed_weights": weights(resumed)},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_a_background_save_holds_the_state_when_it_started_and_resumes_exactly(tiny_model_dir, tmp_path):
+    for result in two_rank_results(_background_save_rank_main, tmp_path, tiny_model_dir):
+        saved, moved, loaded = result["saved"], result["moved"], result["loaded"]
+        assert any(not torch.equal(saved[k], moved[k]) for k in saved)  # the update went on meanwhile
+        assert all(torch.equal(saved[k], loaded[k]) for k in saved)
+        # Optimizer, schedule and RNG states came back too: the resumed update is the one made.
+        assert result["resumed_step"] == result["after_save"]
+        assert all(torch.equal(moved[k], result["resumed_weights"][k]) for k in moved)
+
+
+def test_a_checkpoint_being_written_is_not_the_latest_and_a_failed_write_leaves_the_previous(tmp_path):
+    from hybrid_rl.checkpoint import CheckpointManager
+
+    manager = CheckpointManager(str(tmp_path))
+    manager.save(1, lambda folder: None, {"global_step": 1})
+    pending = manager.begin(2, lambda folder: open(os.path.join(folder, "shard"), "w").close(), {"global_step": 2})
+    # Until it is committed (its writes waited for), a crash resumes from checkpoint 1.
+    assert manager.latest().name == "global_step_1" and [p.name for p in manager.completed()] == ["global_step_1"]
+    assert manager.commit(pending, wait=lambda: None).name == "global_step_2"
+    assert manager.latest().name == "global_step_2"
+
+    def failed_write():
+        raise OSError("No space left on device")
+
+    pending = manager.begin(3, lambda folder: None, {"global_step": 3})
+    with pytest.raises(OSError, match="No space left"):
+        manager.commit(pending, wait=failed_write)
+    assert manager.latest().name == "global_step_2" and not pending.folder.exists()
+
+
+def test_async_save_is_refused_with_the_megatron_engine():
+    from hybrid_rl.config import ConfigError, validate_config
+    from hybrid_rl.config_keys import compose_config
+
+    cfg = compose_config(["actor_rollout_ref.actor.checkpoint.async_save=true"], config_name="ppo_megatron_trainer")
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.checkpoint.async_save=true is not supported yet "
+                                          r"on the Megatron engine"):
+        validate_config(cfg)
+    validate_config(compose_config(["actor_rollout_ref.actor.checkpoint.async_save=true"]))
