@@ -29,8 +29,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 PHASES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "update_weights",
-          "step")
-CRITIC_PHASES = ("values", "update_critic")  # shown only when the run has a critic
+          "step", "save_checkpoint")
+# Shown only when the run has them: a critic's, and the time a checkpoint holds the step up
+# (trainer.save_freq; with checkpoint.async_save only the copy to host memory).
+OPTIONAL_PHASES = ("values", "update_critic", "save_checkpoint")
 
 
 def head_memory_case(model_path: str, chunked: bool, rows: int, prompt: int, response: int) -> dict:
@@ -106,7 +108,7 @@ def main(argv=None) -> int:
     cfg = run["cfg"]
     mean = lambda key: sum(r.get(key, 0.0) for r in measured) / len(measured)  # noqa: E731
     phases = {p: mean(f"timing_s/{p}") for p in PHASES
-              if p not in CRITIC_PHASES or any(f"timing_s/{p}" in r for r in measured)}
+              if p not in OPTIONAL_PHASES or any(f"timing_s/{p}" in r for r in measured)}
     nonembed, head = common.parameter_counts(run["model_path"])
     ranks = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     sequences = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
