@@ -506,6 +506,8 @@ class MegatronEngine(TrainEngine):
         if dist.get_rank() == 0:
             with open(os.path.join(folder, LAYOUT_FILE), "w") as f:
                 json.dump({**self.parallel_layout, "optimizer_sharding": self._optimizer_sharding}, f)
+        # Every rank returns with the folder whole: one may load it at once (the layout file included).
+        dist.barrier()
 
     @property
     def _optimizer_sharding(self) -> str:
