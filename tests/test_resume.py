@@ -116,40 +116,6 @@ def test_kill_and_resume_is_exact(straight_run, tiny_model_dir, arithmetic_files
     assert [row["step"] for row in map(json.loads, open(resumed / "saves.jsonl"))][-2:] == [3, 4]
 
 
-def test_checkpoints_written_in_the_background_hold_the_same_run(straight_run, tiny_model_dir, arithmetic_files,
-                                                                tmp_path):
-    """actor.checkpoint.async_save=true: step for step the run that saves before going on; each
-    checkpoint became the latest only when complete (so the callback saw it) and holds that run's
-    tensors."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    straight, background = straight_run("vllm", "fsdp"), tmp_path / "background"
-    run(command(tiny_model_dir, arithmetic_files, background, "vllm") + ["actor_rollout_ref.actor.checkpoint.async_save=true"])
-    assert_same_run(straight, background)
-    saves = [json.loads(line) for line in open(background / "saves.jsonl")]
-    assert [(s["step"], s["latest"], s["complete"]) for s in saves] == [(step, step, True) for step in range(1, STEPS + 1)]
-
-    def tensors(run_dir: Path, step: int) -> dict:
-        out = tmp_path / f"{run_dir.name}_{step}.pt"
-        dcp_to_torch_save(run_dir / f"global_step_{step}" / "actor", out)
-        flat = {}
-
-        def walk(prefix, value):
-            if isinstance(value, dict):
-                for key, item in value.items():
-                    walk(f"{prefix}.{key}", item)
-            elif isinstance(value, torch.Tensor):
-                flat[prefix] = value
-
-        walk("", torch.load(out, weights_only=False))
-        return flat
-
-    for step in (1, STEPS):
-        expected, got = tensors(straight, step), tensors(background, step)
-        assert expected and got.keys() == expected.keys()
-        assert max((got[k].float() - expected[k].float()).abs().max().item() for k in expected) <= 1e-6
-
-
 @pytest.mark.parametrize("rollout, engine", [("hf", "fsdp"), ("vllm", "megatron"), ("vllm", "lora")])
 def test_resume_is_exact(rollout, engine, straight_run, tiny_model_dir, arithmetic_files, tmp_path):
     straight, resumed = straight_run(rollout, engine), tmp_path / "resumed"
