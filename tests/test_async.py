@@ -67,6 +67,7 @@ COMPARED = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor
             "val-core/arithmetic/reward/mean@1")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("multi_turn", [False, True], ids=["single-turn", "multi-turn"])
 def test_a_rollout_pool_at_staleness_0_trains_exactly_as_the_colocated_trainer(
         multi_turn, ray_session, tiny_model_dir, arithmetic_files, tmp_path):
@@ -99,6 +100,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
+@pytest.mark.slow
 def test_at_staleness_1_the_ratio_uses_the_engines_log_probs_and_resume_is_exact(
         ray_session, tiny_model_dir, arithmetic_files, tmp_path):
     """Each batch after the first was sampled by the weights one update old, and the PPO ratio of

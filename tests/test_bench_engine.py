@@ -12,6 +12,8 @@ import sys
 import pytest
 from safetensors import safe_open
 
+pytestmark = pytest.mark.slow
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

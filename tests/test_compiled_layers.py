@@ -12,6 +12,8 @@ from hybrid_rl.engines.fsdp import decoder_layers
 from tests.conftest import build_tiny_model
 from tests.engine_helpers import actor_config, make_engine, rollout_batch, step, weights
 
+pytestmark = pytest.mark.slow
+
 
 def run(model_dir: str, compiled: bool, extra=(), device=torch.device("cpu")) -> dict:
     cfg = actor_config("fsdp2", extra=[f"actor_rollout_ref.model.compile_layers={compiled}", *extra])

@@ -18,6 +18,8 @@ from hybrid_rl.config_keys import compose_config
 from hybrid_rl.engines import Output
 from tests.engine_helpers import actor_config, loss_fn, make_engine, rollout_batch, weights
 
+pytestmark = pytest.mark.slow
+
 
 def update(engine, cfg, seed: int) -> dict:
     batch = rollout_batch(seed + 100 * dist.get_rank())  # each rank its own rows

@@ -170,6 +170,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, reco
 '''
 
 
+@pytest.mark.slow
 def test_the_default_model_answers_again_through_the_driver(ray_session, tmp_path):
     """verl's GSM8K interaction config on arithmetic rows (one interaction: rows need no name): a
     wrong answer gets the checker's reply and another turn, the interaction's scores reach the

@@ -21,6 +21,8 @@ from hybrid_rl.engines import Head, ModelSpec, Output, build_engine
 from tests.conftest import build_tiny_model
 from tests.engine_helpers import actor_config, make_engine, rollout_batch, weights
 
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIST = "actor_rollout_ref.actor.megatron"
 

@@ -28,6 +28,8 @@ from tests.conftest import build_tiny_model
 from tests.engine_helpers import (actor_config, export_step_folder, make_engine, offloaded, rollout_batch, step,
                                   value_loss_fn, weights)
 
+pytestmark = pytest.mark.slow
+
 # A micro-batch's 15 response positions in 4 chunks of the LM head (the last one short).
 SMALL_HEAD_CHUNKS = ("actor_rollout_ref.model.head_chunk_size=4",)
 RECOMPUTE = ("actor_rollout_ref.model.enable_gradient_checkpointing=true",)

@@ -16,6 +16,8 @@ from hybrid_rl.engines.megatron import convert
 from hybrid_rl.engines.megatron.checks import frozen_routers
 from tests.engine_helpers import actor_config, make_engine, step, weights
 
+pytestmark = pytest.mark.slow
+
 FREEZE = "+actor_rollout_ref.actor.megatron.override_mcore_model_config.moe_config.freeze_moe_router=true"
 ROUTERS = (".mlp.gate.weight", ".mlp.shared_expert_gate.weight")  # Qwen2-MoE's, in transformers' names
 

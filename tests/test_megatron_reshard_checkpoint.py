@@ -15,6 +15,8 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from tests.engine_helpers import actor_config, make_engine, step, weights
 
+pytestmark = pytest.mark.slow
+
 MEGATRON = "actor_rollout_ref.actor.megatron"
 SHARDINGS = {
     "fully reshardable": (f"{MEGATRON}.dist_ckpt_optim_fully_reshardable=true",),

@@ -502,6 +502,7 @@ CALCULATOR_HINT = (' Use the calculator: write <tool_call>{{"name": "calculator"
                    '"{a} {op} {b}"}}}}</tool_call>, read its answer, then reply with only the final number.')
 
 
+@pytest.mark.slow
 def test_default_model_calls_the_calculator_through_the_driver(ray_session, tmp_path):
     """The default model, told how, calls the calculator in most greedy validation answers; the
     engine's log-probs of the trained tokens match the trainer's, so the tool turns sit where the

@@ -94,6 +94,7 @@ def test_served_reward_model_configs_are_checked(tmp_path, tiny_model_dir, arith
         checked_trainer(compose_config(base + legacy + ["reward_model.rollout.expert_parallel_size=2"]))
 
 
+@pytest.mark.slow
 def test_a_generative_judge_scores_every_sample_through_the_server(ray_session, tmp_path, tiny_model_dir,
                                                                   arithmetic_files):
     """One step of the tiny policy judged by the tiny model served in vLLM: every sample is scored

@@ -24,6 +24,8 @@ from hybrid_rl.engines.ulysses import head_counts
 from tests.conftest import build_tiny_model, built_once
 from tests.engine_helpers import actor_config, loss_fn, make_engine, rollout_batch, weights
 
+pytestmark = pytest.mark.slow
+
 WORLD, SP = 4, 2
 
 
