@@ -10,11 +10,13 @@
 
 A checkpoint is written into a hidden temporary folder and renamed into place only when every
 part is on disk; the `latest` pointer is replaced atomically after that. A crash at any moment
-therefore leaves the previous checkpoint, and the pointer to it, intact.
+therefore leaves the previous checkpoint, and the pointer to it, intact. With verl's
+`trainer.default_hdfs_dir` each complete checkpoint is then copied there too (`mirror_checkpoint`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -237,6 +239,51 @@ def capacity_block_ending(longest_step_seconds: float, spare_seconds: float, now
                 return False
             return longest_step_seconds > 0 and 0 < left <= CHECKPOINT_SECONDS + longest_step_seconds + spare_seconds
     return False
+
+
+MIRROR_KEY = "trainer.default_hdfs_dir"
+
+
+def mirror_file_system(destination: str):
+    """The fsspec file system and root path of `trainer.default_hdfs_dir` (a folder, or a URL of
+    any file system fsspec has: hdfs:// through pyarrow, s3:// with s3fs, ...)."""
+    import fsspec
+
+    try:
+        return fsspec.core.url_to_fs(destination)
+    except (ImportError, ValueError) as exc:
+        raise ValueError(f"{MIRROR_KEY}={destination}: no file system for it ({exc}); install the package named, "
+                         "or give a local or mounted folder.") from None
+
+
+class CheckpointMirrorError(RuntimeError):
+    """Copying a complete checkpoint to trainer.default_hdfs_dir failed; the local one is intact."""
+
+
+def mirror_checkpoint(folder: Path, destination: str) -> str:
+    """verl's `trainer.default_hdfs_dir`: the complete checkpoint `folder` copied to
+    `<destination>/<its name>`, written under a hidden name and moved into place when whole, and
+    a `latest` pointer beside it as in default_local_dir (which runs resume from). Copies are kept:
+    max_*_ckpt_to_keep rotates the local ones only. Returns the copy's path."""
+    fs, root = mirror_file_system(destination)
+    root = root.rstrip("/")
+    target, hidden = f"{root}/{folder.name}", f"{root}/.tmp_{folder.name}_{uuid.uuid4().hex[:8]}"
+    try:
+        fs.makedirs(root, exist_ok=True)
+        fs.put(str(folder), hidden, recursive=True)
+        if fs.exists(target):  # the same step saved again after a resume
+            fs.rm(target, recursive=True)
+        fs.mv(hidden, target, recursive=True)
+        fs.pipe_file(f"{root}/{POINTER}", folder.name.removeprefix("global_step_").encode())
+    except Exception as exc:
+        with contextlib.suppress(Exception):  # no half copy left behind where it can be removed
+            fs.rm(hidden, recursive=True)
+        raise CheckpointMirrorError(
+            f"{MIRROR_KEY}: copying checkpoint {folder} to {destination} failed with {type(exc).__name__}: {exc}. "
+            f"The checkpoint is complete in its own folder; fix {MIRROR_KEY} (or set it to null) and rerun the "
+            "same command to resume from it.") from exc
+    logger.info("Copied checkpoint %s to %s", folder, target)
+    return target
 
 
 CALLBACK_KEY = "trainer.checkpoint_callback_class"

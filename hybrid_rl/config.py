@@ -15,7 +15,7 @@ from hybrid_rl.agent.formats import FORMATS
 from hybrid_rl.algorithms import (
     ADV_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, PF_PPO_WEIGHTS, POLICY_LOSSES, ROLLOUT_RS_MODES,
 )
-from hybrid_rl.checkpoint import narrowed_load_contents
+from hybrid_rl.checkpoint import mirror_file_system, narrowed_load_contents
 from hybrid_rl.config_keys import DEVIATIONS, RENAMED_KEYS, check_verl_keys, plain, verl_defaults
 from hybrid_rl.controller.worker_group import PLACEMENT_STRATEGIES
 from hybrid_rl.engines import ENGINES, lora, ulysses
@@ -204,6 +204,15 @@ def validate_config(cfg: DictConfig) -> DictConfig:
         _choice(algo.reward_norm[key], (None, "none", "batch", "group", "running"), f"algorithm.reward_norm.{key}")
     correction = algo.rollout_correction
     _choice(correction.rollout_is, (None, "token", "sequence"), "algorithm.rollout_correction.rollout_is")
+    if correction.rollout_rs in VERL07_REJECTION_LEVELS:  # not adopted: its bounds do not fit
+        raise ConfigError(f"algorithm.rollout_correction.rollout_rs={correction.rollout_rs} (verl 0.7's level) keeps "
+                          "ratios within [rollout_rs_threshold_lower, rollout_rs_threshold], which must be numbers with "
+                          f"0 < lower <= upper (lower: 1 / upper when null); got {correction.rollout_rs_threshold!r} "
+                          f"and {correction.get('rollout_rs_threshold_lower')!r}.")
+    if correction.get("rollout_rs_threshold_lower") is not None:
+        raise ConfigError("algorithm.rollout_correction.rollout_rs_threshold_lower is verl 0.7's lower bound for its "
+                          "token / sequence / geometric levels; with verl 0.9's modes give both bounds in "
+                          "rollout_rs_threshold (\"lower_upper\" for the k1 modes).")
     for mode in (correction.rollout_rs or "").split(","):
         if mode.strip():
             _choice(mode.strip(), ROLLOUT_RS_MODES, "algorithm.rollout_correction.rollout_rs")
@@ -250,6 +259,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
         raise ConfigError(f"trainer.esi_redundant_time={spare} must be a number of seconds >= 0 (spare time before "
                           "the capacity block ends; verl's default 0).")
     check_checkpoint_contents(cfg)
+    check_checkpoint_mirror(cfg)
     check_async_save(cfg)
     check_engine_kwargs(rollout)
 
@@ -857,10 +867,39 @@ def adopt_renamed_keys(cfg: DictConfig) -> None:
             OmegaConf.update(cfg, key, value)
 
 
+# verl 0.7's rejection-sampling levels, as verl 0.9's modes of the same statistic.
+VERL07_REJECTION_LEVELS = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
+
+
+def adopt_verl07_rejection_sampling(cfg: DictConfig) -> None:
+    """verl 0.7's `rollout_rs` levels keep a token (token), or every token of a sequence whose
+    product (sequence) or geometric mean (geometric) of ratios ρ = π_train / π_rollout is within
+    [rollout_rs_threshold_lower, rollout_rs_threshold] (lower: 1 / upper when null). verl 0.9's
+    k1 modes bound -log ρ by the logs of their "lower_upper" pair, so [L, U] on ρ is "1/U_1/L"
+    there. Bounds that are not 0 < L <= U are left for validate_config to name."""
+    correction = OmegaConf.select(cfg, "algorithm.rollout_correction")
+    level = correction.get("rollout_rs") if correction is not None else None
+    if level not in VERL07_REJECTION_LEVELS:
+        return
+    try:
+        upper = float(correction.rollout_rs_threshold)
+        lower = correction.get("rollout_rs_threshold_lower")
+        lower = 1.0 / upper if lower is None else float(lower)
+    except (TypeError, ValueError, ZeroDivisionError):
+        return
+    if not 0 < lower <= upper:
+        return
+    correction.rollout_rs = VERL07_REJECTION_LEVELS[level]
+    correction.rollout_rs_threshold = f"{1.0 / upper!r}_{1.0 / lower!r}"
+    if "rollout_rs_threshold_lower" in correction:
+        correction.rollout_rs_threshold_lower = None
+
+
 def resolve_config(cfg: DictConfig) -> DictConfig:
     """The composed config with older verl's names and global micro-batch sizes adopted, then
     resolved in place."""
     adopt_renamed_keys(cfg)
+    adopt_verl07_rejection_sampling(cfg)
     adopt_global_micro_batch_sizes(cfg)
     OmegaConf.resolve(cfg)
     return cfg
@@ -979,6 +1018,16 @@ def check_async_save(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}.checkpoint.async_save=true is not supported yet on the Megatron engine "
                               f"({key}.strategy=megatron): set it to false (checkpoints are then written before "
                               "training goes on), or use the FSDP engine.")
+
+
+def check_checkpoint_mirror(cfg: DictConfig) -> None:
+    """verl's `trainer.default_hdfs_dir` names a file system this machine can write to."""
+    destination = cfg.trainer.get("default_hdfs_dir")
+    if destination:
+        try:
+            mirror_file_system(str(destination))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 def check_checkpoint_contents(cfg: DictConfig) -> None:

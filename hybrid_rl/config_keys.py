@@ -528,8 +528,10 @@ RULES: tuple[Rule, ...] = tuple([
             "BLOCK_EXPIRATION_TIMESTAMP, as verl reads them): with trainer.save_freq > 0 a checkpoint is written "
             "after each step from when less than 60 s + the longest step so far + this is left",
             "trainer.esi_redundant_time"),
-    *_rules(NOT_YET, "not built yet", "trainer.default_hdfs_dir",
-            "trainer.v1.trainer_mode", "trainer.v1.sampler.custom_sampler.path"),
+    *_rules(WORKS, "each complete checkpoint is copied there, with a latest pointer: a folder, or a URL of any "
+            "file system fsspec has (hdfs://, s3:// ...; only folders were tried here); runs resume from "
+            "default_local_dir (verl copies on its Megatron engine only)", "trainer.default_hdfs_dir"),
+    *_rules(NOT_YET, "not built yet", "trainer.v1.trainer_mode", "trainer.v1.sampler.custom_sampler.path"),
     *_rules(NO_EFFECT, "verl deletes a loaded checkpoint's files only where their path is on HDFS (hdfs://); "
             "checkpoints here are local folders, which verl keeps too", "trainer.del_local_ckpt_after_load"),
     *_rules(NO_EFFECT, "verl's choice between its own trainer implementations", "trainer.use_v1",
@@ -572,8 +574,11 @@ RULES: tuple[Rule, ...] = tuple([
             "actor_rollout_ref.rollout.skip.*", "actor_rollout_ref.rollout.skip_dump_dir"),
     *_rules(NO_EFFECT, "weights are pushed to vLLM in memory, one tensor at a time",
             "actor_rollout_ref.rollout.update_weights_bucket_megabytes"),
-    *_rules(NOT_YET, "verl 0.7's rejection-sampling bounds; use algorithm.rollout_correction.rollout_rs_threshold",
-            "algorithm.rollout_correction.rollout_rs_threshold_lower",
+    *_rules(WORKS, "verl 0.7's lower bound on π_train / π_rollout for its rollout_rs levels token, sequence and "
+            "geometric, which become 0.9's token_k1, seq_sum_k1 and seq_mean_k1 with both bounds in "
+            "rollout_rs_threshold; with 0.9's modes it is refused", "algorithm.rollout_correction.rollout_rs_threshold_lower"),
+    *_rules(NOT_YET, "verl 0.7's per-token veto (a sequence dropped for one token's ratio below it) is not built; "
+            "token_k1 bounds in rollout_rs_threshold drop such tokens alone",
             "algorithm.rollout_correction.rollout_token_veto_threshold"),
     *_rules(NOT_YET, "dynamic data generation and custom samplers are not built", "data.datagen.path",
             "data.sampler.class_path"),

@@ -392,7 +392,7 @@ class SetupError(RuntimeError):
 @hydra.main(config_path=str(CONF_DIR), config_name="ppo_trainer", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     resolve_config(cfg)
-    from hybrid_rl.checkpoint import CheckpointCallbackError
+    from hybrid_rl.checkpoint import CheckpointCallbackError, CheckpointMirrorError
     from hybrid_rl.trainer import DynamicSamplingError, WorkerFailure
 
     stop = GracefulStop()
@@ -413,7 +413,7 @@ def main(cfg: DictConfig) -> None:
     except DynamicSamplingError as exc:
         print(f"error: {exc} Complete checkpoints are intact.", file=sys.stderr)
         sys.exit(1)
-    except CheckpointCallbackError as exc:
+    except (CheckpointCallbackError, CheckpointMirrorError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:

@@ -32,7 +32,8 @@ from hybrid_rl.algorithms import (
 )
 from hybrid_rl import seqlen_balancing
 from hybrid_rl.checkpoint import (CRITIC, CheckpointManager, PendingCheckpoint, build_checkpoint_callback,
-                                  capacity_block_ending, parts_to_load, read_trainer_state, run_checkpoint_callback)
+                                  capacity_block_ending, mirror_checkpoint, parts_to_load, read_trainer_state,
+                                  run_checkpoint_callback)
 from hybrid_rl.config import FILTER_METRICS_OF_BATCH, needs_critic, needs_reference, to_container
 from hybrid_rl.console import RunSummary, quiet_env
 from hybrid_rl.controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool, WorkerError, create_colocated_worker_cls
@@ -594,6 +595,8 @@ class Trainer:
                 self.critic.finish_checkpoint()
 
         folder = self.checkpoints.commit(pending, wait if self.saves_in_background else None, before_commit)
+        if self.cfg.trainer.get("default_hdfs_dir"):
+            mirror_checkpoint(folder, self.cfg.trainer.default_hdfs_dir)
         if self.checkpoint_callback is not None:
             run_checkpoint_callback(self.checkpoint_callback, self, pending.step, folder)
 

@@ -32,18 +32,6 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(cores, int(memory_gib // GIB_PER_TEST_PROCESS)))
 
 
-def pytest_collection_modifyitems(config, items):
-    """Files with end-to-end runs (`slow`) first, most of them first, then the rest by their number of
-    tests: xdist hands out whole files in this order (`--no-loadscope-reorder`), so the suite ends on
-    short files instead of one process finishing a long run while the other waits. Each file's own
-    order is kept."""
-    slow, count = {}, {}
-    for item in items:
-        count[item.path] = count.get(item.path, 0) + 1
-        slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
-    items.sort(key=lambda item: (-slow[item.path], -count[item.path], str(item.path)))
-
-
 def build_tokenizer(chat_template=CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
     """Byte-level BPE trained on a few strings: decode(encode(s)) == s for any text."""
     tok = Tokenizer(models.BPE())

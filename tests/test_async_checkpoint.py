@@ -12,7 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hybrid_rl.checkpoint import POINTER
 from tests.engine_helpers import actor_config, make_engine, step, two_rank_results, weights
+from tests.test_checkpoint_safety import files_of
 from tests.test_resume import STEPS, assert_same_run, command, run
 
 
@@ -82,15 +84,19 @@ def test_async_save_is_refused_with_the_megatron_engine():
 def test_checkpoints_written_in_the_background_hold_the_same_run(straight_run, tiny_model_dir, arithmetic_files,
                                                                 tmp_path):
     """actor.checkpoint.async_save=true: step for step the run that saves before going on; each
-    checkpoint became the latest only when complete (so the callback saw it) and holds that run's
-    tensors."""
+    checkpoint became the latest only when complete (so the callback saw it, and
+    trainer.default_hdfs_dir got a whole copy of it) and holds that run's tensors."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    straight, background = straight_run("vllm", "fsdp"), tmp_path / "background"
-    run(command(tiny_model_dir, arithmetic_files, background, "vllm") + ["actor_rollout_ref.actor.checkpoint.async_save=true"])
+    straight, background, mirror = straight_run("vllm", "fsdp"), tmp_path / "background", tmp_path / "mirror"
+    run(command(tiny_model_dir, arithmetic_files, background, "vllm") + [
+        "actor_rollout_ref.actor.checkpoint.async_save=true", f"trainer.default_hdfs_dir={mirror}"])
     assert_same_run(straight, background)
     saves = [json.loads(line) for line in open(background / "saves.jsonl")]
     assert [(s["step"], s["latest"], s["complete"]) for s in saves] == [(step, step, True) for step in range(1, STEPS + 1)]
+    for step in range(1, STEPS + 1):
+        assert files_of(mirror / f"global_step_{step}") == files_of(background / f"global_step_{step}")
+    assert (mirror / POINTER).read_text() == str(STEPS)
 
     def tensors(run_dir: Path, step: int) -> dict:
         out = tmp_path / f"{run_dir.name}_{step}.pt"

@@ -14,8 +14,10 @@ import textwrap
 import pytest
 import torch
 
-from hybrid_rl.checkpoint import CheckpointError, CheckpointManager, read_trainer_state
+from hybrid_rl.checkpoint import (CheckpointError, CheckpointManager, CheckpointMirrorError, mirror_checkpoint,
+                                  read_trainer_state)
 from hybrid_rl.engines import ModelSpec, Output, build_engine
+from hybrid_rl.config import ConfigError, validate_config
 from hybrid_rl.main import REPO_ROOT, compose_config
 from hybrid_rl.protocol import Batch
 
@@ -84,6 +86,36 @@ def test_the_step_is_logged_before_its_checkpoint_becomes_the_latest(tmp_path):
     seen = []
     manager.save(2, lambda folder: None, {"global_step": 2}, before_commit=lambda: seen.append(manager.latest().name))
     assert seen == ["global_step_1"] and manager.latest().name == "global_step_2"
+
+
+def files_of(folder) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_default_hdfs_dir_gets_a_whole_copy_of_each_checkpoint_and_the_pointer(tmp_path):
+    """verl's trainer.default_hdfs_dir: each complete checkpoint copied whole under its own name,
+    the latest pointer beside it; a step saved again replaces its copy; the copies are kept."""
+    def parts(folder):
+        os.makedirs(os.path.join(folder, "actor", "shards"))
+        with open(os.path.join(folder, "actor", "shards", "0.distcp"), "wb") as f:
+            f.write(os.urandom(4096))
+
+    manager, mirror = CheckpointManager(str(tmp_path / "run"), max_to_keep=1), tmp_path / "mirror"
+    for step in (1, 2, 2):
+        folder = manager.save(step, parts, {"global_step": step})
+        assert mirror_checkpoint(folder, str(mirror)) == str(mirror / folder.name)
+        assert files_of(mirror / folder.name) == files_of(folder)
+    assert sorted(p.name for p in mirror.iterdir()) == ["global_step_1", "global_step_2",
+                                                        "latest_checkpointed_iteration.txt"]
+    assert (mirror / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert [p.name for p in manager.completed()] == ["global_step_2"]  # rotation is local only
+    (tmp_path / "file").write_text("in the way")
+    with pytest.raises(CheckpointMirrorError, match=r"trainer.default_hdfs_dir: copying checkpoint .*global_step_2 "
+                                                    r"to .*file failed .* The checkpoint is complete in its own folder"):
+        mirror_checkpoint(folder, str(tmp_path / "file"))
+    assert files_of(folder) == files_of(mirror / "global_step_2")
+    with pytest.raises(ConfigError, match=r"trainer.default_hdfs_dir=nosuch://bucket/run: no file system for it"):
+        validate_config(compose_config(["trainer.default_hdfs_dir=nosuch://bucket/run"]))
 
 
 def test_non_finite_gradient_skips_the_step(tiny_model_dir):

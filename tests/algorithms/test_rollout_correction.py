@@ -245,3 +245,50 @@ def test_errors(kwargs, match):
     old, rollout, mask = _hand_made()
     with pytest.raises(ValueError, match=match):
         compute_rollout_correction(old, rollout, mask, **kwargs)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
+@pytest.mark.parametrize("lower", [None, 0.8])
+def test_verl07_rejection_levels_keep_what_verl_07_kept(level, lower):
+    """verl 0.7's `rollout_rs` level with its float upper bound and optional lower bound, adopted as
+    0.9's k1 mode, keeps exactly the tokens 0.7's rule does: lower <= ρ <= upper for the token's ratio
+    ρ = exp(old - rollout), or the sequence's product or geometric mean of them (loops here)."""
+    from hybrid_rl.config import validate_config
+    from hybrid_rl.main import compose_config
+
+    upper = 1.3
+    overrides = [f"algorithm.rollout_correction.rollout_rs={level}", f"algorithm.rollout_correction.rollout_rs_threshold={upper}"]
+    if lower is not None:
+        overrides.append(f"algorithm.rollout_correction.rollout_rs_threshold_lower={lower}")
+    correction = validate_config(compose_config(overrides)).algorithm.rollout_correction
+    assert correction.rollout_rs == {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}[level]
+    g = torch.Generator().manual_seed(7)
+    old = -torch.rand(16, 6, generator=g, dtype=torch.float64) * 2
+    rollout = old - torch.randn(16, 6, generator=g, dtype=torch.float64) * 0.4
+    mask = (torch.rand(16, 6, generator=g) < 0.8).double()
+    _, kept, _ = compute_rollout_correction(old, rollout, mask, rollout_rs=correction.rollout_rs,
+                                            rollout_rs_threshold=correction.rollout_rs_threshold)
+    low = 1 / upper if lower is None else lower
+    expected = torch.zeros_like(mask)
+    for i in range(16):
+        logs = [float(old[i, t] - rollout[i, t]) for t in range(6) if mask[i, t]]
+        seq = {"sequence": math.exp(sum(logs)), "geometric": math.exp(sum(logs) / max(len(logs), 1))}.get(level)
+        for t in range(6):
+            ratio = math.exp(float(old[i, t] - rollout[i, t])) if level == "token" else seq
+            expected[i, t] = mask[i, t] * (low <= ratio <= upper)
+    assert 0 < expected.sum() < mask.sum()  # some kept, some rejected
+    torch.testing.assert_close(kept, expected)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["rollout_rs=token", "rollout_rs_threshold=2.0", "rollout_rs_threshold_lower=3.0"],
+     r"rollout_rs=token \(verl 0.7's level\) .* 0 < lower <= upper"),
+    (["rollout_rs=token_k1", "rollout_rs_threshold=2.0", "rollout_rs_threshold_lower=0.5"],
+     r"rollout_rs_threshold_lower is verl 0.7's lower bound"),
+])
+def test_verl07_rejection_bounds_that_do_not_fit_are_refused(overrides, match):
+    from hybrid_rl.config import ConfigError, validate_config
+    from hybrid_rl.main import compose_config
+
+    with pytest.raises(ConfigError, match=match):
+        validate_config(compose_config([f"algorithm.rollout_correction.{o}" for o in overrides]))
