@@ -216,13 +216,19 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     for mode in (correction.rollout_rs or "").split(","):
         if mode.strip():
             _choice(mode.strip(), ROLLOUT_RS_MODES, "algorithm.rollout_correction.rollout_rs")
+    veto = correction.get("rollout_token_veto_threshold")
+    if veto is not None and not (isinstance(veto, (int, float)) and not isinstance(veto, bool) and veto > 0):
+        raise ConfigError(f"algorithm.rollout_correction.rollout_token_veto_threshold={veto!r} must be a positive "
+                          "number (a sequence is dropped when one token's ratio pi_train / pi_rollout is below it), "
+                          "e.g. 1e-4, or null for no veto.")
     if correction.bypass_mode is None:
         correction.bypass_mode = not cfg.actor_rollout_ref.hybrid_engine
-    if correction.bypass_mode and (correction.rollout_is or correction.rollout_rs):
+    if correction.bypass_mode and (correction.rollout_is or correction.rollout_rs or veto is not None):
         raise ConfigError("algorithm.rollout_correction.bypass_mode=true makes the engine's log-probs the old "
                           "log-probs of the PPO ratio, which then corrects for the behaviour policy itself: there is "
-                          "no second set of log-probs for rollout_is / rollout_rs to compare them with. Set "
-                          "bypass_mode=false to use those (the actor then recomputes the old log-probs).")
+                          "no second set of log-probs for rollout_is / rollout_rs / rollout_token_veto_threshold to "
+                          "compare them with. Set bypass_mode=false to use those (the actor then recomputes the old "
+                          "log-probs).")
     sum_pi_squared = cfg.actor_rollout_ref.actor.calculate_sum_pi_squared
     if algo.adv_estimator in ("optimal_token_baseline", "tir_optimal_token_baseline") and not sum_pi_squared:
         raise ConfigError(f"algorithm.adv_estimator={algo.adv_estimator} weighs every token by Σπ² of the actor's "

@@ -577,8 +577,8 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(WORKS, "verl 0.7's lower bound on π_train / π_rollout for its rollout_rs levels token, sequence and "
             "geometric, which become 0.9's token_k1, seq_sum_k1 and seq_mean_k1 with both bounds in "
             "rollout_rs_threshold; with 0.9's modes it is refused", "algorithm.rollout_correction.rollout_rs_threshold_lower"),
-    *_rules(NOT_YET, "verl 0.7's per-token veto (a sequence dropped for one token's ratio below it) is not built; "
-            "token_k1 bounds in rollout_rs_threshold drop such tokens alone",
+    *_rules(WORKS, "verl 0.7's per-token veto: a sequence with one token whose ratio pi_train / pi_rollout is "
+            "below it is dropped whole, with or without rollout_rs",
             "algorithm.rollout_correction.rollout_token_veto_threshold"),
     *_rules(NOT_YET, "dynamic data generation and custom samplers are not built", "data.datagen.path",
             "data.sampler.class_path"),

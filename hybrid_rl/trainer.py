@@ -881,11 +881,12 @@ class Trainer:
             old, rollout, mask = batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"]
             metrics.update(mismatch_metrics(old, rollout, mask))
             rc = cfg.rollout_correction
-            if rc.rollout_is or rc.rollout_rs:
+            veto = rc.get("rollout_token_veto_threshold")  # verl 0.7's key
+            if rc.rollout_is or rc.rollout_rs or veto is not None:
                 weights, batch["response_mask"], rc_metrics = compute_rollout_correction(
                     old, rollout, mask, rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
                     rollout_rs=rc.rollout_rs, rollout_rs_threshold=rc.rollout_rs_threshold,
-                    batch_normalize=rc.rollout_is_batch_normalize)
+                    token_veto_threshold=veto, batch_normalize=rc.rollout_is_batch_normalize)
                 if weights is not None:
                     batch["rollout_is_weights"] = weights
                 metrics.update(rc_metrics)

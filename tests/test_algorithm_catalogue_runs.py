@@ -48,7 +48,8 @@ CASES = {
     "grpo_passk": ["algorithm.adv_estimator=grpo_passk", f"{A}policy_loss.loss_mode=geo_mean", f"{A}kl_loss_type=k2",
                    f"{A}loss_agg_mode=seq-mean-token-sum", "algorithm.rollout_correction.rollout_is=sequence",
                    "algorithm.rollout_correction.rollout_rs='token_k1,seq_mean_k3'",
-                   "algorithm.rollout_correction.rollout_rs_threshold=2.0", *TWO_MINI],
+                   "algorithm.rollout_correction.rollout_rs_threshold=2.0",
+                   "algorithm.rollout_correction.rollout_token_veto_threshold=1e-4", *TWO_MINI],
     "rloo": ["algorithm.adv_estimator=rloo", f"{A}policy_loss.loss_mode=cispo", f"{A}kl_loss_type=mse",
              "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "algorithm.reward_clip=0.5"],
     "reinforce_plus_plus": ["algorithm.adv_estimator=reinforce_plus_plus", f"{A}policy_loss.loss_mode=clip_cov",
@@ -74,6 +75,7 @@ CASES = {
 EXPECTED_METRICS = {
     "gae": ["critic/vf_loss", "critic/vf_clipfrac", "rollout_corr/abs_logp_diff_max", "pf_ppo/distinct_responses"],
     "grpo": ["rollout_corr/abs_logp_diff_mean", "rollout_corr/k3_mean"],
+    "grpo_passk": ["rollout_corr/rollout_is_veto_fraction", "rollout_corr/rollout_is_catastrophic_token_fraction"],
     "rloo": ["actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff"],
     "reinforce_plus_plus": ["actor/reward_kl_penalty"],
     "remax": ["timing_s/gen_max"],

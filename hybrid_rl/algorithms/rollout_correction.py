@@ -129,6 +129,7 @@ def compute_rollout_correction(
     rollout_is_threshold: float = 2.0,
     rollout_rs: str | None = None,
     rollout_rs_threshold: str | float | None = None,
+    token_veto_threshold: float | None = None,
     batch_normalize: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
     """TIS weights and rejection mask from log ρ = old − rollout, (B, T) inputs. Returns (is_weights or None,
@@ -139,15 +140,20 @@ def compute_rollout_correction(
     entry per mode (comma-separated) or one shared entry; k1 modes: "lower_upper" ratio bounds or u for [1/u, u],
     checked as log lower ≤ stat ≤ log upper; k2/k3 modes: stat ≤ threshold.
 
+    Veto (``token_veto_threshold`` v > 0, verl 0.7's ``rollout_token_veto_threshold``): a sequence with any
+    valid token whose log ρ < log v is rejected whole, on top of (and independently of) ``rollout_rs``.
+
     IS (``rollout_is``): token w = exp(clamp(log ρ, ±20)); sequence w_i = exp(clamp(Σ_t log ρ·m, ±20)) on every
     token of i (over the original mask: it is the ratio of the whole sequence's probabilities). Then
     w ← min(w·m', rollout_is_threshold) with m' the mask after rejection (truncated from above only), and with
     ``batch_normalize`` w ← w / mean(w) if mean > 1e-8, mean over kept tokens (token) or kept sequences
     (sequence), so the weights average to 1 over what is trained.
 
-    Metrics (``rollout_corr/``): ``mismatch_metrics``, rollout_rs_masked_fraction (tokens) and
-    rollout_rs_seq_masked_fraction (non-empty sequences losing a token) always, per-mode
-    rollout_rs_<mode>_masked_fraction with rejection, and with IS rollout_is_{mean,max,min,eff_sample_size}
+    Metrics (``rollout_corr/``): ``mismatch_metrics``, rollout_rs_masked_fraction (tokens rejected by either)
+    and rollout_rs_seq_masked_fraction (non-empty sequences losing a token) always, per-mode
+    rollout_rs_<mode>_masked_fraction with rejection, rollout_is_veto_fraction (sequences) and
+    rollout_is_catastrophic_token_fraction (valid tokens) with the veto (verl 0.7's names), and with IS
+    rollout_is_{mean,max,min,eff_sample_size}
     (final weights, per token or per sequence; ESS = mean(w)²/mean(w²) ∈ (0, 1]) and rollout_is_truncated_fraction.
     """
     if rollout_is is not None and rollout_is not in ROLLOUT_IS_MODES:
@@ -163,6 +169,15 @@ def compute_rollout_correction(
             rejected_here = (~mode_keep).to(log_ratio.dtype)
             metrics[f"rollout_corr/rollout_rs_{mode}_masked_fraction"] = masked_mean(rejected_here, response_mask).item()
             keep &= mode_keep
+    if token_veto_threshold is not None:
+        if not token_veto_threshold > 0:
+            raise ValueError(f"token_veto_threshold must be positive, got {token_veto_threshold!r}")
+        catastrophic = (log_ratio < math.log(token_veto_threshold)) & valid
+        vetoed = catastrophic.any(-1, keepdim=True)
+        metrics["rollout_corr/rollout_is_veto_fraction"] = vetoed.to(log_ratio.dtype).mean().item()
+        metrics["rollout_corr/rollout_is_catastrophic_token_fraction"] = masked_mean(
+            catastrophic.to(log_ratio.dtype), response_mask).item()
+        keep &= ~vetoed
     new_mask = response_mask * keep.to(response_mask.dtype)
     rejected = (valid & ~keep).to(log_ratio.dtype)
     metrics["rollout_corr/rollout_rs_masked_fraction"] = masked_mean(rejected, response_mask).item()

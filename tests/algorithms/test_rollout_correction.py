@@ -280,13 +280,50 @@ def test_verl07_rejection_levels_keep_what_verl_07_kept(level, lower):
     torch.testing.assert_close(kept, expected)
 
 
+@pytest.mark.parametrize("rollout_rs", [None, "token_k1"])
+def test_token_veto_drops_the_sequences_verl_07_vetoed(rollout_rs):
+    """verl 0.7's rollout_token_veto_threshold v: a sequence with any valid token whose ratio
+    ρ = exp(old - rollout) is below v loses every token, whatever rollout_rs kept (a loop here);
+    padding's garbage log-probs veto nothing."""
+    from hybrid_rl.config import validate_config
+    from hybrid_rl.main import compose_config
+
+    key = "algorithm.rollout_correction.rollout_token_veto_threshold"
+    veto = validate_config(compose_config([f"{key}=0.6"])).algorithm.rollout_correction.rollout_token_veto_threshold
+    g = torch.Generator().manual_seed(11)
+    old = -torch.rand(24, 5, generator=g, dtype=torch.float64) * 2
+    rollout = old - torch.randn(24, 5, generator=g, dtype=torch.float64) * 0.3
+    mask = (torch.rand(24, 5, generator=g) < 0.8).double()
+    old[mask == 0] = -math.inf  # a vetoing ratio, were padding not skipped
+    _, kept, metrics = compute_rollout_correction(old, rollout, mask, rollout_rs=rollout_rs, rollout_rs_threshold=1.5,
+                                                  token_veto_threshold=veto)
+    _, rs_kept, _ = compute_rollout_correction(old, rollout, mask, rollout_rs=rollout_rs, rollout_rs_threshold=1.5)
+    expected, vetoed, catastrophic = rs_kept.clone(), 0, 0
+    for i in range(24):
+        low = [t for t in range(5) if mask[i, t] and math.exp(float(old[i, t] - rollout[i, t])) < veto]
+        catastrophic += len(low)
+        if low:
+            expected[i] = 0
+            vetoed += 1
+    assert 0 < vetoed < 24 and (rollout_rs is None or not torch.equal(rs_kept, mask))
+    torch.testing.assert_close(kept, expected)
+    assert math.isclose(metrics["rollout_corr/rollout_is_veto_fraction"], vetoed / 24, rel_tol=1e-12)
+    assert math.isclose(metrics["rollout_corr/rollout_is_catastrophic_token_fraction"],
+                        catastrophic / mask.sum().item(), rel_tol=1e-9)  # masked_mean's 1e-8 in the count
+    with pytest.raises(ValueError, match="must be positive"):
+        compute_rollout_correction(old, rollout, mask, token_veto_threshold=0.0)
+
+
 @pytest.mark.parametrize("overrides, match", [
+    (["rollout_token_veto_threshold=0"], r"rollout_token_veto_threshold=0 must be a positive number"),
+    (["rollout_token_veto_threshold=abc"], r"rollout_token_veto_threshold='abc' must be a positive number"),
+    (["rollout_token_veto_threshold=1e-4", "bypass_mode=true"], r"rollout_token_veto_threshold to compare"),
     (["rollout_rs=token", "rollout_rs_threshold=2.0", "rollout_rs_threshold_lower=3.0"],
      r"rollout_rs=token \(verl 0.7's level\) .* 0 < lower <= upper"),
     (["rollout_rs=token_k1", "rollout_rs_threshold=2.0", "rollout_rs_threshold_lower=0.5"],
      r"rollout_rs_threshold_lower is verl 0.7's lower bound"),
 ])
-def test_verl07_rejection_bounds_that_do_not_fit_are_refused(overrides, match):
+def test_verl07_rejection_settings_that_do_not_fit_are_refused(overrides, match):
     from hybrid_rl.config import ConfigError, validate_config
     from hybrid_rl.main import compose_config
 
