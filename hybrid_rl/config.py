@@ -193,6 +193,11 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     check_schedules(cfg)
     resolve_clip_grad(cfg)
     check_tiled_mlp(cfg)
+    if cfg.actor_rollout_ref.actor.get("use_prefix_grouper") and "megatron" in (
+            cfg.actor_rollout_ref.actor.strategy, cfg.actor_rollout_ref.ref.strategy):
+        raise ConfigError("actor_rollout_ref.actor.use_prefix_grouper=true shares each prompt among its responses in "
+                          "the FSDP engine's padding-free rows; the Megatron engine runs every row whole (as verl's "
+                          "does). Set use_prefix_grouper=false, or strategy=fsdp2 for the actor and reference.")
     if cfg.actor_rollout_ref.model.compile_layers and cfg.actor_rollout_ref.actor.strategy == "megatron":
         raise ConfigError("actor_rollout_ref.model.compile_layers=true compiles the FSDP engine's decoder layers, "
                           "which the Megatron engine does not have; set it to false, or "
@@ -901,11 +906,28 @@ def adopt_verl07_rejection_sampling(cfg: DictConfig) -> None:
         correction.rollout_rs_threshold_lower = None
 
 
+def adopt_prefix_grouper(cfg: DictConfig) -> None:
+    """verl's `actor.use_prefix_grouper` computes each prompt once for the group of responses that
+    share it (verl patches the attention of padded rows, so it needs `use_remove_padding=false`).
+    Here the padding-free rows do that: `model.share_prompt_prefix` packs one copy of each prompt
+    with a dense mask that shows every response exactly its own prompt (the same log-probs). So
+    the switch turns both model keys on, whatever `use_remove_padding` says."""
+    if not OmegaConf.select(cfg, "actor_rollout_ref.actor.use_prefix_grouper", default=False):
+        return
+    model = cfg.actor_rollout_ref.model
+    if not model.use_remove_padding:
+        logger.info("actor_rollout_ref.actor.use_prefix_grouper=true: each group's prompt is computed once on "
+                    "padding-free rows here, so actor_rollout_ref.model.use_remove_padding is set to true.")
+    model.use_remove_padding = True
+    model.share_prompt_prefix = True
+
+
 def resolve_config(cfg: DictConfig) -> DictConfig:
-    """The composed config with older verl's names and global micro-batch sizes adopted, then
-    resolved in place."""
+    """The composed config with older verl's names, global micro-batch sizes and verl's prefix
+    grouper adopted, then resolved in place."""
     adopt_renamed_keys(cfg)
     adopt_verl07_rejection_sampling(cfg)
+    adopt_prefix_grouper(cfg)
     adopt_global_micro_batch_sizes(cfg)
     OmegaConf.resolve(cfg)
     return cfg

@@ -352,7 +352,10 @@ RULES: tuple[Rule, ...] = tuple([
             "critic.forward_micro_batch_size", "reward_model.micro_batch_size"),
     *_rules(NOT_YET, "vision-language models are not supported yet", "*.freeze_vision_tower"),
     *_rules(WORKS, "the weight β of loss_mode=dro's quadratic log-ratio penalty", "actor_rollout_ref.actor.policy_loss.dro_beta"),
-    *_rules(NOT_YET, "not built yet", "actor_rollout_ref.actor.use_prefix_grouper"),
+    *_rules(WORKS, "each prompt is computed once for the responses that share it: it turns on "
+            "actor_rollout_ref.model.share_prompt_prefix and use_remove_padding (verl's needs use_remove_padding="
+            "false; here the padding-free rows share the prompt), FSDP engine only",
+            "actor_rollout_ref.actor.use_prefix_grouper"),
     *_rules(WORKS, "the constant that loss_agg_mode=seq-mean-token-sum-norm divides the critic's value loss by "
             "(default: the padded response length), as the actor's does", "critic.loss_scale_factor"),
     *_rules(WORKS, "the actor's log-prob pass also returns Σπ² of every next-token distribution (from the "

@@ -346,3 +346,40 @@ def test_frozen_cpu_engine_holds_its_linears_in_bf16_with_the_same_log_probs(tin
     ours, reference = (engine.infer(batch, Output.LOG_PROBS, 0.7, 3, None)["log_probs"]
                        for engine in (frozen, in_float32))
     assert torch.equal(ours, reference) and ours.abs().sum() > 0
+
+
+# verl's examples/prefix_grouper script sets both (its prefix grouper patches padded rows' attention).
+PREFIX_GROUPER = ("actor_rollout_ref.actor.use_prefix_grouper=true", "actor_rollout_ref.model.use_remove_padding=false")
+
+
+def test_verls_prefix_grouper_computes_each_prompt_once_with_the_same_log_probs(tiny_model_dir):
+    """verl's use_prefix_grouper, given as its example gives it, runs the prompt-sharing
+    padding-free rows: one copy of each group's prompt is computed (fewer tokens), and log-probs,
+    entropies and the step equal those of padded rows."""
+    from hybrid_rl.config import ConfigError, validate_config
+    from hybrid_rl.engines import Output
+    from tests.engine_helpers import actor_config, make_engine, rollout_batch, step
+
+    grouped_cfg = actor_config("fsdp2", extra=PREFIX_GROUPER)
+    assert grouped_cfg.actor_rollout_ref.model.use_remove_padding and grouped_cfg.actor_rollout_ref.model.share_prompt_prefix
+    padded_cfg = actor_config("fsdp2", extra=PREFIX_GROUPER[1:])
+    grouped, padded = make_engine(grouped_cfg, tiny_model_dir), make_engine(padded_cfg, tiny_model_dir)
+    assert grouped.share_prompts and not padded.share_prompts
+    batch = rollout_batch(3, rows=4).repeat(2)  # two responses to each prompt
+    outputs = [engine.infer(batch, Output.LOG_PROBS_ENTROPY, 0.7, 4, None) for engine in (grouped, padded)]
+    mask = batch["response_mask"].bool()
+    for key in ("log_probs", "entropy"):
+        assert (outputs[0][key] - outputs[1][key])[mask].abs().max() <= 1e-5
+    rows = [seqlen_balancing.cost_units(batch, share)[1] for share in (True, False)]
+    prompt_tokens = sum(seqlen_balancing.row_lengths(batch)[1][::2])
+    assert sum(rows[1]) - sum(rows[0]) == prompt_tokens  # one copy of each prompt fewer
+    first = [step(engine, cfg, 1) for engine, cfg in ((grouped, grouped_cfg), (padded, padded_cfg))]
+    assert first[0]["actor/loss"] == pytest.approx(first[1]["actor/loss"], rel=1e-5)
+    assert first[0]["actor/grad_norm"] == pytest.approx(first[1]["actor/grad_norm"], rel=1e-4)
+
+    with pytest.raises(ConfigError, match="use_prefix_grouper=true shares each prompt .* strategy=fsdp2"):
+        validate_config(actor_config("megatron", extra=PREFIX_GROUPER))
+    unshared = actor_config("fsdp2", extra=PREFIX_GROUPER[1:])
+    unshared.actor_rollout_ref.actor.use_prefix_grouper = True  # set after the config was resolved
+    with pytest.raises(ValueError, match="use_prefix_grouper=true .* needs model.use_remove_padding=true"):
+        make_engine(unshared, tiny_model_dir)

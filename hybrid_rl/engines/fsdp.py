@@ -115,6 +115,11 @@ class FSDPEngine(TrainEngine):
         self.sequence_parallel = self._sequence_parallel_group(role_cfg, model, device)
         self.sequence_parallel_size = self.sequence_parallel.size if self.sequence_parallel else 1
         self.options = hf_model.forward_options(spec.model_cfg, dtype, device, self.sequence_parallel)
+        if role_cfg.get("use_prefix_grouper", False) and not self.options.share_prompts:
+            raise ValueError(f"{spec.role_key}.use_prefix_grouper=true shares each prompt through the dense mask of "
+                             "padding-free rows, which needs model.use_remove_padding=true and, on GPU, SDPA: "
+                             "flash-attention's varlen kernel takes no mask. Uninstall flash-attn for this run, or "
+                             "set use_prefix_grouper=false.")
         # A trained policy or critic with LoRA: peft adapts `model` in place and freezes its base weights.
         self.peft = lora.attach(model, spec.model_cfg, autocast=self.options.autocast_dtype is not None,
                                 key=spec.model_key, value_head=spec.head is Head.VALUE) if (
