@@ -271,7 +271,6 @@ def validate_config(cfg: DictConfig) -> DictConfig:
                           "the capacity block ends; verl's default 0).")
     check_checkpoint_contents(cfg)
     check_checkpoint_mirror(cfg)
-    check_async_save(cfg)
     check_engine_kwargs(rollout)
 
     sequences = data.train_batch_size * rollout.n
@@ -1037,15 +1036,6 @@ def check_lengths(cfg: DictConfig) -> None:
                 f"actor_rollout_ref.rollout.max_model_len ({rollout.max_model_len}) is shorter than "
                 f"rollout.prompt_length + rollout.response_length = {needed}. Raise it to at least {needed} "
                 "or leave it null (the engine is sized to exactly that).")
-
-
-def check_async_save(cfg: DictConfig) -> None:
-    for key in ("actor_rollout_ref.actor", "critic"):
-        role = OmegaConf.select(cfg, key)
-        if role.checkpoint.async_save and role.strategy == "megatron" and (key != "critic" or needs_critic(cfg)):
-            raise ConfigError(f"{key}.checkpoint.async_save=true is not supported yet on the Megatron engine "
-                              f"({key}.strategy=megatron): set it to false (checkpoints are then written before "
-                              "training goes on), or use the FSDP engine.")
 
 
 def check_checkpoint_mirror(cfg: DictConfig) -> None:

@@ -363,10 +363,10 @@ RULES: tuple[Rule, ...] = tuple([
             "and tir_optimal_token_baseline need", "actor_rollout_ref.actor.calculate_sum_pi_squared"),
     *_rules(NO_EFFECT, "entropy is always computed and logged (actor/entropy)",
             "actor_rollout_ref.actor.calculate_entropy"),
-    *_rules(WORKS, "on the FSDP engine, the shards are copied to host memory when a checkpoint starts and "
-            "written while training goes on; the checkpoint becomes the latest once every part is on disk (at the "
-            "next checkpoint or the run's end, crash-safe as ever); refused with the Megatron engine (not supported "
-            "yet)", "*.checkpoint.async_save"),
+    *_rules(WORKS, "the shards are written while training goes on, as they were when the checkpoint started "
+            "(FSDP: copied to host memory first; Megatron: megatron's asynchronous save, whose forked writer holds "
+            "them); the checkpoint becomes the latest once every part is on disk (at the next checkpoint or the "
+            "run's end, crash-safe as ever)", "*.checkpoint.async_save"),
     *_rules(NO_EFFECT, "verl passes it only to megatron-bridge's save_hf_weights, for a Megatron checkpoint's "
             "hf_model copy (strict: a converted weight the model's own files do not name is an error, else "
             "skipped); hybrid-rl's converter writes the model's weights by their own names", "*.checkpoint.strict"),

@@ -1,6 +1,7 @@
-"""verl's `checkpoint.async_save` on the FSDP engine: the shards are copied to host memory when the
-save starts and written while training goes on; the checkpoint holds the state of that moment, and
-it becomes the latest only once every part is on disk."""
+"""verl's `checkpoint.async_save` on both engines: the shards are written while training goes on (the
+FSDP engine copies them to host memory when the save starts; the Megatron engine's forked writer
+holds them as they were); the checkpoint holds the state of that moment, and it becomes the latest
+only once every part is on disk."""
 
 from __future__ import annotations
 
@@ -18,16 +19,16 @@ from tests.test_checkpoint_safety import files_of
 from tests.test_resume import STEPS, assert_same_run, command, run
 
 
-def _background_save_rank_main(rank, world, init_file, model_dir, out_dir):
+def _background_save_rank_main(rank, world, init_file, model_dir, strategy, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    cfg = actor_config("fsdp2")
+    cfg = actor_config(strategy, tp=2 if strategy == "megatron" else 1)
     engine = make_engine(cfg, model_dir)
     step(engine, cfg, 1)
     saved = weights(engine)
     folder = os.path.join(out_dir, "ckpt")
     engine.save_checkpoint(folder, background=True)
     assert engine.pending_save is not None
-    after_save = step(engine, cfg, 2)  # the FSDP collectives of an update while the write runs
+    after_save = step(engine, cfg, 2)  # the collectives of an update while the write runs
     moved = weights(engine)
     engine.finish_checkpoint()
     resumed = make_engine(cfg, model_dir)
@@ -39,8 +40,9 @@ def _background_save_rank_main(rank, world, init_file, model_dir, out_dir):
     dist.destroy_process_group()
 
 
-def test_a_background_save_holds_the_state_when_it_started_and_resumes_exactly(tiny_model_dir, tmp_path):
-    for result in two_rank_results(_background_save_rank_main, tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("strategy", ["fsdp2", "megatron"])
+def test_a_background_save_holds_the_state_when_it_started_and_resumes_exactly(strategy, tiny_model_dir, tmp_path):
+    for result in two_rank_results(_background_save_rank_main, tmp_path, tiny_model_dir, strategy):
         saved, moved, loaded = result["saved"], result["moved"], result["loaded"]
         assert any(not torch.equal(saved[k], moved[k]) for k in saved)  # the update went on meanwhile
         assert all(torch.equal(saved[k], loaded[k]) for k in saved)
@@ -69,27 +71,18 @@ def test_a_checkpoint_being_written_is_not_the_latest_and_a_failed_write_leaves_
     assert manager.latest().name == "global_step_2" and not pending.folder.exists()
 
 
-def test_async_save_is_refused_with_the_megatron_engine():
-    from hybrid_rl.config import ConfigError, validate_config
-    from hybrid_rl.config_keys import compose_config
-
-    cfg = compose_config(["actor_rollout_ref.actor.checkpoint.async_save=true"], config_name="ppo_megatron_trainer")
-    with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.checkpoint.async_save=true is not supported yet "
-                                          r"on the Megatron engine"):
-        validate_config(cfg)
-    validate_config(compose_config(["actor_rollout_ref.actor.checkpoint.async_save=true"]))
-
-
 @pytest.mark.slow
-def test_checkpoints_written_in_the_background_hold_the_same_run(straight_run, tiny_model_dir, arithmetic_files,
-                                                                tmp_path):
+@pytest.mark.parametrize("engine", ["fsdp", "megatron"])
+def test_checkpoints_written_in_the_background_hold_the_same_run(engine, straight_run, tiny_model_dir,
+                                                                arithmetic_files, tmp_path):
     """actor.checkpoint.async_save=true: step for step the run that saves before going on; each
     checkpoint became the latest only when complete (so the callback saw it, and
-    trainer.default_hdfs_dir got a whole copy of it) and holds that run's tensors."""
+    trainer.default_hdfs_dir got a whole copy of it) and holds that run's tensors. The Megatron
+    engine (two pipeline stages) forks its writers from workers that hold a vLLM engine."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    straight, background, mirror = straight_run("vllm", "fsdp"), tmp_path / "background", tmp_path / "mirror"
-    run(command(tiny_model_dir, arithmetic_files, background, "vllm") + [
+    straight, background, mirror = straight_run("vllm", engine), tmp_path / "background", tmp_path / "mirror"
+    run(command(tiny_model_dir, arithmetic_files, background, "vllm", engine) + [
         "actor_rollout_ref.actor.checkpoint.async_save=true", f"trainer.default_hdfs_dir={mirror}"])
     assert_same_run(straight, background)
     saves = [json.loads(line) for line in open(background / "saves.jsonl")]

@@ -494,19 +494,20 @@ class MegatronEngine(TrainEngine):
     def _save_sharded(self, folder: str, background: bool = False) -> None:
         from megatron.core import dist_checkpointing
 
-        if background:  # refused at start (hybrid_rl/config.py)
-            raise ValueError(f"{self.spec.role_key}.checkpoint.async_save is not supported yet on the Megatron engine")
         os.makedirs(folder, exist_ok=True)  # megatron saves into an existing, empty folder
         with self._megatron():
             for part in self.optimizer_parts:  # before the first step (critic warm-up, an early stop)
                 _create_adam_state(part.optimizer)
-            dist_checkpointing.save(self._sharded_state(), folder)
+            request = dist_checkpointing.save(self._sharded_state(), folder, async_sharded_save=background)
+            if background:
+                self.pending_save = BackgroundMegatronSave(request, self._megatron)
             if self.adapters is not None:
                 self.adapters.save_peft_config(folder)
         if dist.get_rank() == 0:
             with open(os.path.join(folder, LAYOUT_FILE), "w") as f:
                 json.dump({**self.parallel_layout, "optimizer_sharding": self._optimizer_sharding}, f)
-        # Every rank returns with the folder whole: one may load it at once (the layout file included).
+        # Every rank returns with the folder whole (a background save: once finished): one may load
+        # it at once (the layout file included).
         dist.barrier()
 
     @property
@@ -564,6 +565,26 @@ class MegatronEngine(TrainEngine):
                         param_state = part.optimizer.state.get(param)
                         if param_state and "step" in group:
                             param_state["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+
+
+class BackgroundMegatronSave:
+    """verl's `checkpoint.async_save` on the Megatron engine: megatron's own asynchronous save.
+    Its request's shards are staged to host memory (on GPU) and a forked process writes them; a
+    CPU rank's fork holds the shards as they were when it was made, whatever training changes
+    after. `result()` waits for every rank's writer and runs megatron's finalisation (the
+    metadata file, on rank 0); every rank must call it, as the trainer's commit does. megatron's
+    queue synchronises its ranks with device tensors: on CPU it runs inside the device layer."""
+
+    def __init__(self, request, device_layer: Callable):
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self.queue, self.device_layer = AsyncCallsQueue(), device_layer
+        self.queue.schedule_async_request(request)
+
+    def result(self) -> None:
+        with self.device_layer():
+            self.queue.maybe_finalize_async_calls(blocking=True)
+        self.queue.close()
 
 
 class HostCopies:
