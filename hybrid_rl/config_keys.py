@@ -148,7 +148,8 @@ RENAMED_KEYS: dict[str, Renamed] = {
     "reward_model.param_offload": Renamed(("reward_model.megatron.param_offload",)),
     # verl 0.7-0.8's critic FSDP section; 0.9's is critic.fsdp, which critic.fsdp_config reads.
     **{f"critic.model.fsdp_config.{key}": Renamed((f"critic.fsdp.{key}",))
-       for key in ("dtype", "reshard_after_forward", "fsdp_size", "ulysses_sequence_parallel_size", "full_determinism")},
+       for key in ("dtype", "model_dtype", "reshard_after_forward", "fsdp_size", "ulysses_sequence_parallel_size",
+                   "full_determinism")},
     **{f"{model}.gradient_checkpointing_kwargs.activations_checkpoint_{name}":
        Renamed((f"{megatron}.override_transformer_config.recompute_{name}",))
        for model, megatron in (("actor_rollout_ref.model", "actor_rollout_ref.actor.megatron"),
@@ -228,7 +229,9 @@ RULES: tuple[Rule, ...] = tuple([
             *(f"critic.model.fsdp_config.{k}" for k in ("param_offload", "optimizer_offload", "offload_policy"))),
     *_rules(WORKS, "the critic's FSDP2 engine frees its gathered weights after each forward (false: keeps them "
             "until the backward)", "critic.fsdp.reshard_after_forward"),
-    *_rules(NOT_YET, "weights are kept in float32; fsdp_config.dtype sets the compute dtype", "*.model_dtype"),
+    *_rules(WORKS, "the dtype the FSDP engine holds and trains the weights in, and so Adam's moments: fp32 (the "
+            "compute dtype cast from it), or bf16 with a bf16 compute dtype (half the memory; not with LoRA)",
+            "*.model_dtype"),
     *_rules(NO_EFFECT, "the critic scores the actor's token ids; it has no tokenizer of its own",
             "critic.model.tokenizer_path", "critic.model.custom_chat_template"),
     *_rules(WORKS, "true (the default here): the critic's forward runs on packed rows of real tokens, as the "

@@ -105,13 +105,15 @@ class FSDPEngine(TrainEngine):
             hardware.enable_full_determinism()
         dtype = hf_model.compute_dtype(fsdp_cfg.dtype, device)
         trainable = spec.optim_cfg is not None
+        weights_dtype = self._weights_dtype(fsdp_cfg, dtype)
         if spec.head is Head.VALUE:
-            model = hf_model.load_value_model(spec.path, spec.model_cfg, device)
+            model = hf_model.load_value_model(spec.path, spec.model_cfg, device, dtype=weights_dtype)
         elif spec.head in (Head.SCORE, Head.STEP_SCORE):
             model = hf_model.load_score_model(spec.path, spec.model_cfg, device, trainable=trainable,
                                               per_token=spec.head is Head.STEP_SCORE)
         else:  # the policy, or a step-tag scorer
-            model = hf_model.load_causal_lm(spec.path, spec.model_cfg, device, trainable=trainable)
+            model = hf_model.load_causal_lm(spec.path, spec.model_cfg, device, trainable=trainable,
+                                            dtype=weights_dtype)
         self.sequence_parallel = self._sequence_parallel_group(role_cfg, model, device)
         self.sequence_parallel_size = self.sequence_parallel.size if self.sequence_parallel else 1
         self.options = hf_model.forward_options(spec.model_cfg, dtype, device, self.sequence_parallel)
@@ -163,6 +165,26 @@ class FSDPEngine(TrainEngine):
         self.offload_optimizer = on_gpu and trainable and bool(fsdp_cfg.get("optimizer_offload", False))
         if self.offload_params:
             self._place(False, params=True, optimizer=False, grads=False)
+
+    def _weights_dtype(self, fsdp_cfg: Any, compute_dtype: torch.dtype) -> torch.dtype:
+        """verl's `fsdp_config.model_dtype`: the dtype the weights are held and trained in (and so
+        the optimizer's state, which torch keeps in the weights' dtype). float32 by default, the
+        compute dtype cast from it; bfloat16 halves the memory of weights, gradients and Adam's
+        moments, each update then rounded to bfloat16. It must match a bfloat16 compute dtype:
+        on CPU the forward is autocast, which widens no weight."""
+        name = fsdp_cfg.get("model_dtype") or "fp32"
+        weights_dtype = hardware.TORCH_DTYPES.get(str(name))
+        key = f"{self.spec.role_key}.fsdp_config.model_dtype"
+        if weights_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"{key}={name}: the weights are held in fp32 or bf16 (float16 would need loss scaling, "
+                             "which is not built).")
+        if weights_dtype == torch.bfloat16 and compute_dtype != torch.bfloat16:
+            raise ValueError(f"{key}=bf16 needs bf16 compute, but fsdp_config.dtype gives {compute_dtype}: set "
+                             "fsdp_config.dtype=bf16 too, or model_dtype=fp32.")
+        if weights_dtype == torch.bfloat16 and lora.enabled(self.spec.model_cfg):
+            raise ValueError(f"{key}=bf16 with LoRA: the adapters train over the base model in float32 here (its "
+                             "frozen layers are held in bf16 where that is exact); set model_dtype=fp32.")
+        return weights_dtype
 
     def _sequence_parallel_group(self, role_cfg: Any, model: torch.nn.Module,
                                  device: torch.device) -> ulysses.SequenceParallel | None:

@@ -20,12 +20,13 @@ from hybrid_rl.engines.routing import RouteReplay
 from hybrid_rl.engines.ulysses import SequenceParallel, sequence_parallel_attention
 
 
-def load_causal_lm(path: str, model_cfg: Any, device: torch.device, trainable: bool):
+def load_causal_lm(path: str, model_cfg: Any, device: torch.device, trainable: bool,
+                   dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
     config = model_config(path, model_cfg)
     model = AutoModelForCausalLM.from_pretrained(
-        path, config=config, dtype=torch.float32, attn_implementation=attn_implementation(device),
+        path, config=config, dtype=dtype, attn_implementation=attn_implementation(device),
         trust_remote_code=model_cfg.trust_remote_code,
     )
     head = model.get_output_embeddings()
@@ -94,14 +95,14 @@ def cast_frozen_linears(model: torch.nn.Module, dtype: torch.dtype, lossless_onl
     return cast
 
 
-def load_value_model(path: str, model_cfg: Any, device: torch.device):
+def load_value_model(path: str, model_cfg: Any, device: torch.device, dtype: torch.dtype = torch.float32):
     """`AutoModelForTokenClassification` with one label: the backbone's weights plus a freshly
     initialised linear value head on every position."""
     from transformers import AutoModelForTokenClassification
 
     config = model_config(path, model_cfg, scalar_head=True)
     model = AutoModelForTokenClassification.from_pretrained(
-        path, config=config, dtype=torch.float32, attn_implementation=attn_implementation(device),
+        path, config=config, dtype=dtype, attn_implementation=attn_implementation(device),
         trust_remote_code=model_cfg.trust_remote_code)
     if model_cfg.enable_gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
