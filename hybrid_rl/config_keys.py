@@ -230,7 +230,8 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(WORKS, "the critic's FSDP2 engine frees its gathered weights after each forward (false: keeps them "
             "until the backward)", "critic.fsdp.reshard_after_forward"),
     *_rules(WORKS, "the dtype the FSDP engine holds and trains the weights in, and so Adam's moments: fp32 (the "
-            "compute dtype cast from it), or bf16 with a bf16 compute dtype (half the memory; not with LoRA)",
+            "compute dtype cast from it), or bf16 with a bf16 compute dtype (half the memory; not with LoRA); refused "
+            "with the Megatron engine",
             "*.model_dtype"),
     *_rules(NO_EFFECT, "the critic scores the actor's token ids; it has no tokenizer of its own",
             "critic.model.tokenizer_path", "critic.model.custom_chat_template"),

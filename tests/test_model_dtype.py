@@ -86,3 +86,13 @@ def test_bf16_weights_that_cannot_be_trained_as_asked_are_refused(tiny_model_dir
     with pytest.raises(ValueError, match="model_dtype=fp16: the weights are held in fp32 or bf16"):
         make_engine(actor_config("fsdp2", dtype="bf16", extra=("actor_rollout_ref.actor.fsdp_config.model_dtype=fp16",)),
                     tiny_model_dir)
+
+
+def test_bf16_weights_asked_of_the_megatron_engine_are_refused_at_start():
+    from hybrid_rl.config import ConfigError, validate_config
+    from hybrid_rl.config_keys import compose_config
+
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.fsdp_config.model_dtype=bf16 sets the FSDP "
+                                          r"engine's weights; the Megatron engine"):
+        validate_config(compose_config(BF16, config_name="ppo_megatron_trainer"))
+    validate_config(compose_config(BF16))
