@@ -198,11 +198,10 @@ def validate_config(cfg: DictConfig) -> DictConfig:
         raise ConfigError("actor_rollout_ref.actor.use_prefix_grouper=true shares each prompt among its responses in "
                           "the FSDP engine's padding-free rows; the Megatron engine runs every row whole (as verl's "
                           "does). Set use_prefix_grouper=false, or strategy=fsdp2 for the actor and reference.")
-    for role, section in (("actor_rollout_ref.actor", "fsdp_config"), ("actor_rollout_ref.ref", "fsdp_config"),
-                          ("critic", "fsdp_config")):
-        weights = OmegaConf.select(cfg, f"{role}.{section}.model_dtype")
+    for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"):
+        weights = OmegaConf.select(cfg, f"{role}.fsdp_config.model_dtype")
         if OmegaConf.select(cfg, f"{role}.strategy") == "megatron" and weights not in (None, "fp32", "float32"):
-            raise ConfigError(f"{role}.{section}.model_dtype={weights} sets the FSDP engine's weights; the Megatron "
+            raise ConfigError(f"{role}.fsdp_config.model_dtype={weights} sets the FSDP engine's weights; the Megatron "
                               f"engine ({role}.strategy=megatron) holds float32 main weights and takes its compute "
                               f"dtype from {role}.megatron.dtype. Leave model_dtype at fp32, or use strategy=fsdp2.")
     if cfg.actor_rollout_ref.model.compile_layers and cfg.actor_rollout_ref.actor.strategy == "megatron":
