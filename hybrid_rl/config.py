@@ -182,7 +182,9 @@ def validate_config(cfg: DictConfig) -> DictConfig:
             raise ConfigError(f"algorithm.use_pf_ppo=true resamples the batch after GAE, as verl's does (verl ignores it "
                               f"with adv_estimator={algo.adv_estimator}); set algorithm.adv_estimator=gae, or "
                               "use_pf_ppo=false.")
+    adopt_reward_manager(cfg)
     check_reward_model_config(cfg.reward_model)
+    adopt_dapo_reward_kwargs(cfg)
     check_overlong_buffer(cfg)
     check_dynamic_sampling(cfg)
     check_iterative_config(cfg)
@@ -482,11 +484,15 @@ def adopt_served_reward_model(cfg: DictConfig) -> None:
     _check_served_reward_model(cfg)
 
 
+# naive scores each sample with the reward function; dapo too, with the overlong buffer.
+REWARD_MANAGERS = ("naive", "dapo")
+UNBUILT_REWARD_MANAGERS = dict.fromkeys(("prime", "batch"), "rewards are scored per sample here (naive; dapo with "
+                                                            "reward_model.overlong_buffer); use naive")
+
+
 def check_reward_model_config(rm: DictConfig) -> None:
     _choice(rm.on_error, ("zero", "raise"), "reward_model.on_error")
-    _choice(rm.reward_manager, (None, "naive", "dapo"), "reward_model.reward_manager",
-            dict.fromkeys(("prime", "batch"), "rewards are scored per sample here (naive; dapo with "
-                                             "reward_model.overlong_buffer); use naive"))
+    _choice(rm.reward_manager, (None, *REWARD_MANAGERS), "reward_model.reward_manager", UNBUILT_REWARD_MANAGERS)
     if not rm.enable:
         return
     _choice(rm.strategy, ("fsdp", "fsdp2", "megatron"), "reward_model.strategy")
@@ -520,6 +526,73 @@ def check_reward_model_config(rm: DictConfig) -> None:
                               "one first (e.g. ['+', '-']).")
     if rm.max_length is not None:
         _positive(rm.max_length, "reward_model.max_length")
+
+
+def adopt_reward_manager(cfg: DictConfig) -> None:
+    """The reward manager is named in three places across verl releases: `reward_model.reward_manager`
+    (read here), verl 0.7-0.8's `reward_manager.name` (whose default follows it, and which wins when
+    set) and verl 0.9's `reward.reward_manager.name` (default naive). A name given in either newer key
+    is copied into the first; two newer keys naming different managers are refused."""
+    rm = cfg.reward_model
+    given = {}
+    older_release = OmegaConf.select(cfg, "reward_manager.name")
+    if older_release is not None and older_release != rm.reward_manager:
+        given["reward_manager.name"] = older_release
+    newest = OmegaConf.select(cfg, "reward.reward_manager.name")
+    if newest is not None and newest != "naive":
+        given["reward.reward_manager.name"] = newest
+    if len(set(given.values())) > 1:
+        raise ConfigError(f"{' and '.join(f'{key}={value}' for key, value in given.items())} name two reward "
+                          "managers (verl 0.7-0.8's key and verl 0.9's); keep one.")
+    for key, name in given.items():
+        _choice(name, REWARD_MANAGERS, key, UNBUILT_REWARD_MANAGERS)
+        with open_dict(cfg):
+            rm.reward_manager = name
+
+
+# verl's DAPO reward manager takes these from reward_model.reward_kwargs; its naive one takes none.
+DAPO_REWARD_KWARGS = ("overlong_buffer_cfg", "max_resp_len")
+OVERLONG_BUFFER_FIELDS = ("enable", "len", "penalty_factor", "log")
+
+
+def adopt_dapo_reward_kwargs(cfg: DictConfig) -> None:
+    """verl's DAPO scripts configure the overlong buffer as keyword arguments of the dapo reward
+    manager (`+reward_model.reward_kwargs.overlong_buffer_cfg.{enable,len,penalty_factor,log}` and
+    `max_resp_len`); here they become `reward_model.overlong_buffer`, where the trainer reads them."""
+    rm = cfg.reward_model
+    kwargs = OmegaConf.select(cfg, "reward_model.reward_kwargs")
+    if not kwargs:
+        return
+    if rm.reward_manager != "dapo":
+        raise ConfigError(f"reward_model.reward_kwargs sets {', '.join(sorted(kwargs))}, but the "
+                          f"{rm.reward_manager or 'naive'} reward manager takes no keyword arguments (verl's dapo "
+                          "manager takes overlong_buffer_cfg and max_resp_len): set reward_model.reward_manager=dapo, "
+                          "or remove reward_model.reward_kwargs.")
+    unknown = sorted(set(kwargs) - set(DAPO_REWARD_KWARGS))
+    if unknown:
+        raise ConfigError(f"reward_model.reward_kwargs sets {', '.join(unknown)}, which the dapo reward manager does "
+                          f"not take (it takes {' and '.join(DAPO_REWARD_KWARGS)}); remove them. Arguments of "
+                          "your reward function go in custom_reward_function.reward_kwargs.")
+    max_length = cfg.data.max_response_length
+    if kwargs.get("max_resp_len") not in (None, max_length):
+        raise ConfigError(f"reward_model.reward_kwargs.max_resp_len={kwargs.max_resp_len} differs from "
+                          f"data.max_response_length={max_length}; the overlong buffer ends at the longest response "
+                          "generated here, so set max_resp_len to data.max_response_length, or remove it.")
+    buffer_cfg = kwargs.get("overlong_buffer_cfg")
+    if buffer_cfg is None:
+        return
+    unknown = sorted(set(buffer_cfg) - set(OVERLONG_BUFFER_FIELDS))
+    if unknown:
+        raise ConfigError(f"reward_model.reward_kwargs.overlong_buffer_cfg sets {', '.join(unknown)}; its fields are "
+                          f"{', '.join(OVERLONG_BUFFER_FIELDS)}.")
+    if rm.overlong_buffer.enable and plain(rm.overlong_buffer) != {**plain(rm.overlong_buffer), **plain(buffer_cfg)}:
+        raise ConfigError("reward_model.overlong_buffer and reward_model.reward_kwargs.overlong_buffer_cfg are both "
+                          "set, to different values (the DAPO recipe's key and verl's reward-manager argument for "
+                          "the same buffer); keep one.")
+    with open_dict(cfg):
+        for field in OVERLONG_BUFFER_FIELDS:
+            if field in buffer_cfg:
+                rm.overlong_buffer[field] = buffer_cfg[field]
 
 
 def check_overlong_buffer(cfg: DictConfig) -> None:

@@ -265,6 +265,52 @@ def test_verl_dapo_recipe_keys_validate():
                                     "actor_rollout_ref.actor.clip_ratio_high=0.28"]))
 
 
+# verl's own DAPO example scripts (examples/gmpo_trainer/test_dapo_7b_math.sh and ten more) set the
+# overlong buffer as arguments of the dapo reward manager, at the default response length here.
+VERL_DAPO_REWARD_KWARGS = ["reward_model.reward_manager=dapo", "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+                           "+reward_model.reward_kwargs.overlong_buffer_cfg.len=8",
+                           "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
+                           "+reward_model.reward_kwargs.overlong_buffer_cfg.log=False",
+                           "+reward_model.reward_kwargs.max_resp_len=24", "data.max_response_length=24"]
+
+
+def test_verl_dapo_reward_kwargs_set_the_overlong_buffer_the_recipe_key_sets():
+    from_kwargs = validate_config(compose_config(VERL_DAPO_REWARD_KWARGS)).reward_model.overlong_buffer
+    from_recipe = validate_config(compose_config([*DAPO[1:], "data.max_response_length=24"])).reward_model.overlong_buffer
+    assert from_kwargs == from_recipe and from_kwargs.enable and from_kwargs.len == 8
+
+
+@pytest.mark.parametrize("overrides", [["reward_manager.name=dapo"], ["reward.reward_manager.name=dapo"],
+                                       ["reward_model.reward_manager=naive", "reward_manager.name=dapo"]])
+def test_each_releases_reward_manager_key_names_the_manager(overrides):
+    assert validate_config(compose_config(overrides)).reward_model.reward_manager == "dapo"
+
+
+@pytest.mark.parametrize("overrides, fragments", [
+    (["reward_manager.name=prime"], ["reward_manager.name=prime is not supported yet", "use naive"]),
+    (["reward.reward_manager.name=batch"], ["reward.reward_manager.name=batch is not supported yet"]),
+    (["reward_manager.name=dapo", "reward.reward_manager.name=prime"], ["name two reward managers", "keep one"]),
+    (["reward.reward_manager.source=importlib"], ["reward.reward_manager.source='importlib' is not supported yet"]),
+    (["+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True"],
+     ["reward_kwargs sets overlong_buffer_cfg, but the naive reward manager", "reward_model.reward_manager=dapo"]),
+    (["reward_model.reward_manager=dapo", "+reward_model.reward_kwargs.reward_fn_key=x"],
+     ["sets reward_fn_key, which the dapo reward manager does not take", "custom_reward_function.reward_kwargs"]),
+    (["reward_model.reward_manager=dapo", "+reward_model.reward_kwargs.overlong_buffer_cfg.length=3"],
+     ["overlong_buffer_cfg sets length; its fields are enable, len"]),
+    ([*VERL_DAPO_REWARD_KWARGS, "++reward_model.reward_kwargs.max_resp_len=20"],
+     ["max_resp_len=20 differs from data.max_response_length=24"]),
+    ([*VERL_DAPO_REWARD_KWARGS, "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=4"],
+     ["overlong_buffer and reward_model.reward_kwargs.overlong_buffer_cfg are both set, to different values"]),
+    ([*VERL_DAPO_REWARD_KWARGS, "++reward_model.reward_kwargs.overlong_buffer_cfg.len=30"],
+     ["overlong_buffer.len=30", "1..data.max_response_length"]),
+])
+def test_bad_reward_manager_settings(overrides, fragments):
+    with pytest.raises(ConfigError) as err:
+        validate_config(compose_config(overrides))
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
 @pytest.mark.parametrize("override, fragments", [
     ("reward_model.overlong_buffer.len=0", ["overlong_buffer.len=0", "1..data.max_response_length"]),
     ("reward_model.overlong_buffer.len=100000", ["overlong_buffer.len=100000", "1..data.max_response_length"]),
