@@ -557,38 +557,43 @@ OVERLONG_BUFFER_FIELDS = ("enable", "len", "penalty_factor", "log")
 
 def adopt_dapo_reward_kwargs(cfg: DictConfig) -> None:
     """verl's DAPO scripts configure the overlong buffer as keyword arguments of the dapo reward
-    manager (`+reward_model.reward_kwargs.overlong_buffer_cfg.{enable,len,penalty_factor,log}` and
-    `max_resp_len`); here they become `reward_model.overlong_buffer`, where the trainer reads them."""
+    manager: `+reward_model.reward_kwargs.overlong_buffer_cfg.{enable,len,penalty_factor,log}` and
+    `max_resp_len` (verl 0.9 reads them from `reward.reward_kwargs`, where it copies the first).
+    Here they become `reward_model.overlong_buffer`, where the trainer reads them."""
     rm = cfg.reward_model
-    kwargs = OmegaConf.select(cfg, "reward_model.reward_kwargs")
-    if not kwargs:
+    given = {key: value for key in ("reward_model.reward_kwargs", "reward.reward_kwargs")
+             if (value := OmegaConf.select(cfg, key))}
+    if len(given) == 2 and plain(given["reward_model.reward_kwargs"]) != plain(given["reward.reward_kwargs"]):
+        raise ConfigError("reward_model.reward_kwargs and reward.reward_kwargs differ (verl 0.7-0.8's and 0.9's place "
+                          "for the reward manager's arguments); keep one.")
+    if not given:
         return
+    key, kwargs = next(iter(given.items()))
     if rm.reward_manager != "dapo":
-        raise ConfigError(f"reward_model.reward_kwargs sets {', '.join(sorted(kwargs))}, but the "
-                          f"{rm.reward_manager or 'naive'} reward manager takes no keyword arguments (verl's dapo "
-                          "manager takes overlong_buffer_cfg and max_resp_len): set reward_model.reward_manager=dapo, "
-                          "or remove reward_model.reward_kwargs.")
+        raise ConfigError(f"{key} sets {', '.join(sorted(kwargs))}, but the {rm.reward_manager or 'naive'} reward "
+                          "manager takes no keyword arguments (verl's dapo manager takes overlong_buffer_cfg and "
+                          f"max_resp_len): set reward_model.reward_manager=dapo, or remove {key}.")
     unknown = sorted(set(kwargs) - set(DAPO_REWARD_KWARGS))
     if unknown:
-        raise ConfigError(f"reward_model.reward_kwargs sets {', '.join(unknown)}, which the dapo reward manager does "
-                          f"not take (it takes {' and '.join(DAPO_REWARD_KWARGS)}); remove them. Arguments of "
-                          "your reward function go in custom_reward_function.reward_kwargs.")
+        raise ConfigError(f"{key} sets {', '.join(unknown)}, which the dapo reward manager does not take (it takes "
+                          f"{' and '.join(DAPO_REWARD_KWARGS)}); remove them. Arguments of your reward function go "
+                          "in custom_reward_function.reward_kwargs.")
     max_length = cfg.data.max_response_length
     if kwargs.get("max_resp_len") not in (None, max_length):
-        raise ConfigError(f"reward_model.reward_kwargs.max_resp_len={kwargs.max_resp_len} differs from "
-                          f"data.max_response_length={max_length}; the overlong buffer ends at the longest response "
-                          "generated here, so set max_resp_len to data.max_response_length, or remove it.")
+        raise ConfigError(f"{key}.max_resp_len={kwargs.max_resp_len} differs from data.max_response_length="
+                          f"{max_length}; the overlong buffer ends at the longest response generated here, so set "
+                          "max_resp_len to data.max_response_length, or remove it.")
     buffer_cfg = kwargs.get("overlong_buffer_cfg")
     if buffer_cfg is None:
         return
     unknown = sorted(set(buffer_cfg) - set(OVERLONG_BUFFER_FIELDS))
     if unknown:
-        raise ConfigError(f"reward_model.reward_kwargs.overlong_buffer_cfg sets {', '.join(unknown)}; its fields are "
+        raise ConfigError(f"{key}.overlong_buffer_cfg sets {', '.join(unknown)}; its fields are "
                           f"{', '.join(OVERLONG_BUFFER_FIELDS)}.")
     if rm.overlong_buffer.enable and plain(rm.overlong_buffer) != {**plain(rm.overlong_buffer), **plain(buffer_cfg)}:
-        raise ConfigError("reward_model.overlong_buffer and reward_model.reward_kwargs.overlong_buffer_cfg are both "
-                          "set, to different values (the DAPO recipe's key and verl's reward-manager argument for "
-                          "the same buffer); keep one.")
+        raise ConfigError(f"reward_model.overlong_buffer and {key}.overlong_buffer_cfg are both set, to different "
+                          "values (the DAPO recipe's key and verl's reward-manager argument for the same buffer); "
+                          "keep one.")
     with open_dict(cfg):
         for field in OVERLONG_BUFFER_FIELDS:
             if field in buffer_cfg:

@@ -274,8 +274,10 @@ VERL_DAPO_REWARD_KWARGS = ["reward_model.reward_manager=dapo", "+reward_model.re
                            "+reward_model.reward_kwargs.max_resp_len=24", "data.max_response_length=24"]
 
 
-def test_verl_dapo_reward_kwargs_set_the_overlong_buffer_the_recipe_key_sets():
-    from_kwargs = validate_config(compose_config(VERL_DAPO_REWARD_KWARGS)).reward_model.overlong_buffer
+@pytest.mark.parametrize("place", ["reward_model", "reward"])  # verl 0.7-0.8's and 0.9's
+def test_verl_dapo_reward_kwargs_set_the_overlong_buffer_the_recipe_key_sets(place):
+    overrides = [o.replace("+reward_model.reward_kwargs", f"+{place}.reward_kwargs") for o in VERL_DAPO_REWARD_KWARGS]
+    from_kwargs = validate_config(compose_config(overrides)).reward_model.overlong_buffer
     from_recipe = validate_config(compose_config([*DAPO[1:], "data.max_response_length=24"])).reward_model.overlong_buffer
     assert from_kwargs == from_recipe and from_kwargs.enable and from_kwargs.len == 8
 
@@ -301,6 +303,10 @@ def test_each_releases_reward_manager_key_names_the_manager(overrides):
      ["max_resp_len=20 differs from data.max_response_length=24"]),
     ([*VERL_DAPO_REWARD_KWARGS, "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=4"],
      ["overlong_buffer and reward_model.reward_kwargs.overlong_buffer_cfg are both set, to different values"]),
+    ([*VERL_DAPO_REWARD_KWARGS, "+reward.reward_kwargs.max_resp_len=24"], ["reward_model.reward_kwargs and "
+                                                                           "reward.reward_kwargs differ", "keep one"]),
+    (["reward.reward_manager.name=dapo", "+reward.reward_kwargs.overlong_buffer_cfg.log=true",
+      "+reward.reward_kwargs.max_resp_len=8"], ["reward.reward_kwargs.max_resp_len=8 differs"]),
     ([*VERL_DAPO_REWARD_KWARGS, "++reward_model.reward_kwargs.overlong_buffer_cfg.len=30"],
      ["overlong_buffer.len=30", "1..data.max_response_length"]),
 ])
