@@ -1080,6 +1080,10 @@ def check_profiler(cfg: DictConfig) -> None:
         if enabled:
             raise ConfigError(f"{next(iter(enabled.values()))}.enable=true records nothing without "
                               "global_profiler.tool=torch and global_profiler.steps=[...] (the steps to profile).")
+        if prof.finish_hook_cmd:
+            raise ConfigError("global_profiler.finish_hook_cmd runs after the last profiled step, and nothing is "
+                              "profiled: set global_profiler.tool=torch, global_profiler.steps=[...] and a role's "
+                              "profiler.enable=true, or remove the command.")
         return
     steps = prof.steps
     if not steps or not all(isinstance(s, int) and s > 0 for s in steps):
@@ -1095,10 +1099,12 @@ def check_profiler(cfg: DictConfig) -> None:
         if unknown:
             raise ConfigError(f"{key}.tool_config.torch.contents lists {unknown}; it may list "
                               f"{', '.join(TORCH_CONTENTS)}.")
-        bad = [r for r in node.ranks or () if not (isinstance(r, int) and 0 <= r < roles[role])]
-        if not node.all_ranks and bad:
-            raise ConfigError(f"{key}.ranks={list(node.ranks)}: {bad} are not ranks of its {roles[role]} processes "
-                              f"(0 to {roles[role] - 1}).")
+        for ranks_key, all_key in (("ranks", "all_ranks"), ("finish_hook_ranks", "finish_hook_all_ranks")):
+            ranks = node.get(ranks_key) or ()
+            bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < roles[role])]
+            if not node.get(all_key) and bad:
+                raise ConfigError(f"{key}.{ranks_key}={list(ranks)}: {bad} are not ranks of its {roles[role]} "
+                                  f"processes (0 to {roles[role] - 1}).")
 
 
 def check_lengths(cfg: DictConfig) -> None:

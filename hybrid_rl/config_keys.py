@@ -557,8 +557,12 @@ RULES: tuple[Rule, ...] = tuple([
             "*.profiler.save_path", "*.profiler.tool_config.torch.contents", "*.profiler.tool_config.torch.discrete",
             "reward_model.profiler.tool_config"),
     *_rules(NOT_YET, "every role follows global_profiler.tool here; set that instead", "*.profiler.tool"),
-    *_rules(NOT_YET, "not built yet", "*.profiler.relocate_results", "*.profiler.finish_hook_*",
-            "global_profiler.relocate_results", "global_profiler.finish_hook_*"),
+    *_rules(WORKS, "a shell command run once after the last profiled step, on these ranks (else the profiled "
+            "ones), with verl's VERL_PROFILE_SAVE_PATH, _TOOL, _RANK, _PID and _ROLE set", "*.profiler.finish_hook_*",
+            "global_profiler.finish_hook_*"),
+    *_rules(NO_EFFECT, "the torch profiler writes every trace under save_path already, the in-process vLLM "
+            "engine's included (verl moves nsys reports and rollout servers' traces there)",
+            "*.profiler.relocate_results", "global_profiler.relocate_results"),
     *_rules(NO_EFFECT, "the torch profiler records whole steps (global_profiler.steps) and whole rollouts",
             "*.profiler.tool_config.torch.*"),
     *_rules(NO_EFFECT, "read only by a profiler tool other than torch, which is not supported yet",

@@ -5,7 +5,9 @@
 processes and what they record. The driver starts and stops the profiler of every worker process
 around those steps (`Trainer.fit`), and every `@register`-ed worker method is a named range in
 the trace (`controller.decorator.register`). torch.profiler is one per process, so the roles
-colocated in one process share one trace.
+colocated in one process share one trace. After the last profiled step, `finish_hook_cmd` runs
+once on the ranks `finish_hook_ranks` / `finish_hook_all_ranks` choose (else the profiled ones),
+e.g. to upload `$VERL_PROFILE_SAVE_PATH`, as in verl.
 
 Per profiled process, under `global_profiler.save_path`: `step<N>/<roles>_rank<r>.json.gz` (a
 Chrome trace for Perfetto or chrome://tracing; `steps<A>-<B>/` when
@@ -48,9 +50,14 @@ class ProfileSettings:
     contents: frozenset[str]
     discrete: bool  # one trace per worker call instead of one per step
     save_path: str
+    finish_hook_cmd: str | None = None  # a shell command run once, after the last profiled step
+    finish_hook_ranks: frozenset[int] | None = frozenset()  # None: every rank
 
     def covers(self, rank: int) -> bool:
         return self.ranks is None or rank in self.ranks
+
+    def runs_finish_hook(self, rank: int) -> bool:
+        return bool(self.finish_hook_cmd) and (self.finish_hook_ranks is None or rank in self.finish_hook_ranks)
 
 
 def role_settings(cfg, role: str) -> ProfileSettings | None:
@@ -63,10 +70,14 @@ def role_settings(cfg, role: str) -> ProfileSettings | None:
             or node is None or not node.enable):
         return None
     torch_cfg = OmegaConf.select(node, "tool_config.torch") or {}
-    return ProfileSettings(ranks=None if node.all_ranks else frozenset(node.ranks or [0]),
-                           contents=frozenset(torch_cfg.get("contents") or ()),
+    ranks = None if node.all_ranks else frozenset(node.ranks or [0])
+    # verl: the hook's ranks are its own when set, else the profiled ones.
+    hook_ranks = None if node.get("finish_hook_all_ranks") else (
+        frozenset(node.finish_hook_ranks) if node.get("finish_hook_ranks") else ranks)
+    return ProfileSettings(ranks=ranks, contents=frozenset(torch_cfg.get("contents") or ()),
                            discrete=bool(torch_cfg.get("discrete", False)),
-                           save_path=str(node.save_path or cfg.global_profiler.save_path))
+                           save_path=str(node.save_path or cfg.global_profiler.save_path),
+                           finish_hook_cmd=node.get("finish_hook_cmd") or None, finish_hook_ranks=hook_ranks)
 
 
 class StepWindows:
@@ -108,6 +119,7 @@ class ProcessProfiler:
         self.window = None  # the running torch profiler of a whole window
         self.in_call = False  # discrete mode: a call's own trace is open (calls nest when one calls another)
         self.calls: Counter[str] = Counter()  # discrete mode: calls per method in this step
+        self.finish_hooks: dict[str, tuple[str, ProfileSettings]] = {}  # command -> (role, settings), to run
 
     def start(self, role: str, settings: ProfileSettings | None, rank: int, step: int) -> None:
         if settings is None or not settings.covers(rank) or role in self.roles:
@@ -133,6 +145,17 @@ class ProcessProfiler:
         self.window.stop()
         self.write(self.window, "")
         self.window = None
+
+    def finish(self, role: str, settings: ProfileSettings | None, rank: int) -> None:
+        """After the last profiled step: `role`'s finish_hook_cmd, when this rank is chosen for it,
+        runs once the traces of this process are written (each command once per process)."""
+        if settings is not None and settings.runs_finish_hook(rank):
+            self.finish_hooks.setdefault(settings.finish_hook_cmd, (role, settings))
+        if self.roles:  # a colocated role's window is still open: its trace is not written yet
+            return
+        for command, (hook_role, hook_settings) in self.finish_hooks.items():
+            run_finish_hook(command, hook_settings.save_path, rank, hook_role)
+        self.finish_hooks.clear()
 
     @property
     def active(self) -> bool:
@@ -171,6 +194,27 @@ class ProcessProfiler:
         with open(stem + ".txt", "w") as f:
             f.write(prof.key_averages().table(sort_by=sort_by, row_limit=OPERATOR_ROWS) + "\n")
         logger.info("profile of rank %d written to %s.json.gz (operator table: .txt)", self.rank, stem)
+
+
+def run_finish_hook(command: str, save_path: str, rank: int, role: str) -> None:
+    """`command` in a shell, with verl's variables naming the traces (so a verl user's upload
+    command works unchanged); its output is logged, and a failure is reported, never raised."""
+    import subprocess
+
+    env = {**os.environ, "VERL_PROFILE_SAVE_PATH": save_path, "VERL_PROFILE_TOOL": "torch",
+           "VERL_PROFILE_RANK": str(rank), "VERL_PROFILE_PID": str(os.getpid()), "VERL_PROFILE_ROLE": role}
+    logger.info("rank %d: profiling finished; running finish_hook_cmd: %s", rank, command)
+    try:
+        done = subprocess.run(["/bin/sh", "-c", command], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    except OSError as exc:
+        logger.warning("rank %d: profiler finish_hook_cmd could not start (%s): %s", rank, exc, command)
+        return
+    for line in done.stdout.splitlines():
+        logger.info("rank %d finish_hook_cmd: %s", rank, line)
+    if done.returncode:
+        logger.warning("rank %d: profiler finish_hook_cmd exited with %d (training goes on): %s", rank,
+                       done.returncode, command)
 
 
 PROCESS_PROFILER = ProcessProfiler()

@@ -498,7 +498,8 @@ class Trainer:
                 log_step()
             tracker.advance(metrics["critic/score/mean"])
             if profiling and (profiled.ends(step) or is_last or self.stop_requested):
-                self.toggle_profilers("stop_profile", step)
+                last_window = step >= max(profiled.steps) or is_last or self.stop_requested
+                self.toggle_profilers("stop_profile", step, last_window)
                 profiling = False
             if self.stop_requested:
                 if save_freq > 0 and not saved:  # the signal came while this step was being logged
@@ -510,12 +511,12 @@ class Trainer:
         if cfg.trainer.final_model_dir:
             self.summary.final_model = self.save_final_model(cfg.trainer.final_model_dir)
 
-    def toggle_profilers(self, method: str, step: int) -> None:
-        """`start_profile` or `stop_profile` on every worker group; each process's own settings
-        say whether it records (hybrid_rl/profiler.py)."""
+    def toggle_profilers(self, method: str, *args) -> None:
+        """`start_profile(step)` or `stop_profile(step, last)` on every worker group; each process's
+        own settings say whether it records (hybrid_rl/profiler.py)."""
         for group in (self.workers, self.critic, self.reward_model, getattr(self, "rollout_group", None)):
             if group is not None:
-                getattr(group, method)(step)
+                getattr(group, method)(*args)
 
     # ------------------------------------------------------------------ checkpoints
     def write_hf_files(self, folder: str) -> None:

@@ -108,7 +108,8 @@ def test_two_ranks_vllm_grpo(eager, rollout_tp, lora_rank, ray_session, tiny_mod
 
 def test_two_ranks_hf_rollout(ray_session, tiny_model_dir, arithmetic_files, tmp_path):
     """rollout.name=hf: transformers generate on the sharded actor, ranks kept in lock-step. With
-    verl's profiler keys: torch.profiler traces the second step of rank 1 only."""
+    verl's profiler keys: torch.profiler traces the second step of rank 1 only, whose finish hook
+    then lists the traces."""
     profile = tmp_path / "profile"
     cfg = compose_config(run_overrides(tiny_model_dir, arithmetic_files, tmp_path, MAX_PROMPT, RESPONSE) + [
         "trainer.n_gpus_per_node=2", "trainer.cpus_per_worker=1", "trainer.total_training_steps=2",
@@ -117,6 +118,7 @@ def test_two_ranks_hf_rollout(ray_session, tiny_model_dir, arithmetic_files, tmp
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.rollout.name=hf",
         "global_profiler.tool=torch", "global_profiler.steps=[2]", f"global_profiler.save_path={profile}",
         "actor_rollout_ref.actor.profiler.enable=true", "actor_rollout_ref.actor.profiler.ranks=[1]",
+        f"global_profiler.finish_hook_cmd='ls \"$VERL_PROFILE_SAVE_PATH/step2\" > {tmp_path}/hook_$VERL_PROFILE_RANK'",
     ])
     trainer = build_trainer(cfg)
     summary = trainer.fit()
@@ -131,3 +133,5 @@ def test_two_ranks_hf_rollout(ray_session, tiny_model_dir, arithmetic_files, tmp
     # The step's worker calls, validation's generation among them, and the update's matmuls.
     assert {"generate_sequences", "update_actor", "aten::mm"} <= names
     assert "aten::mm" in (profile / "step2" / "actor_rollout_ref_rank1.txt").read_text()
+    assert [p.name for p in tmp_path.glob("hook_*")] == ["hook_1"]
+    assert (tmp_path / "hook_1").read_text().split() == ["actor_rollout_ref_rank1.json.gz", "actor_rollout_ref_rank1.txt"]

@@ -91,6 +91,47 @@ def test_colocated_roles_share_the_process_profiler(profiler, tmp_path):
         "steps4-5/critic+reward_model_rank1.json.gz"]
 
 
+def test_the_finish_hook_runs_once_after_the_traces_on_the_chosen_ranks(profiler, tmp_path):
+    """verl's finish_hook_cmd: run by the shell with VERL_PROFILE_* set, once per process after the
+    last window's traces are written, on finish_hook_ranks (else the profiled ranks)."""
+    log = tmp_path / "hook.log"
+    command = (f'ls "$VERL_PROFILE_SAVE_PATH"/step2 | wc -l >> {log}; '
+               f'echo "$VERL_PROFILE_TOOL $VERL_PROFILE_RANK $VERL_PROFILE_ROLE" >> {log}')
+    hooked = ProfileSettings(ranks=frozenset({0}), contents=frozenset(), discrete=False, save_path=str(tmp_path),
+                             finish_hook_cmd=command, finish_hook_ranks=frozenset({0, 1}))
+    worker = Worker(profiler)
+    profiler.start("actor_rollout_ref", hooked, rank=0, step=2)
+    profiler.start("critic", hooked, rank=0, step=2)
+    worker.update_actor()
+    profiler.stop("actor_rollout_ref", step=2)
+    profiler.finish("actor_rollout_ref", hooked, rank=0)
+    assert not log.exists()  # the colocated critic's window is open: no trace written yet
+    profiler.stop("critic", step=2)
+    profiler.finish("critic", hooked, rank=0)
+    assert log.read_text().split("\n") == ["2", "torch 0 actor_rollout_ref", ""]  # the trace and its table, once
+    # Rank 1 profiles nothing but is chosen for the hook; rank 2 is neither.
+    ProcessProfiler().finish("critic", hooked, rank=1)
+    ProcessProfiler().finish("critic", hooked, rank=2)
+    assert log.read_text().split("\n")[2:] == ["2", "torch 1 critic", ""]
+
+
+def test_a_failing_finish_hook_is_reported_and_training_goes_on(profiler, tmp_path, caplog):
+    failing = ProfileSettings(ranks=None, contents=frozenset(), discrete=False, save_path=str(tmp_path),
+                              finish_hook_cmd="echo uploading; exit 3", finish_hook_ranks=None)
+    with caplog.at_level("INFO", logger="hybrid_rl.profiler"):
+        profiler.finish("actor_rollout_ref", failing, rank=0)
+    assert "finish_hook_cmd: uploading" in caplog.text and "exited with 3 (training goes on)" in caplog.text
+
+
+def test_the_finish_hook_follows_verl_keys():
+    cfg = validate_config(compose_config(PROFILE + ["global_profiler.finish_hook_cmd='tar czf t.tgz .'"]))
+    assert role_settings(cfg, "actor_rollout_ref").finish_hook_cmd == "tar czf t.tgz ."
+    assert role_settings(cfg, "actor_rollout_ref").finish_hook_ranks == frozenset({0})  # the profiled ranks
+    every = validate_config(compose_config(PROFILE + ["global_profiler.finish_hook_cmd=true",
+                                                      "global_profiler.finish_hook_all_ranks=true"]))
+    assert role_settings(every, "actor_rollout_ref").finish_hook_ranks is None
+
+
 def test_windows_of_steps():
     alone, joined = StepWindows([2, 3, 7], continuous=False), StepWindows([2, 3, 7], continuous=True)
     assert [s for s in range(1, 9) if alone.ends(s)] == [2, 3, 7]
@@ -106,7 +147,8 @@ def test_role_settings_follow_verl_keys(tmp_path):
         "actor_rollout_ref.actor.profiler.tool_config.torch.contents=[cpu,stack]",
         "actor_rollout_ref.actor.profiler.tool_config.torch.discrete=true"]))
     assert role_settings(cfg, "actor_rollout_ref") == ProfileSettings(
-        ranks=None, contents=frozenset({"cpu", "stack"}), discrete=True, save_path=str(tmp_path))
+        ranks=None, contents=frozenset({"cpu", "stack"}), discrete=True, save_path=str(tmp_path),
+        finish_hook_ranks=None)  # the hook's ranks follow the profiled ones (every rank) unless set
     # The rollout pool's settings follow the actor's unless set (verl's interpolation).
     assert role_settings(cfg, "rollout").discrete is True
     assert role_settings(cfg, "critic") is None
@@ -127,9 +169,10 @@ def test_role_settings_follow_verl_keys(tmp_path):
      r"contents lists \['gpu'\]"),
     (PROFILE + ["actor_rollout_ref.actor.profiler.ranks=[0,1]"], r"\[1\] are not ranks of its 1 processes"),
     (PROFILE + ["critic.profiler.tool=nsys"], r"critic.profiler.tool='nsys' is not supported yet \(every role"),
-    (PROFILE + ["global_profiler.finish_hook_cmd=gzip"], "global_profiler.finish_hook_cmd='gzip' is not supported"),
+    (["global_profiler.finish_hook_cmd=true"], "finish_hook_cmd runs after the last profiled step, and nothing is"),
+    (PROFILE + ["global_profiler.finish_hook_ranks=[2]"], r"finish_hook_ranks=\[2\]: \[2\] are not ranks of its 1"),
 ], ids=["nsys", "enable-without-tool", "no-steps", "step-zero", "no-role", "contents", "ranks", "role-tool",
-        "finish-hook"])
+        "finish-hook-without-profiling", "finish-hook-ranks"])
 def test_bad_profiler_settings_fail_at_start(overrides, expected):
     with pytest.raises(ConfigError, match=expected):
         validate_config(compose_config(overrides))

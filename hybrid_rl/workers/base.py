@@ -38,9 +38,12 @@ class ModelWorker(Worker):
         PROCESS_PROFILER.start(self.role, self.profile_settings, self.rank, step)
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
-    def stop_profile(self, step: int) -> None:
-        """Close the window this role opened (its trace is written once no colocated role has it open)."""
+    def stop_profile(self, step: int, last: bool) -> None:
+        """Close the window this role opened (its trace is written once no colocated role has it
+        open); after the `last` profiled step, run the role's finish hook where it applies."""
         PROCESS_PROFILER.stop(self.role, step)
+        if last:
+            PROCESS_PROFILER.finish(self.role, self.profile_settings, self.rank)
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def dispatch_layout(self, mesh: str) -> RankLayout:
