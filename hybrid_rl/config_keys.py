@@ -462,8 +462,11 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NOT_YET, "agent loops other than the tool loop of multi_turn.enable are not built yet",
             "actor_rollout_ref.rollout.agent.default_agent_loop", "actor_rollout_ref.rollout.agent.agent_loop_config_path",
             "actor_rollout_ref.rollout.agent.custom_async_server.*"),
-    *_rules(NOT_YET, "tools are classes named in multi_turn.tool_config_path; Python functions as tools are "
-            "not built yet", "actor_rollout_ref.rollout.multi_turn.function_tool_path", "data.function_tool_path"),
+    *_rules(WORKS, "a Python file of @function_tool functions, beside (or instead of) tool_config_path's tools; "
+            "the schema is inferred from type hints and docstring as in verl",
+            "actor_rollout_ref.rollout.multi_turn.function_tool_path"),
+    *_rules(NO_EFFECT, "the prompts show the tools of actor_rollout_ref.rollout.multi_turn.function_tool_path "
+            "(verl's default for this key)", "data.function_tool_path"),
     *_rules(NO_EFFECT, "verl's code (0.7.0 to 0.9.1) reads it nowhere; the rollout runs every request to its end, "
             "as verl's does", "actor_rollout_ref.rollout.over_sample_rate"),
     *_rules(NO_EFFECT, "verl's code (0.7.0 to 0.9.1) reads it nowhere; each prompt's n responses are separate "

@@ -181,6 +181,91 @@ def test_tool_config_loads_ours_and_dotted_classes_and_names_bad_entries(tmp_pat
         agent.load_tools(str(tmp_path / "missing.yaml"))
 
 
+# A function-tool file as verl users write them: verl's import, docstrings that give the schema.
+FUNCTION_TOOLS = '''
+from verl.tools.function_tool import function_tool
+
+
+@function_tool
+def add(a: int, b: int) -> str:
+    """Add two whole numbers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return str(a + b)
+
+
+@function_tool("lookup")
+async def find_capital(country: str):
+    """The capital of a country.
+
+    Args:
+        country: The country's English name.
+    """
+    return {"country": country, "capital": {"France": "Paris"}.get(country, "unknown")}, 1.0, {"hits": 1}
+
+
+@function_tool(schema={"type": "function", "function": {"name": "fail", "description": "Always fails.",
+                                                       "parameters": {"type": "object", "properties": {}}}})
+def fail():
+    raise RuntimeError("the service is down")
+
+
+def helper():  # not decorated: not a tool
+    return 0
+'''
+
+
+def test_function_tools_load_from_a_verl_file_with_their_inferred_schemas(tmp_path, smol_tokenizer):
+    import sys
+
+    path = tmp_path / "tools.py"
+    path.write_text(FUNCTION_TOOLS)
+    verl_before = sys.modules.get("verl")
+    tools = agent.load_function_tools(str(path))
+    assert sys.modules.get("verl") is verl_before  # verl's import resolved to ours only while the file ran
+    assert list(tools) == ["add", "lookup", "fail"]
+    assert tools["add"].schema["function"]["parameters"] == {
+        "type": "object", "properties": {"a": {"type": "integer", "description": "The first number."},
+                                         "b": {"type": "integer", "description": "The second number."}},
+        "required": ["a", "b"]}
+    assert tools["lookup"].schema["function"]["description"] == "The capital of a country."
+    assert tools["add"].execute({"a": 2, "b": 40}) == ToolOutput("42")
+    # An async function's (response, reward, metrics): its response, as JSON.
+    assert json.loads(tools["lookup"].execute({"country": "France"}).text) == {"country": "France", "capital": "Paris"}
+    # Through the turn loop: a raising function is the model's observation, counted.
+    end = "<|im_end|>"
+    model = ScriptedModel(smol_tokenizer, {"A": [f"{call('add', a=1, b=2)}{end}", f"{call('fail')}{end}", f"3{end}"]})
+    (t,) = make_loop(smol_tokenizer, tools, 400).run(model, [smol_tokenizer.encode("A")], {})
+    text = smol_tokenizer.decode(t.tokens)
+    assert "tool\n3" in text and "fail failed: RuntimeError: the service is down" in text
+    assert (t.tool_calls, t.tool_errors) == (2, 1)
+
+
+def test_function_tools_sit_beside_the_tool_config_and_bad_files_are_named(tmp_path, smol_tokenizer):
+    path = tmp_path / "tools.py"
+    path.write_text(FUNCTION_TOOLS)
+    config = write_tool_config(tmp_path / "tools.yaml", {"class_name": "calculator"})
+    setup = agent.setup(multi_turn_cfg(config, function_tool_path=str(path)), smol_tokenizer, None)
+    assert sorted(setup.tools) == ["add", "calculator", "fail", "lookup"]
+    assert '"name": "add"' in setup.system_prompt  # described to the model like the others
+    clash = write_tool_config(tmp_path / "clash.yaml", {"class_name": "tests.test_multi_turn.Echo",
+                                                        "tool_schema": {"type": "function", "function": {"name": "add"}}})
+    with pytest.raises(ToolConfigError, match="both define add"):
+        agent.setup(multi_turn_cfg(clash, function_tool_path=str(path)), smol_tokenizer, None)
+    for text, message in [("def f(): pass\n", "defines no @function_tool function"),
+                          ("from hybrid_rl.agent import function_tool\n@function_tool\ndef f(x):\n    return x\n",
+                           "schema of .*f cannot be inferred"),
+                          ("import nowhere\n", "failed to load: ModuleNotFoundError")]:
+        (tmp_path / "bad.py").write_text(text)
+        with pytest.raises(ToolConfigError, match=message):
+            agent.load_function_tools(str(tmp_path / "bad.py"))
+    with pytest.raises(ToolConfigError, match="no such file"):
+        agent.load_function_tools(str(tmp_path / "missing.py"))
+
+
 # ---------------------------------------------------------------------------------- chat templates
 def tool_messages(*texts):
     return [{"role": "tool", "content": text} for text in texts]

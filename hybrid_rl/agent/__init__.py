@@ -12,11 +12,13 @@ from typing import Any
 from hybrid_rl.agent.formats import FORMATS, GptOss, Hermes, ToolCall, get_format
 from hybrid_rl.agent.interactions import Interaction, check_interaction_rows, load_interactions
 from hybrid_rl.agent.loop import MultiTurnError, MultiTurnRollout, trajectory_tensors
-from hybrid_rl.agent.tools import TOOLS, Calculator, PythonTool, Tool, ToolConfigError, ToolOutput, load_tools
+from hybrid_rl.agent.tools import (TOOLS, Calculator, FunctionTool, PythonTool, Tool, ToolConfigError, ToolOutput,
+                                   function_tool, load_function_tools, load_tools)
 
-__all__ = ["FORMATS", "TOOLS", "Calculator", "GptOss", "Hermes", "Interaction", "MultiTurnError", "MultiTurnRollout",
-           "PythonTool", "Tool", "ToolCall", "ToolConfigError", "ToolOutput", "ToolSetup", "check_interaction_rows",
-           "get_format", "load_interactions", "load_tools", "setup", "trajectory_tensors"]
+__all__ = ["FORMATS", "TOOLS", "Calculator", "FunctionTool", "GptOss", "Hermes", "Interaction", "MultiTurnError",
+           "MultiTurnRollout", "PythonTool", "Tool", "ToolCall", "ToolConfigError", "ToolOutput", "ToolSetup",
+           "check_interaction_rows", "function_tool", "get_format", "load_function_tools", "load_interactions",
+           "load_tools", "setup", "trajectory_tensors"]
 
 DESCRIBE_TOOLS = ("template", "system", "none")
 
@@ -39,13 +41,20 @@ def setup(rollout_cfg: Any, tokenizer, chat_template_kwargs: dict | None) -> Too
     MultiTurnError naming the problem and the fix."""
     cfg = rollout_cfg.multi_turn
     key = "actor_rollout_ref.rollout.multi_turn"
-    if not cfg.tool_config_path and not cfg.interaction_config_path:
-        raise ToolConfigError(f"{key}.enable=true needs {key}.tool_config_path (a YAML file listing the tools) or "
+    if not cfg.tool_config_path and not cfg.get("function_tool_path") and not cfg.interaction_config_path:
+        raise ToolConfigError(f"{key}.enable=true needs {key}.tool_config_path (a YAML file listing the tools), "
+                              f"{key}.function_tool_path (a Python file of @function_tool functions) or "
                               f"{key}.interaction_config_path (one listing interaction agents); docs/multi_turn.md")
     if cfg.describe_tools not in DESCRIBE_TOOLS:
         raise ToolConfigError(f"{key}.describe_tools={cfg.describe_tools}: must be one of {', '.join(DESCRIBE_TOOLS)}")
     interactions = load_interactions(cfg.interaction_config_path) if cfg.interaction_config_path else {}
     tools = load_tools(cfg.tool_config_path) if cfg.tool_config_path else {}
+    if cfg.get("function_tool_path"):
+        functions = load_function_tools(cfg.function_tool_path)
+        if clash := sorted(set(functions) & set(tools)):
+            raise ToolConfigError(f"{key}.function_tool_path and {key}.tool_config_path both define {', '.join(clash)}; "
+                                  "tool names must be unique.")
+        tools.update(functions)
     schemas = [tool.schema for tool in tools.values()]
     kwargs = dict(chat_template_kwargs or {})
     system_prompt = None

@@ -11,19 +11,33 @@ A tool config is verl's YAML (``actor_rollout_ref.rollout.multi_turn.tool_config
 
 A tool is called with the JSON arguments the model wrote and returns text for the next turn. It
 never raises into the rollout: a failure comes back as an error text the model sees, and is counted.
+
+Plain Python functions are tools too (verl's ``multi_turn.function_tool_path``): a file whose
+functions carry ``@function_tool`` (``hybrid_rl.agent.function_tool``, or verl's
+``from verl.tools.function_tool import function_tool``, which resolves to ours while the file
+loads), each with type hints and a Google-style docstring from which transformers infers the schema.
 """
 
 from __future__ import annotations
 
 import ast
+import asyncio
 import importlib
+import importlib.util
+import inspect
+import json
+import logging
 import math
 import operator
 import os
+import sys
+import types
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import yaml
+
+logger = logging.getLogger(__name__)
 
 
 class ToolConfigError(ValueError):
@@ -169,6 +183,109 @@ class SandboxFusionTool(PythonTool):
 TOOLS: dict[str, type[Tool]] = {"calculator": Calculator, "python": PythonTool}
 # verl's tool classes that have a local equivalent here.
 VERL_TOOLS: dict[str, type[Tool]] = {"verl.tools.sandbox_fusion_tools.SandboxFusionTool": SandboxFusionTool}
+
+
+# --------------------------------------------------------------------------- Python functions
+# What @function_tool leaves on a function: (tool name or None for the function's, schema or None).
+FUNCTION_TOOL_MARK = "__hybrid_rl_function_tool__"
+FUNCTION_TOOL_KEY = "actor_rollout_ref.rollout.multi_turn.function_tool_path"
+
+
+def function_tool(name: str | Callable | None = None, *, schema: dict | None = None):
+    """Mark a function as a tool, in verl's forms: ``@function_tool``, ``@function_tool("name")``,
+    ``@function_tool(schema={...})``. Without a schema, transformers' ``get_json_schema`` infers
+    one from the type hints and the docstring's ``Args:`` block when the file is loaded."""
+    def mark(fn: Callable, tool_name: str | None) -> Callable:
+        setattr(fn, FUNCTION_TOOL_MARK, (tool_name, schema))
+        return fn
+    if callable(name) and schema is None:
+        return mark(name, None)
+    return lambda fn: mark(fn, name)
+
+
+class FunctionTool(Tool):
+    """A ``@function_tool`` function called with the model's arguments. What it returns becomes
+    the tool's text as in verl: a string as it is, a dict as JSON, verl's ``ToolResponse`` by its
+    text, a tuple ``(response, reward, metrics)`` by its response (the reward function sees the
+    whole trajectory here, so a tool's own reward is not used), anything else by ``str``."""
+
+    def __init__(self, fn: Callable, name: str | None = None, schema: dict | None = None):
+        name = name or fn.__name__
+        if schema is None:
+            from transformers.utils import get_json_schema
+
+            try:
+                schema = get_json_schema(fn)
+            except Exception as exc:  # transformers' DocstringParsingException, TypeHintParsingException
+                raise ToolConfigError(f"{FUNCTION_TOOL_KEY}: the schema of {fn.__module__}.{fn.__qualname__} cannot be "
+                                      f"inferred ({exc}). Give every parameter a type hint and describe it in the "
+                                      "docstring's Args: block, or pass @function_tool(schema={...}).") from exc
+            schema["function"]["name"] = name
+        super().__init__(schema)
+        self.fn = fn
+
+    def execute(self, arguments: dict) -> ToolOutput:
+        result = self.fn(**arguments)
+        if inspect.isawaitable(result):
+            result = asyncio.run(result)
+        return ToolOutput(function_tool_text(result))
+
+
+def function_tool_text(result: Any) -> str:
+    if isinstance(result, tuple):
+        if not 1 <= len(result) <= 3:
+            raise TypeError(f"a function tool returned a tuple of {len(result)}; return (response,), "
+                            "(response, reward) or (response, reward, metrics)")
+        result = result[0]
+    if isinstance(result, str):
+        return result
+    if isinstance(result, dict):
+        return json.dumps(result, ensure_ascii=False)
+    text = getattr(result, "text", None)  # verl's ToolResponse
+    return text if isinstance(text, str) else str(result)
+
+
+def load_function_tools(path: str) -> dict[str, FunctionTool]:
+    """The ``@function_tool`` functions of the Python file ``path``, by tool name. The file's
+    ``import`` of verl's decorator gets ours while it runs, so a verl user's file loads unchanged."""
+    path = os.path.abspath(os.path.expanduser(str(path)))
+    if not os.path.isfile(path):
+        raise ToolConfigError(f"{FUNCTION_TOOL_KEY}={path}: no such file. Point it at a Python file of "
+                              "@function_tool functions (docs/multi_turn.md).")
+    shim = types.ModuleType("verl.tools.function_tool")
+    shim.function_tool = function_tool
+    shadowed = {name: sys.modules.get(name) for name in ("verl", "verl.tools", "verl.tools.function_tool")}
+    for name in shadowed:
+        sys.modules[name] = shim if name.endswith("function_tool") else types.ModuleType(name)
+    sys.modules["verl"].tools = sys.modules["verl.tools"]
+    sys.modules["verl.tools"].function_tool = shim
+    module_name = "hybrid_rl_function_tools_" + path.replace(os.sep, "_").replace(".", "_")
+    try:
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module  # so the file can import its siblings by this name
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        raise ToolConfigError(f"{FUNCTION_TOOL_KEY}={path} failed to load: {type(exc).__name__}: {exc}") from exc
+    finally:
+        for name, previous in shadowed.items():
+            if previous is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = previous
+    tools: dict[str, FunctionTool] = {}
+    for fn in vars(module).values():
+        mark = getattr(fn, FUNCTION_TOOL_MARK, None)
+        if mark is None or not callable(fn):
+            continue
+        tool = FunctionTool(fn, *mark)
+        if tool.name in tools:
+            raise ToolConfigError(f"{path}: two function tools named {tool.name!r}; tool names must be unique")
+        tools[tool.name] = tool
+    if not tools:
+        raise ToolConfigError(f"{FUNCTION_TOOL_KEY}={path} defines no @function_tool function: decorate the "
+                              "functions the model may call (from hybrid_rl.agent import function_tool).")
+    return tools
 
 
 # --------------------------------------------------------------------------- config
