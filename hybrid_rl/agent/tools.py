@@ -221,6 +221,7 @@ class FunctionTool(Tool):
                                       f"inferred ({exc}). Give every parameter a type hint and describe it in the "
                                       "docstring's Args: block, or pass @function_tool(schema={...}).") from exc
             schema["function"]["name"] = name
+            schema["function"].pop("return", None)  # not part of an OpenAI function schema (verl drops it too)
         super().__init__(schema)
         self.fn = fn
 
