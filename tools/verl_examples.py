@@ -57,7 +57,7 @@ SUBSTITUTED = (
 )
 # DAPO's overlong buffer (4096 of 20480 tokens in verl's scripts), a third of the default response
 # length here, under the script's own key.
-OVERLONG_BUFFER_KEYS, OVERLONG_BUFFER_TOKENS = "*overlong_buffer*.len", 8
+OVERLONG_BUFFER_LEN_KEY, OVERLONG_BUFFER_TOKENS = "*overlong_buffer*.len", 8
 # A script's reward model (a hub classifier) becomes a classifier built from the default model,
 # its one-label score head untrained: one step needs a scorer that runs, not a good one.
 REWARD_MODEL = "an untrained sequence classifier built from the default model for `reward_model.model.path`"
@@ -247,7 +247,7 @@ def substituted(overrides: list[str], run_dir: Path, loggers: list[str]) -> list
     """The script's overrides for a one-step run here; its `loggers` keep running, with jsonl
     added (the step is judged from its metrics file)."""
     kept = [o for o in overrides if not any(fnmatch.fnmatchcase(override_key(o), p) for p in SUBSTITUTED)]
-    kept = [f"{o.partition('=')[0]}={OVERLONG_BUFFER_TOKENS}" if fnmatch.fnmatchcase(override_key(o), OVERLONG_BUFFER_KEYS)
+    kept = [f"{o.partition('=')[0]}={OVERLONG_BUFFER_TOKENS}" if fnmatch.fnmatchcase(override_key(o), OVERLONG_BUFFER_LEN_KEY)
             else o for o in kept]
     if any(override_key(o) == "reward_model.model.path" for o in overrides):
         kept.append(f"reward_model.model.path={reward_model_folder()}")
@@ -369,7 +369,7 @@ def report(results: list[dict], source: str, ran: bool) -> str:
             compose += " (the script's own text: verl's own config stops it the same way)"
         lines.append(f"| {r['script']} | {compose} | {start} | {step} |".replace("\n", " "))
     lines += ["", "Substituted for the one-step runs (the script's own value dropped): "
-              + ", ".join(f"`{p}`" for p in SUBSTITUTED) + f"; {REWARD_MODEL}; {DIST_CHECKPOINT}; {SEQUENCE_PARALLEL}; {EXPERT_PARALLEL}; {LATENT_MODEL}; {CONTEXT_PARALLEL}; `{OVERLONG_BUFFER_KEYS}={OVERLONG_BUFFER_TOKENS}` where the script sets the overlong buffer's length; then " + ", ".join(f"`{o}`" for o in ONE_STEP)
+              + ", ".join(f"`{p}`" for p in SUBSTITUTED) + f"; {REWARD_MODEL}; {DIST_CHECKPOINT}; {SEQUENCE_PARALLEL}; {EXPERT_PARALLEL}; {LATENT_MODEL}; {CONTEXT_PARALLEL}; `{OVERLONG_BUFFER_LEN_KEY}={OVERLONG_BUFFER_TOKENS}` where the script sets the overlong buffer's length; then " + ", ".join(f"`{o}`" for o in ONE_STEP)
               + ". wandb logs offline (`WANDB_MODE=offline`).", ""]
     return "\n".join(lines)
 

@@ -26,7 +26,6 @@ import importlib
 import importlib.util
 import inspect
 import json
-import logging
 import math
 import operator
 import os
@@ -36,8 +35,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import yaml
-
-logger = logging.getLogger(__name__)
 
 
 class ToolConfigError(ValueError):
