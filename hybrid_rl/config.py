@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import os
 
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -186,6 +187,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     check_reward_model_config(cfg.reward_model)
     adopt_dapo_reward_kwargs(cfg)
     check_overlong_buffer(cfg)
+    check_gdpo(cfg)
     check_dynamic_sampling(cfg)
     check_iterative_config(cfg)
     check_lora(cfg)
@@ -485,7 +487,7 @@ def adopt_served_reward_model(cfg: DictConfig) -> None:
 
 
 # naive scores each sample with the reward function; dapo too, with the overlong buffer.
-REWARD_MANAGERS = ("naive", "dapo")
+REWARD_MANAGERS = ("naive", "dapo", "gdpo")
 UNBUILT_REWARD_MANAGERS = dict.fromkeys(("prime", "batch"), "rewards are scored per sample here (naive; dapo with "
                                                             "reward_model.overlong_buffer); use naive")
 
@@ -613,6 +615,50 @@ def check_overlong_buffer(cfg: DictConfig) -> None:
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 0:
         raise ConfigError(f"reward_model.overlong_buffer.penalty_factor={factor!r} must be a number >= 0: the "
                           "penalty at data.max_response_length (DAPO used 1.0).")
+
+
+def check_gdpo(cfg: DictConfig) -> None:
+    """`algorithm.adv_estimator=gdpo` and the reward components it normalises one by one
+    (`algorithm.gdpo_reward_keys`; null with two or more reward.funcs: their scores, set in
+    `main.prepare` once the sources are named)."""
+    algo = cfg.algorithm
+    keys, weights = algo.get("gdpo_reward_keys"), algo.get("gdpo_reward_weights")
+    if algo.adv_estimator != "gdpo":
+        given = [key for key, value in (("gdpo_reward_keys", keys), ("gdpo_reward_weights", weights)) if value is not None]
+        if given:
+            raise ConfigError(f"algorithm.{' and algorithm.'.join(given)} {'are' if len(given) > 1 else 'is'} read by "
+                              f"algorithm.adv_estimator=gdpo only (it is {algo.adv_estimator}); set "
+                              "adv_estimator=gdpo, or remove them.")
+        return
+    if keys is None:
+        if len(cfg.reward.funcs) < 2:
+            raise ConfigError("algorithm.adv_estimator=gdpo normalises each reward component in its group on its own: "
+                              "name them with algorithm.gdpo_reward_keys=[format_reward,accuracy_reward] (entries of "
+                              "the dict your reward function returns), or list two or more reward.funcs, whose "
+                              "scores are then the components.")
+    elif (not (OmegaConf.is_list(keys) or isinstance(keys, list)) or not keys
+          or not all(isinstance(key, str) and key for key in keys) or len(set(keys)) != len(keys)):
+        raise ConfigError(f"algorithm.gdpo_reward_keys={plain(keys)!r} must be a list of different names of entries "
+                          "of the dict your reward function returns, e.g. [format_reward,accuracy_reward].")
+    if weights is not None:
+        count = len(keys) if keys is not None else len(cfg.reward.funcs)
+        if (isinstance(weights, str) or not (OmegaConf.is_list(weights) or isinstance(weights, list))
+                or len(weights) != count or not all(isinstance(w, (int, float)) and not isinstance(w, bool)
+                                                     and math.isfinite(w) for w in weights)):
+            raise ConfigError(f"algorithm.gdpo_reward_weights={plain(weights)!r} must be {count} finite numbers, one "
+                              "per reward component (or null for 1 each).")
+    # verl's GDPO reads the components alone: what acts on the summed score would be dropped.
+    dropped = [key for key, on in (
+        ("algorithm.use_kl_in_reward=true", algo.use_kl_in_reward),
+        ("reward_model.overlong_buffer.enable=true", cfg.reward_model.overlong_buffer.enable),
+        ("algorithm.reward_clip", algo.reward_clip is not None),
+        ("algorithm.reward_norm", any(algo.reward_norm[k] not in (None, "none") for k in ("mean", "std"))),
+    ) if on]
+    if dropped:
+        raise ConfigError(f"algorithm.adv_estimator=gdpo computes advantages from the reward components alone (as "
+                          f"verl's), so {', '.join(dropped)} (which act on the summed score) would have no effect. "
+                          "Remove it; for a KL penalty use actor_rollout_ref.actor.use_kl_loss=true, and a penalty of "
+                          "your own can be one more component.")
 
 
 FILTER_METRICS_OF_BATCH = ("reward", "seq_reward", "seq_final_reward")

@@ -65,16 +65,25 @@ def compose_config(overrides=(), config_name: str = "ppo_trainer") -> DictConfig
     return resolve_config(cfg)
 
 
+# verl's config dataclasses declare these without a default in its YAML tree, so its users add
+# them with `+`; ours has them.
+VERL_KEYS_OUTSIDE_ITS_YAML = frozenset(("algorithm.gdpo_reward_keys", "algorithm.gdpo_reward_weights"))
+
+
 def additions_of_verl_keys_as_overrides(overrides) -> list[str]:
     """The overrides, with each `+key=value` that adds a key verl's tree has (scripts written for a
-    verl release that lacked it: TinyZero's `+trainer.val_before_train=False`) as `++key=value`,
-    which sets it; Hydra refuses to add a key that exists."""
+    verl release that lacked it: TinyZero's `+trainer.val_before_train=False`), or one of
+    VERL_KEYS_OUTSIDE_ITS_YAML, as `++key=value`, which sets it; Hydra refuses to add a key that exists."""
     out = []
     for override in overrides:
         key = override.partition("=")[0]
-        if key.startswith("+") and not key.startswith("++") and key[1:] in verl_defaults():
-            logger.info("%s: verl's tree has %s (a newer verl's key); it is set.", key, key[1:])
-            override = "+" + override
+        if key.startswith("+") and not key.startswith("++"):
+            if key[1:] in verl_defaults():
+                logger.info("%s: verl's tree has %s (a newer verl's key); it is set.", key, key[1:])
+                override = "+" + override
+            elif key[1:] in VERL_KEYS_OUTSIDE_ITS_YAML:
+                logger.info("%s: verl's scripts add %s, which its tree lacks and ours has; it is set.", key, key[1:])
+                override = "+" + override
         out.append(override)
     return out
 
@@ -516,8 +525,8 @@ RULES: tuple[Rule, ...] = tuple([
             "reward_model.enable_resource_pool", "reward_model.n_gpus_per_node", "reward_model.nnodes"),
     *_rules(WORKS, "on GPU, the reward model's weights wait in host memory between scorings; no effect on CPU",
             "reward_model.model.fsdp_config.param_offload"),
-    *_rules(WORKS, "verl 0.9's place for reward_model.reward_manager (naive or dapo)", "reward.reward_manager.name"),
-    *_rules(NOT_YET, "only the built-in reward managers are available (name: naive or dapo)",
+    *_rules(WORKS, "verl 0.9's place for reward_model.reward_manager (naive, dapo or gdpo)", "reward.reward_manager.name"),
+    *_rules(NOT_YET, "only the built-in reward managers are available (name: naive, dapo or gdpo)",
             "reward.reward_manager.source", "reward.reward_manager.module.path"),
     *_rules(NO_EFFECT, "read only with reward.reward_manager.module.path, which is not supported yet",
             "reward.reward_manager.module.name"),
@@ -602,9 +611,9 @@ RULES: tuple[Rule, ...] = tuple([
             "data.sampler.class_path"),
     *_rules(NO_EFFECT, "read only with the path next to it, which is not supported yet", "data.datagen.name",
             "data.sampler.class_name"),
-    *_rules(WORKS, "verl 0.7-0.8's place for reward_model.reward_manager (naive or dapo); set, it wins over that",
+    *_rules(WORKS, "verl 0.7-0.8's place for reward_model.reward_manager (naive, dapo or gdpo); set, it wins over that",
             "reward_manager.name"),
-    *_rules(NOT_YET, "only the built-in reward managers are available (name: naive or dapo)", "reward_manager.source",
+    *_rules(NOT_YET, "only the built-in reward managers are available (name: naive, dapo or gdpo)", "reward_manager.source",
             "reward_manager.module.path"),
     *_rules(NO_EFFECT, "read only with reward_manager.module.path, which is not supported yet",
             "reward_manager.module.name"),

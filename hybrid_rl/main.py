@@ -99,6 +99,11 @@ def prepare(cfg: DictConfig):
     sources = sources_from_config(cfg.reward, ConfigError, reward_model=cfg.reward_model.enable,
                                   process=cfg.reward_model.process.enable, provided=SERVED_KWARGS)
     check_served_reward_model_callers(cfg, [compute_score] + [s.fn for s in sources or []])
+    if cfg.algorithm.adv_estimator == "gdpo" and cfg.algorithm.gdpo_reward_keys is None:
+        # The config check let this through with two or more reward.funcs: their scores are the components.
+        cfg.algorithm.gdpo_reward_keys = [f"reward/{source.name}" for source in sources]
+        if cfg.algorithm.gdpo_reward_weights is None:
+            cfg.algorithm.gdpo_reward_weights = [source.weight for source in sources]
     if cfg.reward_model.enable and not cfg.reward.funcs and compute_score is not None:
         logger.warning("reward_model.enable=true and %s.path=%s: the reward model alone scores the responses, as in "
                        "verl. To add the function, set reward.funcs=[reward_model,'%s:%s'].", key, custom.path,
@@ -119,7 +124,9 @@ def prepare(cfg: DictConfig):
         if val_dataset is not None:
             check_builtin_data_sources(val_dataset, "data.val_files")
     load_step_scorer(cfg)  # a missing or broken step scorer stops the run here
-    faults = dict(on_error=cfg.reward_model.on_error, timeout_s=cfg.reward_model.timeout_s, sources=sources)
+    faults = dict(on_error=cfg.reward_model.on_error, timeout_s=cfg.reward_model.timeout_s, sources=sources,
+                  extra_info_fields=({"experiment_name": cfg.trainer.experiment_name}
+                                     if cfg.reward_model.reward_manager == "gdpo" else None))
     reward_fn = RewardManager(tokenizer, compute_score, cfg.data.reward_fn_key, cfg.reward_model.num_examine, **faults)
     val_reward_fn = RewardManager(tokenizer, compute_score, cfg.data.reward_fn_key, 0, **faults)
     return model_path, tokenizer, train_dataset, val_dataset, reward_fn, val_reward_fn

@@ -150,6 +150,44 @@ class DynamicSamplingError(RuntimeError):
     """Dynamic sampling reached algorithm.filter_groups.max_num_gen_batches without enough groups."""
 
 
+class RewardComponentError(ValueError):
+    """A reward component GDPO normalises (algorithm.gdpo_reward_keys) is missing or not a number."""
+
+
+def reward_components(reward_extra: dict, keys: list[str], rows: int) -> torch.Tensor:
+    """GDPO's (rows, K) reward components: the reward function's value under each key, per
+    response; a sample whose reward function failed (reward_model.on_error=zero) scores 0 in each."""
+    failed = reward_extra.get("reward_failed") or [False] * rows
+    columns = []
+    for key in keys:
+        values = reward_extra.get(key)
+        missing = [i for i in range(rows) if not failed[i] and (values is None or values[i] is None)]
+        if missing:
+            returned = sorted(k for k, v in reward_extra.items() if isinstance(v, list) and len(v) == rows)
+            raise RewardComponentError(
+                f"algorithm.gdpo_reward_keys names {key!r}, which the reward function did not return for sample "
+                f"{missing[0]} ({len(missing)} of {rows} samples; it returned: {', '.join(returned)}). Return "
+                f"{key!r} in the dict for every sample, or name the components it returns.")
+        column = []
+        for i in range(rows):
+            value = 0.0 if failed[i] else values[i]
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(value):
+                raise RewardComponentError(f"reward component {key!r} of sample {i} is {value!r}; GDPO normalises "
+                                           "finite numbers (algorithm.gdpo_reward_keys).")
+            column.append(float(value))
+        columns.append(column)
+    return torch.tensor(columns, dtype=torch.float32).T.reshape(rows, len(keys))
+
+
+def reward_component_metrics(components: torch.Tensor, keys: list[str]) -> dict[str, float]:
+    """gdpo/<key>/{mean,std,max,min} over the step's responses, as verl logs them."""
+    metrics = {}
+    for key, column in zip(keys, components.double().T):
+        metrics.update({f"gdpo/{key}/mean": float(column.mean()), f"gdpo/{key}/std": float(column.std(unbiased=False)),
+                        f"gdpo/{key}/max": float(column.max()), f"gdpo/{key}/min": float(column.min())})
+    return metrics
+
+
 def _rows_of(extra: dict, rows: list[int]) -> dict:
     """The reward function's per-sample values at ``rows``."""
     return {key: [values[i] for i in rows] for key, values in extra.items()}
@@ -166,7 +204,8 @@ def _add_on_last_token(token_values: torch.Tensor, lengths: torch.Tensor, per_re
 
 IN_FLIGHT_FILE = "in_flight_batches.pkl"
 # What an advantage estimator may read besides rewards and masks, when the step produced it.
-ADVANTAGE_EXTRAS = ("values", "reward_baselines", "step_mask", "old_log_probs", "sum_pi_squared", "rollout_is_weights")
+ADVANTAGE_EXTRAS = ("values", "reward_baselines", "step_mask", "old_log_probs", "sum_pi_squared", "rollout_is_weights",
+                    "reward_components")
 
 
 @dataclass
@@ -699,6 +738,9 @@ class Trainer:
                     **{key: batch[key] for key in ADVANTAGE_EXTRAS if key in batch})
                 batch["advantages"] = shape_advantages(advantages, batch["response_mask"], cfg.algorithm)
                 batch["returns"] = returns
+                if "reward_components" in batch:  # read by the estimator only
+                    metrics.update(reward_component_metrics(batch.pop(["reward_components"])["reward_components"],
+                                                            cfg.algorithm.gdpo_reward_keys))
                 if cfg.algorithm.use_pf_ppo:
                     batch, reward_extra = self.policy_filtration(batch, reward_extra, metrics)
 
@@ -760,6 +802,8 @@ class Trainer:
             if "step_mask" in reward_extra:
                 batch["step_mask"] = reward_extra.pop("step_mask")
             batch["token_level_scores"] = self.add_overlong_penalty(batch, scores, reward_extra, metrics)
+            if cfg.algorithm.adv_estimator == "gdpo":
+                batch["reward_components"] = reward_components(reward_extra, cfg.algorithm.gdpo_reward_keys, len(batch))
         return batch, reward_extra
 
     def add_overlong_penalty(self, batch: Batch, scores: torch.Tensor, reward_extra: dict, metrics: dict) -> torch.Tensor:

@@ -37,6 +37,15 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
             "step_ends": [half, len(solution_str)]}
 '''
 
+GDPO_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """Two components for GDPO: the answer and a bonus for brevity; verl's gdpo manager names the run."""
+    assert extra_info["experiment_name"] == "catalogue"
+    answer = float(str(ground_truth) in solution_str)
+    brevity = 1.0 / (1 + len(solution_str))
+    return {"score": answer + brevity, "answer": answer, "brevity": brevity}
+'''
+
 CASES = {
     "gae": ["algorithm.adv_estimator=gae", f"{A}policy_loss.loss_mode=vanilla", f"{A}kl_loss_type=k1",
             f"{A}loss_agg_mode=token-mean", "algorithm.whiten_advantages=true", "algorithm.use_pf_ppo=true",
@@ -70,6 +79,10 @@ CASES = {
                                "algorithm.rollout_correction.rollout_is=token", f"{A}policy_loss.loss_mode=dppo_tv"],
     "tir_optimal_token_baseline": ["algorithm.adv_estimator=tir_optimal_token_baseline",
                                    f"{A}calculate_sum_pi_squared=true", f"{A}policy_loss.loss_mode=dppo_kl"],
+    # verl 0.9's form: the keys added with +, the reward manager in its newest place.
+    "gdpo": ["algorithm.adv_estimator=gdpo", "+algorithm.gdpo_reward_keys=[answer,brevity]",
+             "+algorithm.gdpo_reward_weights=[1.0,0.5]", "reward.reward_manager.name=gdpo",
+             "trainer.experiment_name=catalogue"],
 }
 
 EXPECTED_METRICS = {
@@ -80,6 +93,7 @@ EXPECTED_METRICS = {
     "reinforce_plus_plus": ["actor/reward_kl_penalty"],
     "remax": ["timing_s/gen_max"],
     "gpg": ["actor/kl_loss"],
+    "gdpo": ["gdpo/answer/mean", "gdpo/answer/std", "gdpo/brevity/max", "gdpo/brevity/min"],
 }
 
 
@@ -102,9 +116,9 @@ def test_one_step(case, ray_session, tiny_model_dir, arithmetic_files, tmp_path)
         "data.val_files=null", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=3",
         f"{A}ppo_mini_batch_size=4", f"{A}ppo_micro_batch_size_per_gpu=2", f"{A}use_kl_loss=true",
         "critic.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.rollout.name=hf", *CASES[case]]
-    if case == "grpo_process":
-        reward_file = tmp_path / "steps.py"
-        reward_file.write_text(STEP_REWARD)
+    if case in ("grpo_process", "gdpo"):
+        reward_file = tmp_path / "reward.py"
+        reward_file.write_text(STEP_REWARD if case == "grpo_process" else GDPO_REWARD)
         overrides.append(f"custom_reward_function.path={reward_file}")
     trainer = build_trainer(compose_config(overrides))
     try:

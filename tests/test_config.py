@@ -47,9 +47,11 @@ def test_verl_grpo_command_line_composes_and_validates():
 ])
 def test_every_registered_name_and_alias_validates(key, registry):
     for name in registry.names():
-        # The optimal token baseline needs the actor's Σπ² (refused without it: below), DRO its β.
+        # The optimal token baseline needs the actor's Σπ² (refused without it: below), DRO its β,
+        # GDPO its reward components.
         needs = {"optimal_token": ["actor_rollout_ref.actor.calculate_sum_pi_squared=true"],
-                 "dro": ["actor_rollout_ref.actor.policy_loss.dro_beta=0.1"]}
+                 "dro": ["actor_rollout_ref.actor.policy_loss.dro_beta=0.1"],
+                 "gdpo": ["algorithm.gdpo_reward_keys=[acc,format]"]}
         validate_config(compose_config([f"{key}={name}", *next((v for k, v in needs.items() if k in name), [])]))
     if registry is POLICY_LOSSES:
         with pytest.raises(ConfigError, match="loss_mode=dro needs policy_loss.dro_beta > 0"):
@@ -329,6 +331,43 @@ def test_bad_reward_manager_settings(overrides, fragments):
 def test_bad_dapo_settings(override, fragments):
     with pytest.raises(ConfigError) as err:
         validate_config(compose_config([*DAPO, override]))
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
+def test_gdpo_keys_in_verl_form_and_ours():
+    """verl's scripts add the GDPO keys with `+` (its YAML tree lacks them); ours has them, so both
+    forms set them."""
+    for plus in ("+", ""):
+        cfg = compose_config(["algorithm.adv_estimator=gdpo", f"{plus}algorithm.gdpo_reward_keys=[fmt,acc]",
+                              f"{plus}algorithm.gdpo_reward_weights=[1.0,0.5]"])
+        validate_config(cfg)
+        assert list(cfg.algorithm.gdpo_reward_keys) == ["fmt", "acc"] and list(cfg.algorithm.gdpo_reward_weights) == [1.0, 0.5]
+    validate_config(compose_config(["algorithm.adv_estimator=gdpo", "reward.funcs=[rule,code_tests]"]))  # keys: their scores
+    validate_config(compose_config(["reward_manager.name=gdpo"]))
+
+
+@pytest.mark.parametrize("overrides, fragments", [
+    (["algorithm.adv_estimator=gdpo"], ["gdpo_reward_keys=[format_reward,accuracy_reward]", "two or more reward.funcs"]),
+    (["algorithm.adv_estimator=gdpo", "reward.funcs=[rule]"], ["two or more reward.funcs"]),
+    (["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=acc"], ["gdpo_reward_keys='acc' must be a list"]),
+    (["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[acc,acc]"], ["must be a list of different names"]),
+    (["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[acc,fmt]", "algorithm.gdpo_reward_weights=[1.0]"],
+     ["gdpo_reward_weights=[1.0] must be 2 finite numbers"]),
+    (["algorithm.adv_estimator=gdpo", "reward.funcs=[rule,code_tests]", "algorithm.gdpo_reward_weights=[1,nan]"],
+     ["must be 2 finite numbers"]),
+    (["algorithm.gdpo_reward_keys=[acc,fmt]"], ["gdpo_reward_keys is read by algorithm.adv_estimator=gdpo only",
+                                                "(it is grpo)"]),
+    (["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[acc,fmt]", "algorithm.use_kl_in_reward=true",
+      "algorithm.reward_clip=1.0"],
+     ["use_kl_in_reward=true, algorithm.reward_clip (which act on the summed score) would have no effect",
+      "use_kl_loss=true"]),
+    (["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[acc,fmt]", "algorithm.reward_norm.std=group"],
+     ["algorithm.reward_norm (which act"]),
+])
+def test_bad_gdpo_settings(overrides, fragments):
+    with pytest.raises(ConfigError) as err:
+        validate_config(compose_config(overrides))
     for fragment in fragments:
         assert fragment in str(err.value)
 

@@ -4,7 +4,7 @@ Every registered estimator has the trainer-facing signature
 ``fn(token_level_rewards, response_mask, *, index=None, config=None, **extra) -> (advantages, returns)``
 with (batch, response_len) tensors; ``index`` holds one hashable group id per row (the prompt's uid, so a
 group is the n responses to one prompt), ``config`` is the ``algorithm.*`` mapping, and ``extra`` carries
-estimator-specific tensors (values, reward_baselines, step_mask) that others ignore. Scalars come from
+estimator-specific tensors (values, reward_baselines, step_mask, reward_components) that others ignore. Scalars come from
 ``config`` under verl's key names (``gamma``, ``lam``, ``norm_adv_by_std_in_grpo``, ...) with verl's defaults.
 s_i = Σ_t r_{i,t} below is a response's sequence score; "×m" broadcasts a per-row value over its tokens and
 zeroes the positions outside ``response_mask``.
@@ -23,7 +23,7 @@ from .registry import Registry
 ADV_ESTIMATORS = Registry("advantage estimator")
 # Estimators whose baseline compares the n responses to one prompt (n=1 leaves them no baseline).
 GROUP_ESTIMATORS = ("grpo", "rloo", "grpo_passk", "opo", "gpg", "reinforce_plus_plus_baseline", "grpo_process",
-                    "optimal_token_baseline", "tir_optimal_token_baseline")
+                    "optimal_token_baseline", "tir_optimal_token_baseline", "gdpo")
 
 
 def group_ids(index: Sequence | np.ndarray | torch.Tensor, device: torch.device | None = None) -> tuple[torch.Tensor, int]:
@@ -220,6 +220,51 @@ def grpo_passk_advantage(
         gap = gap / (std + epsilon)
     adv = torch.zeros_like(scores).index_put_((best,), gap)
     adv = adv.unsqueeze(-1) * response_mask
+    return adv, adv
+
+
+@ADV_ESTIMATORS.register("gdpo")
+@torch.no_grad()
+def gdpo_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    index=None,
+    config: Mapping[str, Any] | None = None,
+    reward_components: torch.Tensor | None = None,
+    epsilon: float = 1e-6,
+    **extra,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO (arXiv 2601.05242): each reward component normalised in its group on its own, then
+    summed, so that a component with a wide spread does not drown the others.
+
+    Extra ``reward_components`` c (B, K): the K scores the reward function returned per response
+    (``algorithm.gdpo_reward_keys``); w_k = ``algorithm.gdpo_reward_weights`` (default 1 each).
+    A^k_i = (c_{i,k} − μ_g(c_k))/(σ_g(c_k) + ε), or c_{i,k} − μ_g(c_k) if not
+    ``norm_adv_by_std_in_grpo`` (GRPO on component k alone); a_i = Σ_k w_k A^k_i;
+    advantages = returns = masked_whiten(a·m, m)·m over the batch. ``token_level_rewards`` is not read.
+    """
+    rows = response_mask.shape[0]
+    components = _require_extra("gdpo", "reward_components", reward_components,
+                                "the reward components named by algorithm.gdpo_reward_keys, one column each")
+    if components.ndim != 2 or components.shape[0] != rows:
+        raise ValueError(f"gdpo: reward_components has shape {tuple(components.shape)}, expected ({rows}, K)")
+    ids, num_groups = _grouping("gdpo", index, rows, response_mask.device)
+    weights = cfg_get(config, "gdpo_reward_weights", [1.0] * components.shape[1])
+    if len(weights) != components.shape[1]:
+        raise ValueError(f"gdpo: {len(weights)} weights (algorithm.gdpo_reward_weights) for "
+                         f"{components.shape[1]} reward components")
+    norm = cfg_get(config, "norm_adv_by_std_in_grpo", True)
+    components = components.to(device=response_mask.device,
+                               dtype=components.dtype if components.is_floating_point() else torch.float32)
+    combined = torch.zeros(rows, dtype=components.dtype, device=components.device)
+    for k, weight in enumerate(weights):
+        scores = components[:, k]
+        mean, std = group_mean_std(scores, ids, num_groups)
+        centred = scores - mean[ids]
+        combined += float(weight) * (centred / (std[ids] + epsilon) if norm else centred)
+    adv = combined.unsqueeze(-1) * response_mask
+    adv = masked_whiten(adv, response_mask) * response_mask
     return adv, adv
 
 

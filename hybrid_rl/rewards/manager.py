@@ -184,7 +184,8 @@ class RewardManager:
     requests it sends to a server (a served reward model, an API) are in flight at once; each is
     cancelled at its own ``timeout_s``. ``call_kwargs`` (the served reward model's
     ``reward_router_address`` and ``reward_model_tokenizer``) are passed to every function that
-    takes them by name or through ``**kwargs``.
+    takes them by name or through ``**kwargs``. ``extra_info_fields`` are added to every sample's
+    ``extra_info`` (verl's gdpo manager adds the run's ``experiment_name``).
     """
 
     def __init__(
@@ -196,6 +197,7 @@ class RewardManager:
         on_error: str = "raise",
         timeout_s: float | None = None,
         sources: list | None = None,
+        extra_info_fields: dict | None = None,
     ):
         if compute_score is None:
             from . import default_compute_score
@@ -230,6 +232,7 @@ class RewardManager:
         self.sources = sources  # a weighted mixture (hybrid_rl.rewards.mixture) instead of compute_score
         self.sandbox_failures: dict[str, int] = {}
         self.call_kwargs: dict[str, Any] = {}
+        self.extra_info_fields = dict(extra_info_fields or {})  # added to every sample's extra_info
 
     def close(self) -> None:
         """Let the worker threads of ``timeout_s`` go (optional; they are daemon threads)."""
@@ -492,9 +495,11 @@ class RewardManager:
                 raise ValueError(
                     f"sample {i}: reward_model must be a dict with a 'ground_truth' entry, got {rm!r}"
                 )
+            extra_info = _as_python(extra_infos[i]) if extra_infos is not None else None
+            if self.extra_info_fields:
+                extra_info = {**(extra_info or {}), **self.extra_info_fields}
             samples.append((ids, self.tokenizer.decode(ids, skip_special_tokens=True), _as_python(data_sources[i]),
-                            _as_python(rm["ground_truth"]),
-                            _as_python(extra_infos[i]) if extra_infos is not None else None))
+                            _as_python(rm["ground_truth"]), extra_info))
         batch_scores = self._batch_source_scores(batch, [s[1] for s in samples], [s[3] for s in samples])
         step_source = next((source for source in self.sources or [] if source.step_keys), None)
 

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from hybrid_rl.algorithms import ADV_ESTIMATORS, GROUP_ESTIMATORS, get_advantage_estimator
 
 NEW = ["gae", "grpo_passk", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo", "gpg", "grpo_process",
-       "optimal_token_baseline", "tir_optimal_token_baseline"]
+       "optimal_token_baseline", "tir_optimal_token_baseline", "gdpo"]
 
 
 def _batch(seed, batch=12, length=7, num_groups=4, min_group=1):
@@ -186,6 +186,67 @@ def test_grpo_passk_one_nonzero_per_group_when_max_unique(sizes, norm, data):
         nonzero = [i for i in rows if adv[i, 0] != 0]
         assert nonzero == [max(rows, key=lambda i: scores[i])]
         assert adv[nonzero[0], 0] > 0
+
+
+# ---------------------------------------------------------------- GDPO
+
+
+def _components(seed, rows=12):
+    rng = np.random.default_rng(100 + seed)
+    components = rng.normal(size=(rows, 3)) * np.array([1.0, 50.0, 1.0])
+    components[:, 2] = np.round(components[:, 2])  # ties within groups
+    return components
+
+
+def _gdpo_ref(components, mask, index, weights, norm):
+    groups = _members(index)
+    combined = [0.0] * len(components)
+    for k, weight in enumerate(weights):
+        for i, g in enumerate(index):
+            values = [components[j][k] for j in groups[g]]
+            mu, sd = (statistics.fmean(values), statistics.stdev(values)) if len(values) > 1 else (0.0, 1.0)
+            combined[i] += weight * ((components[i][k] - mu) / (sd + 1e-6) if norm else components[i][k] - mu)
+    return _whiten_ref([[combined[i] * m for m in row] for i, row in enumerate(mask)], mask)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("weights", [None, [0.5, 2.0, -1.0]])
+def test_gdpo_matches_reference(seed, norm, weights):
+    rewards, mask, index = _batch(seed)
+    components = _components(seed)
+    config = OmegaConf.create({"norm_adv_by_std_in_grpo": norm, "gdpo_reward_weights": weights})
+    adv, ret = get_advantage_estimator("gdpo")(rewards, mask, index=index, config=config,
+                                               reward_components=torch.from_numpy(components))
+    _close(adv, _gdpo_ref(components.tolist(), _rows(mask), index, weights or [1.0, 1.0, 1.0], norm))
+    assert torch.equal(ret, adv)
+    # The components alone count: the token rewards are not read.
+    again, _ = get_advantage_estimator("gdpo")(rewards * 0 + 3.0, mask, index=index, config=config,
+                                               reward_components=torch.from_numpy(components))
+    assert torch.equal(again, adv)
+
+
+def test_gdpo_each_component_counts_whatever_its_scale():
+    """What GDPO is for: with the std normalisation, scaling one component leaves the advantages
+    as they were (up to ε), where GRPO on the summed score is ruled by the widest component."""
+    rewards, mask, index = _batch(0, min_group=3)
+    components = torch.from_numpy(_components(0))
+    estimator = get_advantage_estimator("gdpo")
+    adv, _ = estimator(rewards, mask, index=index, reward_components=components)
+    scaled, _ = estimator(rewards, mask, index=index, reward_components=components * torch.tensor([1000.0, 1.0, 1.0]))
+    torch.testing.assert_close(scaled, adv, rtol=1e-4, atol=1e-4)
+    summed = components.sum(-1, keepdim=True) * torch.nn.functional.one_hot(torch.tensor([6] * 12), 7)
+    grpo, _ = get_advantage_estimator("grpo")(summed, mask, index=index)
+    assert not torch.allclose(grpo, adv, atol=1e-2)
+
+
+def test_gdpo_bad_components():
+    rewards, mask, index = _batch(0)
+    with pytest.raises(ValueError, match="reward_components has shape"):
+        get_advantage_estimator("gdpo")(rewards, mask, index=index, reward_components=torch.zeros(12))
+    with pytest.raises(ValueError, match="2 weights .* for 3 reward components"):
+        get_advantage_estimator("gdpo")(rewards, mask, index=index, config={"gdpo_reward_weights": [1.0, 2.0]},
+                                        reward_components=torch.zeros(12, 3))
 
 
 # ---------------------------------------------------------------- REINFORCE++ (+ baseline)
@@ -410,7 +471,8 @@ def test_group_estimators_are_those_that_need_an_index(name):
     estimators that compare responses within a group."""
     rewards = torch.ones(4, 3)
     extras = {"step_mask": torch.ones(4, 3, dtype=torch.bool), "values": torch.zeros(4, 3),
-              "reward_baselines": torch.zeros(4), "old_log_probs": torch.zeros(4, 3), "sum_pi_squared": torch.ones(4, 3)}
+              "reward_baselines": torch.zeros(4), "old_log_probs": torch.zeros(4, 3), "sum_pi_squared": torch.ones(4, 3),
+              "reward_components": torch.ones(4, 2)}
     estimator = get_advantage_estimator(name)
     if name not in GROUP_ESTIMATORS:
         estimator(rewards, torch.ones(4, 3), **extras)
@@ -426,6 +488,7 @@ def test_group_estimators_are_those_that_need_an_index(name):
     ("remax", "'remax' needs extra 'reward_baselines'.*greedy baseline rollout"),
     ("grpo_process", "'grpo_process' needs extra 'step_mask'"),
     ("optimal_token_baseline", "'optimal_token_baseline' needs extra 'old_log_probs'.*calculate_sum_pi_squared=true"),
+    ("gdpo", "'gdpo' needs extra 'reward_components'.*gdpo_reward_keys"),
 ])
 def test_missing_extras_give_clear_errors(name, match):
     with pytest.raises(ValueError, match=match):
@@ -440,10 +503,31 @@ def test_extra_shapes_checked_and_unknown_extras_ignored():
         get_advantage_estimator("remax")(rewards, mask, reward_baselines=torch.zeros(3))
     extras = {"values": torch.zeros_like(rewards), "reward_baselines": torch.zeros(12, dtype=torch.float64),
               "step_mask": torch.ones_like(mask, dtype=torch.bool), "old_log_probs": torch.full_like(rewards, -1.0).float(),
-              "sum_pi_squared": torch.full_like(rewards, 0.3).float(), "unrelated": object()}
+              "sum_pi_squared": torch.full_like(rewards, 0.3).float(), "reward_components": torch.ones(12, 2),
+              "unrelated": object()}
     idx = np.array([f"g{i // 2}" for i in range(12)], dtype=object)  # pairs, so grpo_passk applies
     for name in ADV_ESTIMATORS.names():
         adv, ret = get_advantage_estimator(name)(rewards.float(), mask.float(), index=idx, config=None, **extras)
         assert adv.shape == ret.shape == rewards.shape and not adv.requires_grad
         assert torch.isfinite(adv).all()
         assert torch.equal(adv * (1 - mask.float()), torch.zeros_like(adv)), name
+
+
+def test_gdpo_components_from_the_reward_functions_values():
+    """The trainer's (B, K) components: a failed sample (on_error=zero) scores 0 in each; a missing
+    or non-numeric value is an error naming the key and what the function returned."""
+    from hybrid_rl.trainer import RewardComponentError, reward_components
+
+    extra = {"score": [1.0, 0.0, 2.0], "acc": [1, None, 0.5], "fmt": [0.0, None, True], "reward_failed": [False, True, False]}
+    with pytest.raises(RewardComponentError, match="component 'fmt' of sample 2 is True"):
+        reward_components(extra, ["acc", "fmt"], 3)
+    extra["fmt"][2] = 0.25
+    torch.testing.assert_close(reward_components(extra, ["acc", "fmt"], 3),
+                               torch.tensor([[1.0, 0.0], [0.0, 0.0], [0.5, 0.25]]))
+    with pytest.raises(RewardComponentError, match="names 'format', which the reward function did not return for "
+                                                   "sample 0 .*it returned: acc, fmt, reward_failed, score"):
+        reward_components(extra, ["format"], 3)
+    extra["acc"][1] = None
+    del extra["reward_failed"]
+    with pytest.raises(RewardComponentError, match="'acc'.* for sample 1 \\(1 of 3 samples"):
+        reward_components(extra, ["acc"], 3)
