@@ -186,6 +186,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     adopt_reward_manager(cfg)
     check_reward_model_config(cfg.reward_model)
     adopt_dapo_reward_kwargs(cfg)
+    check_batch_reward_manager(cfg)
     check_overlong_buffer(cfg)
     check_gdpo(cfg)
     check_dynamic_sampling(cfg)
@@ -487,9 +488,9 @@ def adopt_served_reward_model(cfg: DictConfig) -> None:
 
 
 # naive scores each sample with the reward function; dapo too, with the overlong buffer.
-REWARD_MANAGERS = ("naive", "dapo", "gdpo")
-UNBUILT_REWARD_MANAGERS = dict.fromkeys(("prime", "batch"), "rewards are scored per sample here (naive; dapo with "
-                                                            "reward_model.overlong_buffer); use naive")
+REWARD_MANAGERS = ("naive", "dapo", "gdpo", "batch")
+UNBUILT_REWARD_MANAGERS = {"prime": "its process pool is not built; naive with reward_model.on_error=zero "
+                                    "reward_model.timeout_s=300 scores a failed or timed-out sample 0 as it does"}
 
 
 def check_reward_model_config(rm: DictConfig) -> None:
@@ -557,24 +558,54 @@ DAPO_REWARD_KWARGS = ("overlong_buffer_cfg", "max_resp_len")
 OVERLONG_BUFFER_FIELDS = ("enable", "len", "penalty_factor", "log")
 
 
-def adopt_dapo_reward_kwargs(cfg: DictConfig) -> None:
-    """verl's DAPO scripts configure the overlong buffer as keyword arguments of the dapo reward
-    manager: `+reward_model.reward_kwargs.overlong_buffer_cfg.{enable,len,penalty_factor,log}` and
-    `max_resp_len` (verl 0.9 reads them from `reward.reward_kwargs`, where it copies the first).
-    Here they become `reward_model.overlong_buffer`, where the trainer reads them."""
-    rm = cfg.reward_model
+def reward_manager_kwargs(cfg: DictConfig) -> tuple[str | None, dict]:
+    """(key, value) of the reward manager's keyword arguments: `+reward_model.reward_kwargs.*`
+    (verl 0.7-0.8) or `+reward.reward_kwargs.*` (verl 0.9, which copies the first there); (None, {})
+    when neither is given."""
     given = {key: value for key in ("reward_model.reward_kwargs", "reward.reward_kwargs")
              if (value := OmegaConf.select(cfg, key))}
     if len(given) == 2 and plain(given["reward_model.reward_kwargs"]) != plain(given["reward.reward_kwargs"]):
         raise ConfigError("reward_model.reward_kwargs and reward.reward_kwargs differ (verl 0.7-0.8's and 0.9's place "
                           "for the reward manager's arguments); keep one.")
-    if not given:
+    key, kwargs = next(iter(given.items()), (None, {}))
+    return key, plain(kwargs)
+
+
+def check_batch_reward_manager(cfg: DictConfig) -> None:
+    """verl's batch manager calls one function of the user's with the whole batch."""
+    if cfg.reward_model.reward_manager != "batch":
         return
-    key, kwargs = next(iter(given.items()))
+    key, custom = custom_reward_function(cfg)
+    fix = (f"set {key}.path=<file.py> (and {key}.name), whose function takes the lists data_sources, solution_strs, "
+           "ground_truths and extra_infos and returns one score per sample")
+    if not custom.path:
+        raise ConfigError(f"reward_model.reward_manager=batch calls your reward function once per batch: {fix}.")
+    if cfg.reward.funcs:
+        raise ConfigError("reward_model.reward_manager=batch calls one reward function with the whole batch; "
+                          "reward.funcs combines several per sample. Leave reward.funcs empty, or use "
+                          "reward_model.reward_manager=naive.")
+    if cfg.reward_model.enable:
+        raise ConfigError("reward_model.reward_manager=batch calls your reward function, but with reward_model.enable="
+                          "true the reward model alone scores the responses (as in verl). Set "
+                          "reward_model.enable=false, or reward_model.reward_manager=naive with "
+                          f"reward.funcs=[reward_model,'{custom.path}:{custom.name}'] for both.")
+
+
+def adopt_dapo_reward_kwargs(cfg: DictConfig) -> None:
+    """verl's DAPO scripts configure the overlong buffer as keyword arguments of the dapo reward
+    manager: `+reward_model.reward_kwargs.overlong_buffer_cfg.{enable,len,penalty_factor,log}` and
+    `max_resp_len` (verl 0.9 reads them from `reward.reward_kwargs`, where it copies the first).
+    Here they become `reward_model.overlong_buffer`, where the trainer reads them. (The batch
+    manager passes its keyword arguments to the reward function: `main.prepare`.)"""
+    rm = cfg.reward_model
+    key, kwargs = reward_manager_kwargs(cfg)
+    if key is None or rm.reward_manager == "batch":
+        return
     if rm.reward_manager != "dapo":
         raise ConfigError(f"{key} sets {', '.join(sorted(kwargs))}, but the {rm.reward_manager or 'naive'} reward "
                           "manager takes no keyword arguments (verl's dapo manager takes overlong_buffer_cfg and "
-                          f"max_resp_len): set reward_model.reward_manager=dapo, or remove {key}.")
+                          "max_resp_len, its batch manager passes them to your function): set "
+                          f"reward_model.reward_manager=dapo, or remove {key}.")
     unknown = sorted(set(kwargs) - set(DAPO_REWARD_KWARGS))
     if unknown:
         raise ConfigError(f"{key} sets {', '.join(unknown)}, which the dapo reward manager does not take (it takes "
@@ -582,7 +613,7 @@ def adopt_dapo_reward_kwargs(cfg: DictConfig) -> None:
                           "in custom_reward_function.reward_kwargs.")
     max_length = cfg.data.max_response_length
     if kwargs.get("max_resp_len") not in (None, max_length):
-        raise ConfigError(f"{key}.max_resp_len={kwargs.max_resp_len} differs from data.max_response_length="
+        raise ConfigError(f"{key}.max_resp_len={kwargs['max_resp_len']} differs from data.max_response_length="
                           f"{max_length}; the overlong buffer ends at the longest response generated here, so set "
                           "max_resp_len to data.max_response_length, or remove it.")
     buffer_cfg = kwargs.get("overlong_buffer_cfg")

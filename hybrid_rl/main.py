@@ -16,7 +16,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from hybrid_rl.config import (ConfigError, adopt_served_reward_model, check_model_limits, custom_reward_function,
-                              resolve_config, settings_given_twice, validate_config)
+                              resolve_config, reward_manager_kwargs, settings_given_twice, validate_config)
 from hybrid_rl.config_keys import CONF_DIR, additions_of_verl_keys_as_overrides, compose_config, leaves, verl_defaults
 from hybrid_rl.console import quiet_third_party_output
 from hybrid_rl.models import ModelPathError, cache_dir, load_tokenizer, resolve_model_path
@@ -53,8 +53,16 @@ def prepare(cfg: DictConfig):
     import_external_libs(cfg)  # before any model config is read
     check_resume(cfg)
     key, custom = custom_reward_function(cfg)
-    compute_score = load_custom_reward_fn(custom.path, custom.name, custom.reward_kwargs, key=key,
-                                          provided=SERVED_KWARGS)
+    batched = cfg.reward_model.reward_manager == "batch"
+    reward_kwargs = dict(custom.reward_kwargs)
+    if batched:  # verl's batch manager passes its own keyword arguments on to the function
+        manager_key, manager_kwargs = reward_manager_kwargs(cfg)
+        clash = sorted(set(manager_kwargs) & set(reward_kwargs))
+        if clash:
+            raise ConfigError(f"{manager_key} and {key}.reward_kwargs both set {', '.join(clash)}; keep one.")
+        reward_kwargs.update(manager_kwargs)
+    compute_score = load_custom_reward_fn(custom.path, custom.name, reward_kwargs, key=key, provided=SERVED_KWARGS,
+                                          batched=batched)
     if cfg.reward_model.enable and compute_score is not None and keyword_parameter(compute_score,
                                                                                     "reward_router_address"):
         adopt_served_reward_model(cfg)  # verl 0.7-0.8's reward loop wrote it under reward_model.*
@@ -126,7 +134,7 @@ def prepare(cfg: DictConfig):
     load_step_scorer(cfg)  # a missing or broken step scorer stops the run here
     faults = dict(on_error=cfg.reward_model.on_error, timeout_s=cfg.reward_model.timeout_s, sources=sources,
                   extra_info_fields=({"experiment_name": cfg.trainer.experiment_name}
-                                     if cfg.reward_model.reward_manager == "gdpo" else None))
+                                     if cfg.reward_model.reward_manager == "gdpo" else None), batched=batched)
     reward_fn = RewardManager(tokenizer, compute_score, cfg.data.reward_fn_key, cfg.reward_model.num_examine, **faults)
     val_reward_fn = RewardManager(tokenizer, compute_score, cfg.data.reward_fn_key, 0, **faults)
     return model_path, tokenizer, train_dataset, val_dataset, reward_fn, val_reward_fn

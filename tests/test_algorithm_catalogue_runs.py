@@ -85,6 +85,11 @@ CASES = {
              "trainer.experiment_name=catalogue"],
 }
 
+# One training step of 4 prompts x 3 responses, no validation, the hf rollout.
+ONE_STEP = ["trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.test_freq=-1",
+            "data.val_files=null", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=3",
+            f"{A}ppo_mini_batch_size=4", f"{A}ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.rollout.name=hf"]
+
 EXPECTED_METRICS = {
     "gae": ["critic/vf_loss", "critic/vf_clipfrac", "rollout_corr/abs_logp_diff_max", "pf_ppo/distinct_responses"],
     "grpo": ["rollout_corr/abs_logp_diff_mean", "rollout_corr/k3_mean"],
@@ -95,6 +100,16 @@ EXPECTED_METRICS = {
     "gpg": ["actor/kl_loss"],
     "gdpo": ["gdpo/answer/mean", "gdpo/answer/std", "gdpo/brevity/max", "gdpo/brevity/min"],
 }
+
+
+def train(overrides: list[str], out) -> list[dict]:
+    """Train with these overrides; the metrics of each step."""
+    trainer = build_trainer(compose_config(overrides))
+    try:
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
 
 
 def overridden_values(key: str) -> set[str]:
@@ -112,20 +127,12 @@ def test_every_registered_function_runs_in_a_case(registry, key):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_one_step(case, ray_session, tiny_model_dir, arithmetic_files, tmp_path):
     overrides = run_overrides(tiny_model_dir, arithmetic_files, tmp_path, response=12) + [
-        "trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.test_freq=-1",
-        "data.val_files=null", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=3",
-        f"{A}ppo_mini_batch_size=4", f"{A}ppo_micro_batch_size_per_gpu=2", f"{A}use_kl_loss=true",
-        "critic.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.rollout.name=hf", *CASES[case]]
+        *ONE_STEP, f"{A}use_kl_loss=true", "critic.ppo_micro_batch_size_per_gpu=2", *CASES[case]]
     if case in ("grpo_process", "gdpo"):
         reward_file = tmp_path / "reward.py"
         reward_file.write_text(STEP_REWARD if case == "grpo_process" else GDPO_REWARD)
         overrides.append(f"custom_reward_function.path={reward_file}")
-    trainer = build_trainer(compose_config(overrides))
-    try:
-        trainer.fit()
-    finally:
-        trainer.shutdown()
-    (metrics,) = [json.loads(line) for line in open(os.path.join(tmp_path, "metrics.jsonl"))]
+    (metrics,) = train(overrides, tmp_path)
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "critic/advantages/mean",
                 *EXPECTED_METRICS.get(case, [])):
         assert key in metrics and math.isfinite(metrics[key]), (case, key, metrics.get(key))
@@ -182,3 +189,22 @@ def test_cli_runs_ppo_with_critic_and_verl_trainer_keys(tiny_model_dir, arithmet
     said = done.stdout + done.stderr
     assert "model of actor_rollout_ref.actor's checkpoint only" in said and "model and extra of critic's" in said
     assert [json.loads(line)["step"] for line in open(os.path.join(tmp_path, "metrics.jsonl"))] == [1, 2, 3]
+
+
+BATCH_REWARD = '''
+def score_batch(data_sources, solution_strs, ground_truths, extra_infos, bonus):
+    """verl's batch reward manager: every response of the step at once, with the manager's kwargs."""
+    assert len(solution_strs) == len(ground_truths) == len(extra_infos) == 12 and bonus == 0.25
+    return [{"score": float(str(t) in s) + bonus, "acc": float(str(t) in s)} for s, t in zip(solution_strs, ground_truths)]
+'''
+
+
+def test_batch_reward_manager_in_verl_09_form(ray_session, tiny_model_dir, arithmetic_files, tmp_path):
+    """verl 0.9's keys for its batch manager: the function gets the step's lists and the manager's
+    reward_kwargs; its per-sample dicts become the scores and logged values."""
+    (tmp_path / "batch.py").write_text(BATCH_REWARD)
+    overrides = run_overrides(tiny_model_dir, arithmetic_files, tmp_path, response=12) + [
+        *ONE_STEP, "reward.reward_manager.name=batch", "+reward.reward_kwargs.bonus=0.25",
+        f"reward.custom_reward_function.path={tmp_path / 'batch.py'}", "reward.custom_reward_function.name=score_batch"]
+    (metrics,) = train(overrides, tmp_path)
+    assert metrics["critic/score/mean"] == pytest.approx(metrics["critic/acc/mean"] + 0.25)

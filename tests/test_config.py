@@ -92,7 +92,8 @@ def test_unknown_key_is_rejected_by_hydra():
      ["load_contents=['optimizer', 'extra'] leaves out model", "trainer.resume_mode=disable"]),
     ("actor_rollout_ref.rollout.max_model_len=10", ["max_model_len (10)", "prompt_length + rollout.response_length"]),
     ("actor_rollout_ref.rollout.prompt_length=4", ["rollout.prompt_length (4)", "data.max_prompt_length"]),
-    ("reward_model.reward_manager=prime", ["reward_manager=prime is not supported yet", "use naive"]),
+    ("reward_model.reward_manager=prime", ["reward_manager=prime is not supported yet",
+                                           "naive with reward_model.on_error=zero reward_model.timeout_s=300"]),
     ("data.gen_batch_size=16", ["data.gen_batch_size=16 is read by dynamic sampling only",
                                 "algorithm.filter_groups.enable=true", "data.train_batch_size=16"]),
 ])
@@ -291,8 +292,16 @@ def test_each_releases_reward_manager_key_names_the_manager(overrides):
 
 
 @pytest.mark.parametrize("overrides, fragments", [
-    (["reward_manager.name=prime"], ["reward_manager.name=prime is not supported yet", "use naive"]),
-    (["reward.reward_manager.name=batch"], ["reward.reward_manager.name=batch is not supported yet"]),
+    (["reward_manager.name=prime"], ["reward_manager.name=prime is not supported yet", "its process pool"]),
+    (["reward.reward_manager.name=batch"], ["reward_manager=batch calls your reward function once per batch",
+                                             "custom_reward_function.path=<file.py>", "data_sources, solution_strs"]),
+    (["reward_model.reward_manager=batch", "custom_reward_function.path=f.py", "reward.funcs=[rule]"],
+     ["reward.funcs combines several per sample"]),
+    (["reward_model.reward_manager=batch", "custom_reward_function.path=f.py", "reward_model.enable=true"],
+     ["the reward model alone scores", "reward.funcs=[reward_model,'f.py:compute_score']"]),
+    (["reward_model.reward_manager=naive", "+reward_model.reward_kwargs.judge=x"],
+     ["reward_model.reward_kwargs sets judge, but the naive reward manager takes no keyword arguments",
+      "its batch manager passes them to your function"]),
     (["reward_manager.name=dapo", "reward.reward_manager.name=prime"], ["name two reward managers", "keep one"]),
     (["reward.reward_manager.source=importlib"], ["reward.reward_manager.source='importlib' is not supported yet"]),
     (["+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True"],

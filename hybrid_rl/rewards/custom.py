@@ -10,6 +10,10 @@ from typing import Any, Callable, Mapping
 from hybrid_rl.user_code import load_object
 
 EXPECTED_SIGNATURE = "fn(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float | dict"
+# verl's batch reward manager calls it once per batch, with a list of each.
+SAMPLE_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")
+BATCH_ARGUMENTS = ("data_sources", "solution_strs", "ground_truths", "extra_infos")
+EXPECTED_BATCH_SIGNATURE = "fn(data_sources, solution_strs, ground_truths, extra_infos, **kwargs) -> list[float | dict]"
 
 
 def load_custom_reward_fn(
@@ -18,6 +22,7 @@ def load_custom_reward_fn(
     reward_kwargs: Mapping[str, Any] | None = None,
     key: str = "custom_reward_function",
     provided: tuple[str, ...] = (),
+    batched: bool = False,
 ) -> Callable | None:
     """Import ``name`` from the Python file at ``path`` (or the module `pkg://package.module`).
 
@@ -28,23 +33,27 @@ def load_custom_reward_fn(
     so a wrong signature fails at start-up rather than at the first reward.
     ``key`` is the config section the error messages name; ``provided`` names further keyword
     arguments the caller may pass (the served reward model's) to a function that takes them.
+    ``batched`` (the batch reward manager's): the function takes the lists ``data_sources``,
+    ``solution_strs``, ``ground_truths`` and ``extra_infos`` instead.
     """
     if path is None or str(path).strip() == "":
         return None
     name = name or "compute_score"
-    fn = load_object(path, name, key, f"{name}({EXPECTED_SIGNATURE.split('(', 1)[1]}")
+    expected, arguments = (EXPECTED_BATCH_SIGNATURE, BATCH_ARGUMENTS) if batched else (EXPECTED_SIGNATURE,
+                                                                                      SAMPLE_ARGUMENTS)
+    fn = load_object(path, name, key, f"{name}({expected.split('(', 1)[1]}")
     if not callable(fn):
         raise ValueError(
             f"{name!r} in custom reward file {path} is of type {type(fn).__name__}, not a function. "
-            f"Set {key}.name to a function with signature {EXPECTED_SIGNATURE}."
+            f"Set {key}.name to a function with signature {expected}."
         )
 
     kwargs = dict(reward_kwargs or {})
-    clash = sorted(set(kwargs) & {"data_source", "solution_str", "ground_truth", "extra_info"})
+    clash = sorted(set(kwargs) & set(arguments))
     if clash:
         raise ValueError(
             f"{key}.reward_kwargs sets {clash}, which the reward manager passes "
-            "itself for every sample; remove them from reward_kwargs."
+            "itself; remove them from reward_kwargs."
         )
 
     try:
@@ -53,15 +62,14 @@ def load_custom_reward_fn(
         sig = None  # builtins/C callables: cannot introspect, trust the user
     if sig is not None:
         try:
-            sig.bind(data_source="x", solution_str="x", ground_truth="x", extra_info=None, **kwargs,
-                     **{p: None for p in provided if keyword_parameter(fn, p)})
+            sig.bind(**dict.fromkeys(arguments), **kwargs, **{p: None for p in provided if keyword_parameter(fn, p)})
         except TypeError as exc:
             extra = f" with reward_kwargs {sorted(kwargs)}" if kwargs else ""
             raise ValueError(
                 f"custom reward function {name!r} in {path} has signature {name}{sig}, "
-                f"which cannot be called as fn(data_source=..., solution_str=..., ground_truth=..., "
-                f"extra_info=...{', **reward_kwargs' if kwargs else ''}){extra}: {exc}. "
-                f"Change it to {EXPECTED_SIGNATURE}"
+                f"which cannot be called as fn({', '.join(f'{a}=...' for a in arguments)}"
+                f"{', **reward_kwargs' if kwargs else ''}){extra}: {exc}. "
+                f"Change it to {expected}"
                 + (f" or fix {key}.reward_kwargs" if kwargs else "")
                 + "."
             ) from exc

@@ -135,6 +135,12 @@ def _as_python(value: Any) -> Any:
     return value
 
 
+def _sample(i: int, data_source, solution_str: str, ground_truth) -> str:
+    """One sample, as an error names it."""
+    return (f"sample index {i}, data_source={data_source!r}, ground_truth={ground_truth!r}, "
+            f"response[:200]={solution_str[:200]!r}")
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, (numbers.Real, np.bool_, np.number)) or (
         isinstance(value, torch.Tensor) and value.numel() == 1
@@ -186,6 +192,11 @@ class RewardManager:
     ``reward_router_address`` and ``reward_model_tokenizer``) are passed to every function that
     takes them by name or through ``**kwargs``. ``extra_info_fields`` are added to every sample's
     ``extra_info`` (verl's gdpo manager adds the run's ``experiment_name``).
+
+    ``batched`` (verl's batch manager, ``reward_model.reward_manager=batch``): ``compute_score`` is
+    called once per batch, as ``fn(data_sources=[...], solution_strs=[...], ground_truths=[...],
+    extra_infos=[...])``, and returns one result per sample in order; ``timeout_s`` is then the
+    batch call's limit, and a failed call fails every sample of the batch.
     """
 
     def __init__(
@@ -198,10 +209,11 @@ class RewardManager:
         timeout_s: float | None = None,
         sources: list | None = None,
         extra_info_fields: dict | None = None,
+        batched: bool = False,
     ):
-        if compute_score is None:
-            from . import default_compute_score
+        from . import default_compute_score
 
+        if compute_score is None:
             compute_score = default_compute_score
         if not callable(compute_score):
             raise TypeError(f"compute_score must be callable, got {type(compute_score).__name__}")
@@ -233,6 +245,10 @@ class RewardManager:
         self.sandbox_failures: dict[str, int] = {}
         self.call_kwargs: dict[str, Any] = {}
         self.extra_info_fields = dict(extra_info_fields or {})  # added to every sample's extra_info
+        if batched and (sources is not None or compute_score is default_compute_score):
+            raise ValueError("reward_model.reward_manager=batch calls one reward function of your own with the whole "
+                             "batch; set custom_reward_function.path, and leave reward.funcs empty")
+        self.batched = batched
 
     def close(self) -> None:
         """Let the worker threads of ``timeout_s`` go (optional; they are daemon threads)."""
@@ -252,9 +268,8 @@ class RewardManager:
         kwargs.update({key: value for key, value in self.call_kwargs.items() if keyword_parameter(fn, key)})
         return kwargs
 
-    def _invoke(self, fn: Callable, data_source, solution_str: str, ground_truth, extra_info):
+    def _invoke(self, fn: Callable, kwargs: dict):
         """One call of the reward function, with the ``timeout_s`` deadline when there is one."""
-        kwargs = self._kwargs(fn, data_source, solution_str, ground_truth, extra_info)
         if self.timeout_s is None:
             result = fn(**kwargs)
             if inspect.isawaitable(result):
@@ -286,9 +301,34 @@ class RewardManager:
         """The reward function's result, or ``_FAILED`` when it failed and ``on_error="zero"``."""
         fn = fn or self.compute_score
         try:
-            return self._invoke(fn, data_source, solution_str, ground_truth, extra_info)
+            return self._invoke(fn, self._kwargs(fn, data_source, solution_str, ground_truth, extra_info))
         except Exception as exc:
-            return self._failure(exc, i, _fn_name(fn), data_source, solution_str, ground_truth)
+            return self._failure(exc, _fn_name(fn), _sample(i, data_source, solution_str, ground_truth))
+
+    def _call_batch(self, samples: list[tuple]) -> list:
+        """verl's batch manager: one call of the reward function for all ``samples``, with lists
+        (``data_sources``, ``solution_strs``, ``ground_truths``, ``extra_infos``); its results, one
+        per sample (all ``_FAILED`` when the call failed under ``on_error="zero"``)."""
+        fn = self.compute_score
+        kwargs = {"data_sources": [s[2] for s in samples], "solution_strs": [s[1] for s in samples],
+                  "ground_truths": [s[3] for s in samples],
+                  # verl's adds the rollout's own scores (its agent loops'); a tool's reward is not kept here
+                  "extra_infos": [{**(s[4] or {}), "rollout_reward_scores": {}} for s in samples]}
+        kwargs.update({key: value for key, value in self.call_kwargs.items() if keyword_parameter(fn, key)})
+        try:
+            results = self._invoke(fn, kwargs)
+        except Exception as exc:
+            return [self._failure(exc, self._name, f"the batch of {len(samples)} samples", count=len(samples))] \
+                * len(samples)
+        if isinstance(results, (np.ndarray, torch.Tensor)):
+            results = results.tolist()
+        if not isinstance(results, (list, tuple)) or len(results) != len(samples):
+            raise TypeError(f"reward function {self._name} (reward_model.reward_manager=batch) returned "
+                            f"{type(results).__name__}" + (f" of {len(results)}" if isinstance(results, (list, tuple))
+                                                            else "")
+                            + f" for a batch of {len(samples)} samples; return a list with one score (a number, or a "
+                            "dict with 'score') per sample, in order")
+        return list(results)
 
     def _call_all(self, samples: list[tuple]) -> list:
         """An async reward function's results for all ``samples`` (ids, solution, data source,
@@ -308,15 +348,16 @@ class RewardManager:
         results = []
         for i, (result, (_, solution_str, data_source, ground_truth, _)) in enumerate(zip(asyncio.run(every()), samples)):
             if isinstance(result, Exception):
-                result = self._failure(result, i, self._name, data_source, solution_str, ground_truth)
+                result = self._failure(result, self._name, _sample(i, data_source, solution_str, ground_truth))
             elif isinstance(result, BaseException):
                 raise result
             results.append(result)
         return results
 
-    def _failure(self, error: Exception, i: int, name: str, data_source, solution_str: str, ground_truth):
-        """``_FAILED`` for a failed call under ``on_error="zero"`` (counted, the first one logged);
-        raises ``RewardFunctionError`` under ``on_error="raise"``."""
+    def _failure(self, error: Exception, name: str, sample: str, count: int = 1):
+        """``_FAILED`` for a failed call (for ``sample``, described, and ``count`` samples) under
+        ``on_error="zero"`` (counted, the first one logged); raises ``RewardFunctionError`` under
+        ``on_error="raise"``."""
         if isinstance(error, _RewardTimeout):
             cause = None
             what = f"exceeded reward_model.timeout_s={self.timeout_s:g} s"
@@ -328,14 +369,12 @@ class RewardManager:
             cause = error
             what = f"raised {type(error).__name__}: {error}"
             fix = details = ""
-        sample = (f"sample index {i}, data_source={data_source!r}, ground_truth={ground_truth!r}, "
-                  f"response[:200]={solution_str[:200]!r}")
         if self.on_error == "raise" or isinstance(cause, UnknownDataSourceError):
             # an unknown data source is a configuration error: scoring it 0 would hide it
             raise RewardFunctionError(f"reward function {name} {what} ({sample})"
                                       + (f"; {fix}" if fix else "")) from cause
-        self.failures += 1
-        self.total_failures += 1
+        self.failures += count
+        self.total_failures += count
         if not self._logged_failure:
             self._logged_failure = True
             logger.warning(
@@ -503,8 +542,12 @@ class RewardManager:
         batch_scores = self._batch_source_scores(batch, [s[1] for s in samples], [s[3] for s in samples])
         step_source = next((source for source in self.sources or [] if source.step_keys), None)
 
-        together = self._call_all(samples) if self.sources is None and inspect.iscoroutinefunction(
-            self.compute_score) else None
+        if self.batched:
+            together = self._call_batch(samples)
+        elif self.sources is None and inspect.iscoroutinefunction(self.compute_score):
+            together = self._call_all(samples)
+        else:
+            together = None
         for i, (ids, solution_str, data_source, ground_truth, extra_info) in enumerate(samples):
             n_valid = len(ids)
             if together is not None:

@@ -109,3 +109,20 @@ def test_bad_reward_kwargs(tmp_path):
     path = _write(tmp_path, "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
     with pytest.raises(ValueError, match="reward_kwargs"):
         load_custom_reward_fn(path, reward_kwargs={"unknown_kw": 1})
+
+
+def test_batch_signature(tmp_path):
+    """The batch manager's function takes the lists; a per-sample one is refused for it, and the
+    other way round, naming the form wanted."""
+    batch_fn = _write(tmp_path, "def score(data_sources, solution_strs, ground_truths, extra_infos, judge='x'):\n"
+                                "    return [0.0] * len(solution_strs)\n")
+    fn = load_custom_reward_fn(batch_fn, "score", reward_kwargs={"judge": "y"}, batched=True)
+    assert fn(data_sources=["a"], solution_strs=["s"], ground_truths=["1"], extra_infos=[{}]) == [0.0]
+    with pytest.raises(ValueError, match="cannot be called as fn\\(data_source=..., solution_str=..."):
+        load_custom_reward_fn(batch_fn, "score")
+    per_sample = _write(tmp_path, "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                  "    return 0.0\n", name="per_sample.py")
+    with pytest.raises(ValueError, match="Change it to fn\\(data_sources, solution_strs, ground_truths, extra_infos"):
+        load_custom_reward_fn(per_sample, batched=True)
+    with pytest.raises(ValueError, match="sets \\['solution_strs'\\], which the reward manager passes"):
+        load_custom_reward_fn(batch_fn, "score", reward_kwargs={"solution_strs": []}, batched=True)

@@ -186,3 +186,59 @@ def test_bad_step_rewards(tiny_tokenizer, result, fragment):
     batch, _ = make_batch(tiny_tokenizer, ["What is 1 + 2?"], ["3"], ["3"])
     with pytest.raises(TypeError, match=fragment):
         RewardManager(tiny_tokenizer, lambda **kw: result)(batch)
+
+
+def test_batch_manager_calls_once_with_lists(tiny_tokenizer):
+    """verl's batch manager: one call with the batch's lists (extra_infos copied, with verl's
+    rollout_reward_scores), results placed per sample as the per-sample manager places them."""
+    calls = []
+
+    def score_batch(data_sources, solution_strs, ground_truths, extra_infos, bonus=0.0):
+        calls.append((list(data_sources), list(solution_strs), list(ground_truths), extra_infos))
+        return [{"score": float(s.strip().endswith(t)) + bonus, "acc": float(s.strip().endswith(t))}
+                for s, t in zip(solution_strs, ground_truths)]
+
+    prompts, responses, truths = ["What is 1 + 2?", "What is 5 - 7?", "What is 3 + 3?"], ["3", "-2", "7"], ["3", "-2", "6"]
+    batch, lengths = make_batch(tiny_tokenizer, prompts, responses, truths)
+    import functools
+
+    reward, extra = RewardManager(tiny_tokenizer, functools.partial(score_batch, bonus=0.5), batched=True)(batch)
+    assert len(calls) == 1
+    sources, solutions, gts, infos = calls[0]
+    assert sources == ["arithmetic"] * 3 and gts == truths and [s.strip() for s in solutions] == responses
+    assert infos == [{"index": i, "rollout_reward_scores": {}} for i in range(3)]
+    assert batch["extra_info"][0] == {"index": 0}  # the batch's own dicts are not changed
+    per_sample, per_extra = RewardManager(tiny_tokenizer, lambda data_source, solution_str, ground_truth, extra_info: {
+        "score": float(solution_str.strip().endswith(ground_truth)) + 0.5,
+        "acc": float(solution_str.strip().endswith(ground_truth))})(batch)
+    assert torch.equal(reward, per_sample) and extra == per_extra == {"score": [1.5, 1.5, 0.5], "acc": [1.0, 1.0, 0.0]}
+
+
+@pytest.mark.parametrize("result, fragment", [
+    ([1.0, 0.0], "returned list of 2 for a batch of 3 samples"),
+    (1.0, "returned float for a batch of 3"),
+    (torch.tensor([1.0, 0.0, 1.0]), None),
+])
+def test_batch_manager_checks_what_the_function_returns(tiny_tokenizer, result, fragment):
+    batch, _ = make_batch(tiny_tokenizer, ["a", "b", "c"], ["1", "2", "3"], ["1", "2", "3"])
+    manager = RewardManager(tiny_tokenizer, lambda data_sources, solution_strs, ground_truths, extra_infos: result,
+                            batched=True)
+    if fragment is None:
+        assert manager(batch)[1]["score"] == [1.0, 0.0, 1.0]
+        return
+    with pytest.raises(TypeError, match=fragment):
+        manager(batch)
+
+
+def test_batch_manager_failure_fails_the_batch(tiny_tokenizer):
+    def broken(data_sources, solution_strs, ground_truths, extra_infos):
+        raise ConnectionError("judge unreachable")
+
+    batch, _ = make_batch(tiny_tokenizer, ["a", "b"], ["1", "2"], ["1", "2"])
+    manager = RewardManager(tiny_tokenizer, broken, on_error="zero", batched=True)
+    reward, extra = manager(batch)
+    assert not reward.any() and extra["reward_failed"] == [True, True] and manager.failures == 2
+    with pytest.raises(RewardFunctionError, match="raised ConnectionError: judge unreachable \\(the batch of 2 samples"):
+        RewardManager(tiny_tokenizer, broken, on_error="raise", batched=True)(batch)
+    with pytest.raises(ValueError, match="reward_manager=batch calls one reward function of your own"):
+        RewardManager(tiny_tokenizer, batched=True)
