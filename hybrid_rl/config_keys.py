@@ -607,10 +607,12 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(WORKS, "verl 0.7's per-token veto: a sequence with one token whose ratio pi_train / pi_rollout is "
             "below it is dropped whole, with or without rollout_rs",
             "algorithm.rollout_correction.rollout_token_veto_threshold"),
-    *_rules(NOT_YET, "dynamic data generation and custom samplers are not built", "data.datagen.path",
-            "data.sampler.class_path"),
-    *_rules(NO_EFFECT, "read only with the path next to it, which is not supported yet", "data.datagen.name",
-            "data.sampler.class_name"),
+    *_rules(NOT_YET, "dynamic data generation is not built", "data.datagen.path"),
+    *_rules(NO_EFFECT, "read only with the path next to it, which is not supported yet", "data.datagen.name"),
+    *_rules(WORKS, "a sampler of your own (a curriculum): the class data.sampler.class_name of the file or "
+            "pkg://module class_path, derived from verl's AbstractSampler (AbstractCurriculumSampler: update(batch) "
+            "after each step), yields the training indices; data.shuffle is then not read",
+            "data.sampler.class_path", "data.sampler.class_name"),
     *_rules(WORKS, "verl 0.7-0.8's place for reward_model.reward_manager (naive, dapo, gdpo or batch); set, it wins over that",
             "reward_manager.name"),
     *_rules(NOT_YET, "only the built-in reward managers are available (name: naive, dapo, gdpo or batch)", "reward_manager.source",

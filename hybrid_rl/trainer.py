@@ -39,7 +39,7 @@ from hybrid_rl.console import RunSummary, quiet_env
 from hybrid_rl.controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool, WorkerError, create_colocated_worker_cls
 from hybrid_rl.controller.worker_group import PendingCall
 from hybrid_rl.models import resolve_model_path
-from hybrid_rl.data import EpochSampler, RLDataset, collate_prompts
+from hybrid_rl.data import CustomSampler, EpochSampler, RLDataset, collate_prompts, load_custom_sampler
 from hybrid_rl.engines import lora
 from hybrid_rl.engines.base import ROUTES_KEY
 from hybrid_rl.engines.megatron import lora as megatron_lora
@@ -240,13 +240,18 @@ class Trainer:
 
         self.dynamic_sampling = cfg.algorithm.filter_groups.enable
         gen_batch_size = cfg.data.gen_batch_size or cfg.data.train_batch_size
-        steps_per_epoch = len(train_dataset) // gen_batch_size
+        # verl's data.sampler: a sampler of the user's (a curriculum) instead of the shuffled epochs.
+        custom = (load_custom_sampler(cfg.data, train_dataset, gen_batch_size, total_epochs=1)
+                  if OmegaConf.select(cfg, "data.sampler.class_path") else None)
+        steps_per_epoch = custom.steps_per_epoch if custom else len(train_dataset) // gen_batch_size
         self.total_steps = cfg.trainer.total_training_steps or steps_per_epoch * cfg.trainer.total_epochs
         # Dynamic sampling draws an unknown number of batches per step: the sampler never runs dry.
         epochs = math.ceil(self.total_steps / max(1, steps_per_epoch))
-        self.sampler = EpochSampler(
-            len(train_dataset), gen_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed, drop_last=True,
-            total_epochs=2**62 if self.dynamic_sampling else max(cfg.trainer.total_epochs, epochs))
+        total_epochs = 2**62 if self.dynamic_sampling else max(cfg.trainer.total_epochs, epochs)
+        if custom:
+            custom.total_epochs = total_epochs
+        self.sampler = custom or EpochSampler(len(train_dataset), gen_batch_size, shuffle=cfg.data.shuffle,
+                                              seed=cfg.data.seed, drop_last=True, total_epochs=total_epochs)
         actor = cfg.actor_rollout_ref.actor
         correction = cfg.algorithm.rollout_correction
         # With a single on-policy update the ratio is exactly 1 and the old log-probs are the
@@ -759,6 +764,9 @@ class Trainer:
                         pushed = self.workers.sync_rollout_weights()
                     # Every rank's engine receives every weight, in the rollout's dtype.
                     metrics["perf/sync_gb_per_rank"] = pushed[0]["bytes"] / 1e9
+
+        if isinstance(self.sampler, CustomSampler):  # a curriculum learns from the trained batch
+            self.sampler.update(batch)
 
         if self.iteration is not None and self.reward_model is not None:
             self.iteration.collect(batch)

@@ -4,6 +4,7 @@ the setting to fix."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -11,6 +12,7 @@ import inspect
 import os
 import sys
 from types import ModuleType
+from typing import Iterator
 
 FILE_PREFIX, PACKAGE_PREFIX = "file://", "pkg://"
 
@@ -57,6 +59,31 @@ def load_module(path: str | os.PathLike, key: str) -> ModuleType:
         raise ValueError(f"importing {path} ({key}) failed with {type(exc).__name__}: {exc}. Fix the error in that "
                          f"file (try `python {path}` to reproduce it) or point {key} at another file.") from exc
     return module
+
+
+@contextlib.contextmanager
+def verl_stand_ins(modules: dict[str, dict[str, object]]) -> Iterator[None]:
+    """While a user's file written for verl loads, its imports of verl's modules (`modules`: a
+    dotted name and the names it provides, e.g. {"verl.tools.function_tool": {"function_tool": ours}})
+    get ours; verl itself, if installed, is back in place after."""
+    names = {parent for name in modules for parent in (".".join(name.split(".")[:i + 1])
+                                                          for i in range(name.count(".") + 1))}
+    shadowed = {name: sys.modules.get(name) for name in names}
+    for name in sorted(names):
+        module = sys.modules[name] = ModuleType(name)
+        for attr, value in modules.get(name, {}).items():
+            setattr(module, attr, value)
+        if "." in name:
+            parent, _, child = name.rpartition(".")
+            setattr(sys.modules[parent], child, module)
+    try:
+        yield
+    finally:
+        for name, previous in shadowed.items():
+            if previous is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = previous
 
 
 def public_names(module: ModuleType) -> list[str]:

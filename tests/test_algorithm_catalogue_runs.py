@@ -208,3 +208,43 @@ def test_batch_reward_manager_in_verl_09_form(ray_session, tiny_model_dir, arith
         f"reward.custom_reward_function.path={tmp_path / 'batch.py'}", "reward.custom_reward_function.name=score_batch"]
     (metrics,) = train(overrides, tmp_path)
     assert metrics["critic/score/mean"] == pytest.approx(metrics["critic/acc/mean"] + 0.25)
+
+
+LAST_FIRST = '''
+from verl.experimental.dataset.sampler import AbstractCurriculumSampler
+
+UPDATES = []
+
+
+class LastFirst(AbstractCurriculumSampler):
+    """The rows in reverse order; records each trained batch's row indices and scores."""
+
+    def __init__(self, data_source, data_config):
+        self.size = len(data_source)
+
+    def __iter__(self):
+        return iter(range(self.size - 1, -1, -1))
+
+    def __len__(self):
+        return self.size
+
+    def update(self, batch):
+        UPDATES.append((list(batch.non_tensor_batch["index"]), batch.batch["token_level_scores"].sum(-1).tolist()))
+'''
+
+
+def test_verl_curriculum_sampler_picks_the_prompts(ray_session, tiny_model_dir, arithmetic_files, tmp_path):
+    """verl's data.sampler.class_path / class_name: the sampler's indices are the step's prompts,
+    and its update sees the trained batch (each prompt's n responses, with their scores)."""
+    (tmp_path / "curriculum.py").write_text(LAST_FIRST)
+    overrides = run_overrides(tiny_model_dir, arithmetic_files, tmp_path, response=12) + [
+        *ONE_STEP, f"data.sampler.class_path={tmp_path / 'curriculum.py'}", "data.sampler.class_name=LastFirst"]
+    trainer = build_trainer(compose_config(overrides))
+    try:
+        trainer.fit()
+        dataset, module = trainer.train_dataset, trainer.sampler.sampler
+    finally:
+        trainer.shutdown()
+    ((indices, scores),) = sys.modules[type(module).__module__].UPDATES
+    last_four = [dataset[i]["index"] for i in range(len(dataset) - 1, len(dataset) - 5, -1)]
+    assert sorted(set(indices)) == sorted(last_four) and len(indices) == len(scores) == 12

@@ -30,11 +30,12 @@ import math
 import operator
 import os
 import sys
-import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import yaml
+
+from hybrid_rl.user_code import verl_stand_ins
 
 
 class ToolConfigError(ValueError):
@@ -250,27 +251,15 @@ def load_function_tools(path: str) -> dict[str, FunctionTool]:
     if not os.path.isfile(path):
         raise ToolConfigError(f"{FUNCTION_TOOL_KEY}={path}: no such file. Point it at a Python file of "
                               "@function_tool functions (docs/multi_turn.md).")
-    shim = types.ModuleType("verl.tools.function_tool")
-    shim.function_tool = function_tool
-    shadowed = {name: sys.modules.get(name) for name in ("verl", "verl.tools", "verl.tools.function_tool")}
-    for name in shadowed:
-        sys.modules[name] = shim if name.endswith("function_tool") else types.ModuleType(name)
-    sys.modules["verl"].tools = sys.modules["verl.tools"]
-    sys.modules["verl.tools"].function_tool = shim
     module_name = "hybrid_rl_function_tools_" + path.replace(os.sep, "_").replace(".", "_")
     try:
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module  # so the file can import its siblings by this name
-        spec.loader.exec_module(module)
+        with verl_stand_ins({"verl.tools.function_tool": {"function_tool": function_tool}}):
+            spec = importlib.util.spec_from_file_location(module_name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[module_name] = module  # so the file can import its siblings by this name
+            spec.loader.exec_module(module)
     except Exception as exc:
         raise ToolConfigError(f"{FUNCTION_TOOL_KEY}={path} failed to load: {type(exc).__name__}: {exc}") from exc
-    finally:
-        for name, previous in shadowed.items():
-            if previous is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = previous
     tools: dict[str, FunctionTool] = {}
     for fn in vars(module).values():
         mark = getattr(fn, FUNCTION_TOOL_MARK, None)
