@@ -3,6 +3,7 @@ user's (verl's `data.sampler`) served the same way."""
 
 from __future__ import annotations
 
+import json
 import logging
 from abc import abstractmethod
 from collections.abc import Sized
@@ -181,6 +182,12 @@ class CustomSampler:
             raise ValueError(f"{key}: {type(sampler).__name__} yields {per_epoch} indices per epoch, fewer than the "
                              f"batch size {self.batch_size}: not a single full batch")
         self.steps_per_epoch = per_epoch // self.batch_size
+        if callable(getattr(sampler, "state_dict", None)):
+            try:  # checked now, not at the first checkpoint
+                json.dumps(sampler.state_dict())
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{key}: {type(sampler).__name__}.state_dict() must return JSON values (numbers, "
+                                 f"strings, lists, dicts), as the checkpoint's trainer state is JSON: {exc}") from None
         self.epoch = 0
         self.batch_in_epoch = 0
         self._skip = 0  # indices to pass over when an epoch resumes without the sampler's own state

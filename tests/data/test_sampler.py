@@ -186,6 +186,8 @@ def test_custom_sampler_resumes_its_position(tmp_path, caplog):
     (VERL_CURRICULUM.replace("return self.size", "return 1"), "HardestFirst", "yields 1 indices per epoch, fewer "
                                                                               "than the batch size 2"),
     (VERL_CURRICULUM.replace("return self.size", "return 9"), "HardestFirst", "stopped before the 8 indices"),
+    (STATEFUL.replace('return {"drawn": self.drawn}', 'return {"drawn": torch.tensor(self.drawn)}'), "Stateful",
+     "state_dict\\(\\) must return JSON values"),
 ])
 def test_bad_custom_samplers(tmp_path, body, name, match):
     with pytest.raises(ValueError, match=match):
