@@ -531,12 +531,48 @@ def check_reward_model_config(rm: DictConfig) -> None:
         _positive(rm.max_length, "reward_model.max_length")
 
 
+def custom_reward_manager(cfg: DictConfig) -> tuple[str, str, str] | None:
+    """(key prefix, module path, class name) of a reward manager class of the user's: verl 0.9's
+    `reward.reward_manager.source=importlib` with `module.path` and `name` (0.7-0.8: the same under
+    `reward_manager`); None when neither names one."""
+    found = []
+    for prefix in ("reward.reward_manager", "reward_manager"):
+        source, path = (OmegaConf.select(cfg, f"{prefix}.{key}") for key in ("source", "module.path"))
+        _choice(source, (None, "register", "importlib"), f"{prefix}.source")
+        if source == "importlib":
+            if not path:
+                raise ConfigError(f"{prefix}.source=importlib loads the class {prefix}.name from {prefix}.module.path; "
+                                  "set module.path to its .py file (or pkg://package.module).")
+            found.append((prefix, path, OmegaConf.select(cfg, f"{prefix}.name")))
+        elif path:
+            raise ConfigError(f"{prefix}.module.path={path} is read with {prefix}.source=importlib only (as in verl); "
+                              f"set that too, with {prefix}.name the class in it.")
+    if len(found) > 1:
+        raise ConfigError("reward.reward_manager.source and reward_manager.source both load a reward manager class "
+                          "(verl 0.9's and 0.7-0.8's place); keep one.")
+    if not found:
+        return None
+    prefix, path, name = found[0]
+    for on, why in ((cfg.reward.funcs, "reward.funcs combines several sources"),
+                    (cfg.reward_model.enable, "reward_model.enable=true scores with a reward model"),
+                    (cfg.reward.reward_model.enable, "reward.reward_model.enable=true serves a model to a function")):
+        if on:
+            raise ConfigError(f"{prefix}.source=importlib: your reward manager {name} scores the responses, but {why}; "
+                              "use one or the other.")
+    return found[0]
+
+
 def adopt_reward_manager(cfg: DictConfig) -> None:
     """The reward manager is named in three places across verl releases: `reward_model.reward_manager`
     (read here), verl 0.7-0.8's `reward_manager.name` (whose default follows it, and which wins when
     set) and verl 0.9's `reward.reward_manager.name` (default naive). A name given in either newer key
     is copied into the first; two newer keys naming different managers are refused."""
     rm = cfg.reward_model
+    custom = custom_reward_manager(cfg)
+    if custom is not None:  # its name is a class of the user's, not one of ours
+        with open_dict(cfg):
+            rm.reward_manager = "naive"
+        return
     given = {}
     older_release = OmegaConf.select(cfg, "reward_manager.name")
     if older_release is not None and older_release != rm.reward_manager:
@@ -599,8 +635,8 @@ def adopt_dapo_reward_kwargs(cfg: DictConfig) -> None:
     manager passes its keyword arguments to the reward function: `main.prepare`.)"""
     rm = cfg.reward_model
     key, kwargs = reward_manager_kwargs(cfg)
-    if key is None or rm.reward_manager == "batch":
-        return
+    if key is None or rm.reward_manager == "batch" or custom_reward_manager(cfg) is not None:
+        return  # the batch manager's and a reward manager of the user's own: passed to them (main.prepare)
     if rm.reward_manager != "dapo":
         raise ConfigError(f"{key} sets {', '.join(sorted(kwargs))}, but the {rm.reward_manager or 'naive'} reward "
                           "manager takes no keyword arguments (verl's dapo manager takes overlong_buffer_cfg and "

@@ -99,6 +99,11 @@ def _rules(status: str, note: str, *patterns: str) -> list[Rule]:
     return [Rule(p, status, note) for p in patterns]
 
 
+CUSTOM_REWARD_MANAGER = ("source=importlib: a reward manager of your own, the class {prefix}.name of the file (or "
+                         "pkg://module) module.path, written for verl's RewardManagerBase (async run_single per "
+                         "sample) or AbstractRewardManager (the whole batch; with reward_kwargs); verl's files load "
+                         "unchanged")
+
 # verl 0.7-0.8's reward_model.rollout keys (the others came with verl 0.9's reward.reward_model).
 LEGACY_SERVED_MODEL_KEYS = frozenset((
     "name", "dtype", "gpu_memory_utilization", "enforce_eager", "cudagraph_capture_sizes", "free_cache_engine",
@@ -525,11 +530,12 @@ RULES: tuple[Rule, ...] = tuple([
             "reward_model.enable_resource_pool", "reward_model.n_gpus_per_node", "reward_model.nnodes"),
     *_rules(WORKS, "on GPU, the reward model's weights wait in host memory between scorings; no effect on CPU",
             "reward_model.model.fsdp_config.param_offload"),
-    *_rules(WORKS, "verl 0.9's place for reward_model.reward_manager (naive, dapo, gdpo or batch)", "reward.reward_manager.name"),
-    *_rules(NOT_YET, "only the built-in reward managers are available (name: naive, dapo, gdpo or batch)",
+    *_rules(WORKS, "verl 0.9's place for reward_model.reward_manager (naive, dapo, gdpo or batch); with "
+            "source=importlib the class to load", "reward.reward_manager.name"),
+    *_rules(WORKS, CUSTOM_REWARD_MANAGER.format(prefix="reward.reward_manager"),
             "reward.reward_manager.source", "reward.reward_manager.module.path"),
-    *_rules(NO_EFFECT, "read only with reward.reward_manager.module.path, which is not supported yet",
-            "reward.reward_manager.module.name"),
+    *_rules(NO_EFFECT, "verl loads the class named by reward.reward_manager.name; module.name is not read there "
+            "either", "reward.reward_manager.module.name"),
     *_rules(NO_EFFECT, "rewards are scored in the driver process", "reward.num_workers"),
     *_rules(NOT_YET, REMOTE_SANDBOX, "sandbox_fusion.url", "reward.sandbox_fusion.url"),
     *_rules(NO_EFFECT, "read only with a sandbox url, which is not supported yet", "sandbox_fusion.*",
@@ -613,11 +619,11 @@ RULES: tuple[Rule, ...] = tuple([
             "pkg://module class_path, derived from verl's AbstractSampler (AbstractCurriculumSampler: update(batch) "
             "after each step), yields the training indices; data.shuffle is then not read",
             "data.sampler.class_path", "data.sampler.class_name"),
-    *_rules(WORKS, "verl 0.7-0.8's place for reward_model.reward_manager (naive, dapo, gdpo or batch); set, it wins over that",
-            "reward_manager.name"),
-    *_rules(NOT_YET, "only the built-in reward managers are available (name: naive, dapo, gdpo or batch)", "reward_manager.source",
+    *_rules(WORKS, "verl 0.7-0.8's place for reward_model.reward_manager (naive, dapo, gdpo or batch); set, it wins "
+            "over that; with source=importlib the class to load", "reward_manager.name"),
+    *_rules(WORKS, CUSTOM_REWARD_MANAGER.format(prefix="reward_manager"), "reward_manager.source",
             "reward_manager.module.path"),
-    *_rules(NO_EFFECT, "read only with reward_manager.module.path, which is not supported yet",
+    *_rules(NO_EFFECT, "verl loads the class named by reward_manager.name; module.name is not read there either",
             "reward_manager.module.name"),
     *_rules(NOT_YET, REMOTE_SANDBOX, "reward_model.sandbox_fusion.url"),
     *_rules(NO_EFFECT, "read only with a sandbox url, which is not supported yet", "reward_model.sandbox_fusion.*"),

@@ -16,7 +16,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from hybrid_rl.config import (ConfigError, adopt_served_reward_model, check_model_limits, custom_reward_function,
-                              resolve_config, reward_manager_kwargs, settings_given_twice, validate_config)
+                              custom_reward_manager, resolve_config, reward_manager_kwargs, settings_given_twice,
+                              validate_config)
 from hybrid_rl.config_keys import CONF_DIR, additions_of_verl_keys_as_overrides, compose_config, leaves, verl_defaults
 from hybrid_rl.console import quiet_third_party_output
 from hybrid_rl.models import ModelPathError, cache_dir, load_tokenizer, resolve_model_path
@@ -135,9 +136,35 @@ def prepare(cfg: DictConfig):
     faults = dict(on_error=cfg.reward_model.on_error, timeout_s=cfg.reward_model.timeout_s, sources=sources,
                   extra_info_fields=({"experiment_name": cfg.trainer.experiment_name}
                                      if cfg.reward_model.reward_manager == "gdpo" else None), batched=batched)
-    reward_fn = RewardManager(tokenizer, compute_score, cfg.data.reward_fn_key, cfg.reward_model.num_examine, **faults)
-    val_reward_fn = RewardManager(tokenizer, compute_score, cfg.data.reward_fn_key, 0, **faults)
+    reward_fn = RewardManager(tokenizer, compute_score, cfg.data.reward_fn_key, cfg.reward_model.num_examine, **faults,
+                              manager=users_reward_manager(cfg, tokenizer, compute_score, cfg.reward_model.num_examine))
+    val_reward_fn = RewardManager(tokenizer, compute_score, cfg.data.reward_fn_key, 0, **faults,
+                                  manager=users_reward_manager(cfg, tokenizer, compute_score, 0))
     return model_path, tokenizer, train_dataset, val_dataset, reward_fn, val_reward_fn
+
+
+def users_reward_manager(cfg: DictConfig, tokenizer, compute_score, num_examine: int):
+    """verl's `reward_manager.source=importlib`: the user's reward manager class, built as verl
+    builds it (its interface decides how: rewards/custom_manager.py); None without one."""
+    from hybrid_rl.rewards import default_compute_score
+    from hybrid_rl.rewards.custom_manager import RewardManagerBase, load_reward_manager_class
+
+    found = custom_reward_manager(cfg)
+    if found is None:
+        return None
+    prefix, path, name = found
+    cls = load_reward_manager_class(path, name, prefix)
+    compute_score = compute_score or default_compute_score
+    try:
+        if issubclass(cls, RewardManagerBase):
+            return cls(config=cfg, tokenizer=tokenizer, compute_score=compute_score, reward_router_address=None,
+                       reward_model_tokenizer=None)
+        _, kwargs = reward_manager_kwargs(cfg)
+        return cls(tokenizer=tokenizer, num_examine=num_examine, compute_score=compute_score,
+                   reward_fn_key=cfg.data.reward_fn_key, **kwargs)
+    except Exception as exc:  # re-raised with the settings to fix
+        raise ConfigError(f"{prefix}.name={name} ({path}): building it as verl does failed with {type(exc).__name__}: "
+                          f"{exc}") from exc
 
 
 def check_served_reward_model_callers(cfg: DictConfig, functions: list) -> None:

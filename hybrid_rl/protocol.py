@@ -394,3 +394,27 @@ class Batch:
             f"Batch(len={len(self)}, tensors={{{tensors}}}, "
             f"non_tensors={list(self.non_tensors)}, meta={self.meta})"
         )
+
+
+class DataProtoView:
+    """A ``Batch`` as verl's ``DataProto`` shows it to code written for verl (a curriculum
+    sampler's ``update``, a reward manager of one's own): ``batch`` (the tensors, a TensorDict),
+    ``non_tensor_batch`` (object arrays) and ``meta_info``; ``view[i]`` is one row (its
+    ``batch[key]`` that row's tensor, its ``non_tensor_batch[key]`` that row's object), ``view[a:b]``
+    a view of those rows."""
+
+    def __init__(self, tensors: TensorDictBase, non_tensors: dict[str, np.ndarray], meta_info: dict | None = None):
+        self.batch = tensors
+        self.non_tensor_batch = non_tensors
+        self.meta_info = {} if meta_info is None else meta_info
+
+    @classmethod
+    def of(cls, batch: Batch) -> DataProtoView:
+        return cls(batch.tensors, dict(batch.non_tensors))
+
+    def __len__(self) -> int:
+        return int(self.batch.batch_size[0])
+
+    def __getitem__(self, index):
+        rows = {key: values[index] for key, values in self.non_tensor_batch.items()}
+        return DataProtoView(self.batch[index], rows, self.meta_info)

@@ -248,3 +248,22 @@ def test_verl_curriculum_sampler_picks_the_prompts(ray_session, tiny_model_dir, 
     ((indices, scores),) = sys.modules[type(module).__module__].UPDATES
     last_four = [dataset[i]["index"] for i in range(len(dataset) - 1, len(dataset) - 5, -1)]
     assert sorted(set(indices)) == sorted(last_four) and len(indices) == len(scores) == 12
+
+
+@pytest.mark.parametrize("form", ["0.9", "0.7-0.8"])
+def test_reward_manager_of_ones_own(form, ray_session, tiny_model_dir, arithmetic_files, tmp_path):
+    """verl's source=importlib: a RewardManagerBase (0.9's keys) or an AbstractRewardManager with
+    the manager's reward_kwargs (0.7-0.8's keys) scores the step."""
+    from tests.rewards.test_custom_reward_manager import RUN_SINGLE, WHOLE_BATCH
+
+    (tmp_path / "manager.py").write_text(RUN_SINGLE if form == "0.9" else WHOLE_BATCH)
+    keys = (["reward.reward_manager.source=importlib", f"reward.reward_manager.module.path={tmp_path}/manager.py",
+             "reward.reward_manager.name=LengthAware"] if form == "0.9" else
+            ["reward_manager.source=importlib", f"reward_manager.module.path={tmp_path}/manager.py",
+             "reward_manager.name=Scaled", "+reward_model.reward_kwargs.scale=2.0"])
+    overrides = run_overrides(tiny_model_dir, arithmetic_files, tmp_path, response=12) + [*ONE_STEP, *keys]
+    (metrics,) = train(overrides, tmp_path)
+    if form == "0.9":
+        assert metrics["critic/score/mean"] < metrics["critic/acc/mean"] + 1e-9  # a cost per token
+    else:
+        assert metrics["critic/score/mean"] == pytest.approx(2.0 * metrics["critic/acc/mean"])

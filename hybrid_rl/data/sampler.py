@@ -9,8 +9,9 @@ from abc import abstractmethod
 from collections.abc import Sized
 from typing import Any, Iterator
 
-import numpy as np
 import torch
+
+from hybrid_rl.protocol import DataProtoView
 
 __all__ = ["AbstractCurriculumSampler", "AbstractSampler", "CustomSampler", "EpochSampler", "load_custom_sampler"]
 
@@ -140,26 +141,6 @@ class AbstractCurriculumSampler(AbstractSampler):
         pass
 
 
-class TrainedBatch:
-    """A trained step's batch as verl's DataProto shows it to a curriculum sampler: ``batch``
-    (the tensors: responses, token_level_scores, advantages, ...), ``non_tensor_batch`` (numpy
-    object arrays: uid, data_source, extra_info, index, ...) and ``meta_info``."""
-
-    def __init__(self, batch):
-        self.batch = dict(batch.tensors.items())
-        self.non_tensor_batch = {key: _object_array(values) for key, values in batch.non_tensors.items()}
-        self.meta_info: dict = {}
-
-    def __len__(self) -> int:
-        return len(next(iter(self.batch.values())))
-
-
-def _object_array(values) -> np.ndarray:
-    array = np.empty(len(values), dtype=object)
-    array[:] = list(values)
-    return array
-
-
 class CustomSampler:
     """A user's index sampler (verl's `data.sampler`) served in batches as ``EpochSampler`` serves
     them: ``batch_size`` indices per step, drawn from the sampler as each batch is needed (so a
@@ -224,7 +205,7 @@ class CustomSampler:
 
     def update(self, batch) -> None:
         if isinstance(self.sampler, AbstractCurriculumSampler):
-            self.sampler.update(batch=TrainedBatch(batch))
+            self.sampler.update(batch=DataProtoView.of(batch))
 
     def state_dict(self) -> dict:
         state = {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
@@ -253,7 +234,7 @@ def load_custom_sampler(data_cfg, dataset, batch_size: int, total_epochs: int) -
     if not name:
         raise ValueError(f"data.sampler.class_path={path} needs data.sampler.class_name, the sampler class in it.")
     interface = {"AbstractSampler": AbstractSampler, "AbstractCurriculumSampler": AbstractCurriculumSampler}
-    with verl_stand_ins({"verl": {"DataProto": TrainedBatch}, "verl.experimental.dataset.sampler": interface}):
+    with verl_stand_ins({"verl": {"DataProto": DataProtoView}, "verl.experimental.dataset.sampler": interface}):
         cls = load_object(path, name, "data.sampler", f"class {name}(AbstractSampler)")
     if not (isinstance(cls, type) and issubclass(cls, AbstractSampler)):
         raise ValueError(f"data.sampler.class_name={name} in {path} must be a class derived from AbstractSampler "

@@ -20,7 +20,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from hybrid_rl.protocol import DataProtoView
+
 from .custom import keyword_parameter
+from .custom_manager import AbstractRewardManager
 from .steps import decoded_prefix_lengths, token_at
 
 __all__ = ["ON_ERROR_CHOICES", "RewardFunctionError", "RewardManager", "UnknownDataSourceError"]
@@ -197,6 +200,11 @@ class RewardManager:
     called once per batch, as ``fn(data_sources=[...], solution_strs=[...], ground_truths=[...],
     extra_infos=[...])``, and returns one result per sample in order; ``timeout_s`` is then the
     batch call's limit, and a failed call fails every sample of the batch.
+
+    ``manager`` (verl's ``reward_manager.source=importlib``): a reward manager of the user's scores
+    instead (`custom_manager.py`): a ``RewardManagerBase``'s ``run_single`` per row, awaited
+    together (each under ``timeout_s``, its failures handled per sample as above); an
+    ``AbstractRewardManager`` on the whole batch, its reward tensor taken as it is.
     """
 
     def __init__(
@@ -210,6 +218,7 @@ class RewardManager:
         sources: list | None = None,
         extra_info_fields: dict | None = None,
         batched: bool = False,
+        manager: Any = None,
     ):
         from . import default_compute_score
 
@@ -249,6 +258,9 @@ class RewardManager:
             raise ValueError("reward_model.reward_manager=batch calls one reward function of your own with the whole "
                              "batch; set custom_reward_function.path, and leave reward.funcs empty")
         self.batched = batched
+        self.manager = manager  # a verl reward manager of the user's (custom_manager.py), which then scores
+        if manager is not None:
+            self._name = type(manager).__name__
 
     def close(self) -> None:
         """Let the worker threads of ``timeout_s`` go (optional; they are daemon threads)."""
@@ -330,29 +342,77 @@ class RewardManager:
                             "dict with 'score') per sample, in order")
         return list(results)
 
-    def _call_all(self, samples: list[tuple]) -> list:
+    def _call_all(self, samples: list[tuple], batch=None) -> list:
         """An async reward function's results for all ``samples`` (ids, solution, data source,
-        ground truth, extra info), awaited together; failures handled as in ``_call``."""
-        async def one(sample):
+        ground truth, extra info), awaited together; failures handled as in ``_call``. With a
+        verl 0.9 reward manager of the user's (``manager``): its ``run_single`` on each row of
+        ``batch``, its ``{"reward_score", "reward_extra_info"}`` as our ``{"score", ...}``."""
+        def start(i, sample):
+            if self.manager is not None:
+                return self.manager.run_single(self._rows[i:i + 1])
             _, solution_str, data_source, ground_truth, extra_info = sample
-            call = self.compute_score(**self._kwargs(self.compute_score, data_source, solution_str, ground_truth,
+            return self.compute_score(**self._kwargs(self.compute_score, data_source, solution_str, ground_truth,
                                                      extra_info))
+
+        async def one(i, sample):
+            call = start(i, sample)
             try:
                 return await (call if self.timeout_s is None else asyncio.wait_for(call, self.timeout_s))
             except asyncio.TimeoutError:
                 raise _RewardTimeout() from None
 
         async def every():
-            return await asyncio.gather(*(one(sample) for sample in samples), return_exceptions=True)
+            if self.manager is not None:
+                self.manager.loop = asyncio.get_running_loop()  # verl's run_single hands work to self.loop
+            return await asyncio.gather(*(one(i, sample) for i, sample in enumerate(samples)), return_exceptions=True)
 
+        self._rows = DataProtoView.of(batch) if self.manager is not None else None
         results = []
         for i, (result, (_, solution_str, data_source, ground_truth, _)) in enumerate(zip(asyncio.run(every()), samples)):
             if isinstance(result, Exception):
                 result = self._failure(result, self._name, _sample(i, data_source, solution_str, ground_truth))
             elif isinstance(result, BaseException):
                 raise result
+            elif self.manager is not None:
+                if not isinstance(result, dict) or "reward_score" not in result:
+                    raise TypeError(f"reward manager {self._name}.run_single returned {type(result).__name__} "
+                                    f"for sample {i}; return {{'reward_score': float, 'reward_extra_info': dict}}")
+                result = {**(result.get("reward_extra_info") or {}), "score": result["reward_score"]}
             results.append(result)
+        self._rows = None
         return results
+
+    def _whole_batch(self, batch) -> tuple[torch.Tensor, dict[str, list]]:
+        """A verl 0.3-0.8 reward manager of the user's: its reward tensor and values for the batch,
+        from one call; a failed call fails every sample."""
+        responses = batch["responses"]
+        rows = len(responses)
+        self.failures = 0
+        extra: dict[str, list] = {}
+        try:
+            out = self._invoke(self.manager, {"data": DataProtoView.of(batch), "return_dict": True})
+        except Exception as exc:
+            self._failure(exc, self._name, f"the batch of {rows} samples", count=rows)
+            return torch.zeros(responses.shape, dtype=torch.float32, device=responses.device), {
+                "score": [0.0] * rows, "reward_failed": [True] * rows}
+        reward, info = (out.get("reward_tensor"), out.get("reward_extra_info") or {}) if isinstance(out, dict) \
+            else (out, {})
+        if not isinstance(reward, torch.Tensor) or tuple(reward.shape) != tuple(responses.shape):
+            raise TypeError(f"reward manager {self._name} returned a reward tensor of "
+                            f"{tuple(reward.shape) if isinstance(reward, torch.Tensor) else type(reward).__name__}; "
+                            f"it must be (batch, response length) = {tuple(responses.shape)}")
+        reward = reward.to(dtype=torch.float32, device=responses.device)
+        if not torch.isfinite(reward).all():
+            raise RewardFunctionError(f"reward manager {self._name} returned non-finite rewards; rewards must be finite")
+        extra["score"] = reward.sum(-1).tolist()
+        for key, values in info.items():
+            if len(values) != rows:
+                raise TypeError(f"reward manager {self._name} returned {len(values)} values of {key!r} for a batch "
+                                f"of {rows}")
+            extra[key] = [_as_python(v) for v in values]
+        if self.on_error == "zero":
+            extra["reward_failed"] = [False] * rows
+        return reward, extra
 
     def _failure(self, error: Exception, name: str, sample: str, count: int = 1):
         """``_FAILED`` for a failed call (for ``sample``, described, and ``count`` samples) under
@@ -485,6 +545,8 @@ class RewardManager:
         responses: torch.Tensor = batch["responses"]
         if responses.ndim != 2:
             raise ValueError(f"batch['responses'] must be (B, T), got shape {tuple(responses.shape)}")
+        if isinstance(self.manager, AbstractRewardManager):
+            return self._whole_batch(batch)
         bsz, resp_len = responses.shape
         # The whole response, in a multi-turn trajectory the tools' outputs too (response_mask
         # would leave those out).
@@ -544,8 +606,8 @@ class RewardManager:
 
         if self.batched:
             together = self._call_batch(samples)
-        elif self.sources is None and inspect.iscoroutinefunction(self.compute_score):
-            together = self._call_all(samples)
+        elif self.manager is not None or self.sources is None and inspect.iscoroutinefunction(self.compute_score):
+            together = self._call_all(samples, batch)
         else:
             together = None
         for i, (ids, solution_str, data_source, ground_truth, extra_info) in enumerate(samples):
