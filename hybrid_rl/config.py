@@ -187,6 +187,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     check_reward_model_config(cfg.reward_model)
     adopt_dapo_reward_kwargs(cfg)
     check_batch_reward_manager(cfg)
+    check_process_reward_managers(cfg)
     check_overlong_buffer(cfg)
     check_gdpo(cfg)
     check_dynamic_sampling(cfg)
@@ -488,14 +489,16 @@ def adopt_served_reward_model(cfg: DictConfig) -> None:
 
 
 # naive scores each sample with the reward function; dapo too, with the overlong buffer.
-REWARD_MANAGERS = ("naive", "dapo", "gdpo", "batch")
-UNBUILT_REWARD_MANAGERS = {"prime": "its process pool is not built; naive with reward_model.on_error=zero "
-                                    "reward_model.timeout_s=300 scores a failed or timed-out sample 0 as it does"}
+REWARD_MANAGERS = ("naive", "dapo", "gdpo", "batch", "prime", "remote")
+# verl's managers that score in worker processes: prime in up to 64 (one per core here), remote in
+# reward.num_workers.
+PROCESS_REWARD_MANAGERS = ("prime", "remote")
+PRIME_PROCESSES, PRIME_TIMEOUT_S = 64, 300.0
 
 
 def check_reward_model_config(rm: DictConfig) -> None:
     _choice(rm.on_error, ("zero", "raise"), "reward_model.on_error")
-    _choice(rm.reward_manager, (None, *REWARD_MANAGERS), "reward_model.reward_manager", UNBUILT_REWARD_MANAGERS)
+    _choice(rm.reward_manager, (None, *REWARD_MANAGERS), "reward_model.reward_manager")
     if not rm.enable:
         return
     _choice(rm.strategy, ("fsdp", "fsdp2", "megatron"), "reward_model.strategy")
@@ -584,7 +587,7 @@ def adopt_reward_manager(cfg: DictConfig) -> None:
         raise ConfigError(f"{' and '.join(f'{key}={value}' for key, value in given.items())} name two reward "
                           "managers (verl 0.7-0.8's key and verl 0.9's); keep one.")
     for key, name in given.items():
-        _choice(name, REWARD_MANAGERS, key, UNBUILT_REWARD_MANAGERS)
+        _choice(name, REWARD_MANAGERS, key)
         with open_dict(cfg):
             rm.reward_manager = name
 
@@ -605,6 +608,23 @@ def reward_manager_kwargs(cfg: DictConfig) -> tuple[str | None, dict]:
                           "for the reward manager's arguments); keep one.")
     key, kwargs = next(iter(given.items()), (None, {}))
     return key, plain(kwargs)
+
+
+def check_process_reward_managers(cfg: DictConfig) -> None:
+    """verl's prime and remote managers score each sample with one function, in worker processes."""
+    name = cfg.reward_model.reward_manager
+    if name not in PROCESS_REWARD_MANAGERS:
+        return
+    if name == "remote":
+        workers = OmegaConf.select(cfg, "reward.num_workers")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ConfigError(f"reward.num_workers={workers!r}: the remote reward manager scores in that many worker "
+                              "processes; set a whole number >= 1 (verl's default: 8).")
+    for on, why in ((cfg.reward.funcs, "reward.funcs combines several sources per sample"),
+                    (cfg.reward.reward_model.enable, "reward.reward_model.enable=true serves a model to your function")):
+        if on:
+            raise ConfigError(f"reward_model.reward_manager={name} scores one function per sample in worker processes, "
+                              f"but {why}: not built together. Use reward_model.reward_manager=naive.")
 
 
 def check_batch_reward_manager(cfg: DictConfig) -> None:

@@ -530,13 +530,14 @@ RULES: tuple[Rule, ...] = tuple([
             "reward_model.enable_resource_pool", "reward_model.n_gpus_per_node", "reward_model.nnodes"),
     *_rules(WORKS, "on GPU, the reward model's weights wait in host memory between scorings; no effect on CPU",
             "reward_model.model.fsdp_config.param_offload"),
-    *_rules(WORKS, "verl 0.9's place for reward_model.reward_manager (naive, dapo, gdpo or batch); with "
+    *_rules(WORKS, "verl 0.9's place for reward_model.reward_manager (naive, dapo, gdpo, batch, prime or remote); with "
             "source=importlib the class to load", "reward.reward_manager.name"),
     *_rules(WORKS, CUSTOM_REWARD_MANAGER.format(prefix="reward.reward_manager"),
             "reward.reward_manager.source", "reward.reward_manager.module.path"),
     *_rules(NO_EFFECT, "verl loads the class named by reward.reward_manager.name; module.name is not read there "
             "either", "reward.reward_manager.module.name"),
-    *_rules(NO_EFFECT, "rewards are scored in the driver process", "reward.num_workers"),
+    *_rules(WORKS, "with reward_manager remote, the number of worker processes that score the samples (the other "
+            "managers score in the driver, prime in up to 64 processes)", "reward.num_workers"),
     *_rules(NOT_YET, REMOTE_SANDBOX, "sandbox_fusion.url", "reward.sandbox_fusion.url"),
     *_rules(NO_EFFECT, "read only with a sandbox url, which is not supported yet", "sandbox_fusion.*",
             "reward.sandbox_fusion.*"),
@@ -619,7 +620,7 @@ RULES: tuple[Rule, ...] = tuple([
             "pkg://module class_path, derived from verl's AbstractSampler (AbstractCurriculumSampler: update(batch) "
             "after each step), yields the training indices; data.shuffle is then not read",
             "data.sampler.class_path", "data.sampler.class_name"),
-    *_rules(WORKS, "verl 0.7-0.8's place for reward_model.reward_manager (naive, dapo, gdpo or batch); set, it wins "
+    *_rules(WORKS, "verl 0.7-0.8's place for reward_model.reward_manager (naive, dapo, gdpo, batch, prime or remote); set, it wins "
             "over that; with source=importlib the class to load", "reward_manager.name"),
     *_rules(WORKS, CUSTOM_REWARD_MANAGER.format(prefix="reward_manager"), "reward_manager.source",
             "reward_manager.module.path"),

@@ -15,9 +15,9 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from hybrid_rl.config import (ConfigError, adopt_served_reward_model, check_model_limits, custom_reward_function,
-                              custom_reward_manager, resolve_config, reward_manager_kwargs, settings_given_twice,
-                              validate_config)
+from hybrid_rl.config import (PRIME_PROCESSES, PRIME_TIMEOUT_S, ConfigError, adopt_served_reward_model,
+                              check_model_limits, custom_reward_function, custom_reward_manager, resolve_config,
+                              reward_manager_kwargs, settings_given_twice, validate_config)
 from hybrid_rl.config_keys import CONF_DIR, additions_of_verl_keys_as_overrides, compose_config, leaves, verl_defaults
 from hybrid_rl.console import quiet_third_party_output
 from hybrid_rl.models import ModelPathError, cache_dir, load_tokenizer, resolve_model_path
@@ -133,7 +133,14 @@ def prepare(cfg: DictConfig):
         if val_dataset is not None:
             check_builtin_data_sources(val_dataset, "data.val_files")
     load_step_scorer(cfg)  # a missing or broken step scorer stops the run here
-    faults = dict(on_error=cfg.reward_model.on_error, timeout_s=cfg.reward_model.timeout_s, sources=sources,
+    # verl's prime and remote managers: the calls in worker processes (prime's with its 300-s limit).
+    manager = cfg.reward_model.reward_manager
+    processes = {"prime": min(PRIME_PROCESSES, os.cpu_count() or 1),
+                 "remote": OmegaConf.select(cfg, "reward.num_workers")}.get(manager, 0)
+    timeout_s = cfg.reward_model.timeout_s
+    if manager == "prime" and timeout_s is None:
+        timeout_s = PRIME_TIMEOUT_S
+    faults = dict(on_error=cfg.reward_model.on_error, timeout_s=timeout_s, sources=sources, processes=processes,
                   extra_info_fields=({"experiment_name": cfg.trainer.experiment_name}
                                      if cfg.reward_model.reward_manager == "gdpo" else None), batched=batched)
     reward_fn = RewardManager(tokenizer, compute_score, cfg.data.reward_fn_key, cfg.reward_model.num_examine, **faults,

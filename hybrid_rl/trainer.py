@@ -450,6 +450,8 @@ class Trainer:
         for pool in ("resource_pool", "rollout_pool", "reward_model_pool"):
             if getattr(self, pool, None) is not None:
                 getattr(self, pool).remove()
+        for scorer in (self.reward_fn, self.val_reward_fn):  # its threads, or its scoring processes
+            scorer.close()
 
     # ------------------------------------------------------------------ loop
     def request_stop(self, signal_name: str) -> None:

@@ -267,3 +267,13 @@ def test_reward_manager_of_ones_own(form, ray_session, tiny_model_dir, arithmeti
         assert metrics["critic/score/mean"] < metrics["critic/acc/mean"] + 1e-9  # a cost per token
     else:
         assert metrics["critic/score/mean"] == pytest.approx(2.0 * metrics["critic/acc/mean"])
+
+
+@pytest.mark.parametrize("keys", [["reward_model.reward_manager=prime"],
+                                  ["reward.reward_manager.name=remote", "reward.num_workers=2"]])
+def test_reward_managers_that_score_in_processes(keys, ray_session, tiny_model_dir, arithmetic_files, tmp_path):
+    """verl's prime (0.7-0.8's key) and remote (0.9's) managers: the built-in scorer in worker
+    processes score the step, none failing."""
+    overrides = run_overrides(tiny_model_dir, arithmetic_files, tmp_path, response=12) + [*ONE_STEP, *keys]
+    (metrics,) = train(overrides, tmp_path)
+    assert metrics["reward/failed_samples"] == 0 and 0 <= metrics["critic/score/mean"] <= 1

@@ -92,8 +92,6 @@ def test_unknown_key_is_rejected_by_hydra():
      ["load_contents=['optimizer', 'extra'] leaves out model", "trainer.resume_mode=disable"]),
     ("actor_rollout_ref.rollout.max_model_len=10", ["max_model_len (10)", "prompt_length + rollout.response_length"]),
     ("actor_rollout_ref.rollout.prompt_length=4", ["rollout.prompt_length (4)", "data.max_prompt_length"]),
-    ("reward_model.reward_manager=prime", ["reward_manager=prime is not supported yet",
-                                           "naive with reward_model.on_error=zero reward_model.timeout_s=300"]),
     ("data.gen_batch_size=16", ["data.gen_batch_size=16 is read by dynamic sampling only",
                                 "algorithm.filter_groups.enable=true", "data.train_batch_size=16"]),
 ])
@@ -292,7 +290,9 @@ def test_each_releases_reward_manager_key_names_the_manager(overrides):
 
 
 @pytest.mark.parametrize("overrides, fragments", [
-    (["reward_manager.name=prime"], ["reward_manager.name=prime is not supported yet", "its process pool"]),
+    (["reward_manager.name=prime", "reward.funcs=[rule,code_tests]"],
+     ["reward_manager=prime scores one function per sample in worker processes", "reward.funcs combines"]),
+    (["reward.reward_manager.name=remote", "reward.num_workers=0"], ["reward.num_workers=0", "whole number >= 1"]),
     (["reward.reward_manager.name=batch"], ["reward_manager=batch calls your reward function once per batch",
                                              "custom_reward_function.path=<file.py>", "data_sources, solution_strs"]),
     (["reward_model.reward_manager=batch", "custom_reward_function.path=f.py", "reward.funcs=[rule]"],

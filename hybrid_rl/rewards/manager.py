@@ -12,6 +12,7 @@ import os
 import queue
 import sys
 import threading
+import time
 import traceback
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
@@ -106,6 +107,76 @@ class _DaemonWorkers:
             started = self._started
         for _ in range(started):
             self._jobs.put(None)
+
+
+_pool_function: Callable | None = None  # in a scoring process: the reward function
+
+
+def _start_scoring_process(pickled: bytes) -> None:
+    global _pool_function
+    import pickle
+
+    _pool_function = pickle.loads(pickled)
+
+
+def _score_in_process(kwargs: dict):
+    result = _pool_function(**kwargs)
+    if inspect.isawaitable(result):
+        result = asyncio.run(_await(result))
+    return result
+
+
+class _ScoringProcesses:
+    """Reward calls in worker processes (verl's prime and remote managers): CPU-bound functions run
+    in parallel, and a call that runs past its deadline is stopped with its process (threads
+    cannot be stopped). The function travels by value (cloudpickle), so one from a file of the
+    user's needs no import in the workers."""
+
+    def __init__(self, fn: Callable, processes: int):
+        self.fn, self.processes, self._pool = fn, int(processes), None
+
+    def _started(self):
+        if self._pool is None:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            from ray import cloudpickle
+
+            base = fn = self.fn
+            while isinstance(base, functools.partial):
+                base = base.func
+            module = sys.modules.get(getattr(base, "__module__", None) or "")
+            if module is not None and module.__name__.startswith("hybrid_rl_user_"):
+                cloudpickle.register_pickle_by_value(module)  # a user's file: not importable by name
+            self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("forkserver"),
+                                             initializer=_start_scoring_process, initargs=(cloudpickle.dumps(fn),))
+        return self._pool
+
+    def run(self, calls: list[dict], timeout: float | None) -> list:
+        """Each call's result, or the exception it raised (``_RewardTimeout`` past the deadline:
+        ``timeout`` per call, calls beyond the pool's width given their own share)."""
+        pool = self._started()
+        futures = [pool.submit(_score_in_process, kwargs) for kwargs in calls]
+        deadline = None if timeout is None else time.monotonic() + timeout * -(-len(calls) // self.processes)
+        results, stuck = [], False
+        for future in futures:
+            try:
+                results.append(future.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic())))
+            except FutureTimeoutError:
+                results.append(_RewardTimeout("  (in a scoring process, stopped at the deadline)\n"))
+                stuck = True
+            except Exception as exc:  # noqa: BLE001  the function's own error, handed to the fault rules
+                results.append(exc)
+        if stuck:
+            self.close()
+        return results
+
+    def close(self) -> None:
+        if self._pool is not None:
+            for process in list(getattr(self._pool, "_processes", {}).values()):
+                process.kill()  # a hung call is stopped with its process
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
 
 def _stack_of(thread_id: int | None) -> str:
@@ -205,6 +276,11 @@ class RewardManager:
     instead (`custom_manager.py`): a ``RewardManagerBase``'s ``run_single`` per row, awaited
     together (each under ``timeout_s``, its failures handled per sample as above); an
     ``AbstractRewardManager`` on the whole batch, its reward tensor taken as it is.
+
+    ``processes`` (verl's prime and remote managers): the per-sample calls run in that many worker
+    processes (started once, at the first batch), so CPU-bound functions run in parallel, and a
+    call past ``timeout_s`` (calls beyond the pool's width get their own share) is stopped with
+    its process, the pool started afresh.
     """
 
     def __init__(
@@ -219,6 +295,7 @@ class RewardManager:
         extra_info_fields: dict | None = None,
         batched: bool = False,
         manager: Any = None,
+        processes: int = 0,
     ):
         from . import default_compute_score
 
@@ -259,6 +336,11 @@ class RewardManager:
                              "batch; set custom_reward_function.path, and leave reward.funcs empty")
         self.batched = batched
         self.manager = manager  # a verl reward manager of the user's (custom_manager.py), which then scores
+        if processes and (sources is not None or batched or manager is not None):
+            raise ValueError("scoring in worker processes (verl's prime and remote reward managers) calls one "
+                             "function per sample; it does not combine with reward.funcs, the batch manager or a "
+                             "reward manager of your own")
+        self._processes = _ScoringProcesses(compute_score, processes) if processes else None
         if manager is not None:
             self._name = type(manager).__name__
 
@@ -267,10 +349,14 @@ class RewardManager:
         if self._workers is not None:
             self._workers.close()
             self._workers = None
+        if self._processes is not None:
+            self._processes.close()
 
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_workers"] = None  # threads and locks do not pickle; a copy starts its own
+        if self._processes is not None:
+            state["_processes"] = _ScoringProcesses(self._processes.fn, self._processes.processes)
         return state
 
     # ------------------------------------------------------------------ helpers
@@ -316,6 +402,18 @@ class RewardManager:
             return self._invoke(fn, self._kwargs(fn, data_source, solution_str, ground_truth, extra_info))
         except Exception as exc:
             return self._failure(exc, _fn_name(fn), _sample(i, data_source, solution_str, ground_truth))
+
+    def _call_in_processes(self, samples: list[tuple]) -> list:
+        """Every sample's result from the scoring processes; failures handled as in ``_call``."""
+        calls = [self._kwargs(self.compute_score, data_source, solution_str, ground_truth, extra_info)
+                 for _, solution_str, data_source, ground_truth, extra_info in samples]
+        results = []
+        for i, (result, (_, solution_str, data_source, ground_truth, _)) in enumerate(
+                zip(self._processes.run(calls, self.timeout_s), samples)):
+            if isinstance(result, Exception):
+                result = self._failure(result, self._name, _sample(i, data_source, solution_str, ground_truth))
+            results.append(result)
+        return results
 
     def _call_batch(self, samples: list[tuple]) -> list:
         """verl's batch manager: one call of the reward function for all ``samples``, with lists
@@ -422,7 +520,8 @@ class RewardManager:
             cause = None
             what = f"exceeded reward_model.timeout_s={self.timeout_s:g} s"
             fix = ("raise reward_model.timeout_s (or set it to null for no limit) if the function needs more "
-                   "time; the timed-out call keeps running in a background thread")
+                   "time; " + ("its scoring process was stopped" if self._processes is not None else
+                               "the timed-out call keeps running in a background thread"))
             stack = error.args[0] if error.args else "  (an async function, cancelled at the deadline)\n"
             details = f"\nThe call was at:\n{stack}"
         else:
@@ -604,7 +703,9 @@ class RewardManager:
         batch_scores = self._batch_source_scores(batch, [s[1] for s in samples], [s[3] for s in samples])
         step_source = next((source for source in self.sources or [] if source.step_keys), None)
 
-        if self.batched:
+        if self._processes is not None:
+            together = self._call_in_processes(samples)
+        elif self.batched:
             together = self._call_batch(samples)
         elif self.manager is not None or self.sources is None and inspect.iscoroutinefunction(self.compute_score):
             together = self._call_all(samples, batch)

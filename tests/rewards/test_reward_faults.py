@@ -3,6 +3,7 @@
 import asyncio
 import logging
 import math
+import os
 import pickle
 import threading
 import time
@@ -266,3 +267,44 @@ def test_manager_with_workers_pickles(tiny_tokenizer):
     assert extra["score"] == [1.0] and isinstance(reward, torch.Tensor)
     manager.close()
     copy.close()
+
+
+SCORED_IN_PROCESSES = '''
+import os
+import time
+
+
+def score(data_source, solution_str, ground_truth, extra_info=None, hang="never"):
+    if solution_str.strip() == hang:
+        time.sleep(120)
+    if solution_str.strip() == "boom":
+        raise ValueError("cannot parse")
+    return {"score": float(solution_str.strip() == ground_truth), "pid": os.getpid()}
+'''
+
+
+def test_scoring_processes_run_a_users_function_and_stop_a_hung_call(tiny_tokenizer, tmp_path, caplog):
+    """verl's prime / remote managers: the calls run in worker processes (the function of a user's
+    file carried there by value); a raising call fails its sample; a hung one is stopped at the
+    deadline with its process and the next batch is scored by fresh ones."""
+    from hybrid_rl.rewards import load_custom_reward_fn
+
+    (tmp_path / "score.py").write_text(SCORED_IN_PROCESSES)
+    fn = load_custom_reward_fn(str(tmp_path / "score.py"), "score", {"hang": "9"})
+    manager = RewardManager(tiny_tokenizer, fn, on_error="zero", timeout_s=20, processes=2)
+    try:
+        batch, _ = make_batch(tiny_tokenizer, ["a", "b", "c", "d"], ["1", "2", "boom", "5"], ["1", "3", "0", "5"])
+        _, extra = manager(batch)
+        assert extra["score"] == [1.0, 0.0, 0.0, 1.0] and extra["reward_failed"] == [False, False, True, False]
+        assert os.getpid() not in extra["pid"][:2] + extra["pid"][3:] and "cannot parse" in caplog.text
+        manager.timeout_s = 3
+        hung, _ = make_batch(tiny_tokenizer, ["a", "b"], ["9", "2"], ["9", "2"])
+        start = time.monotonic()
+        _, extra = manager(hung)
+        assert extra["reward_failed"] == [True, False] and time.monotonic() - start < 30
+        _, extra = manager(batch)  # fresh processes
+        assert extra["score"] == [1.0, 0.0, 0.0, 1.0]
+    finally:
+        manager.close()
+    with pytest.raises(ValueError, match="does not combine with reward.funcs, the batch manager"):
+        RewardManager(tiny_tokenizer, fn, batched=True, processes=2)
