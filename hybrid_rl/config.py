@@ -157,6 +157,12 @@ def validate_config(cfg: DictConfig) -> DictConfig:
                       ("critic", cfg.critic.fsdp_config), ("reward_model.model", cfg.reward_model.model.fsdp_config)):
         _choice(fsdp.dtype, ("auto", *TORCH_DTYPES), f"{key}.fsdp_config.dtype")
     _choice(rollout.enforce_eager, (None, True, False), "actor_rollout_ref.rollout.enforce_eager")
+    sizes = rollout.get("cudagraph_capture_sizes")
+    if sizes is not None and not (OmegaConf.is_list(sizes) and sizes and all(
+            isinstance(size, int) and not isinstance(size, bool) and size > 0 for size in sizes)):
+        raise ConfigError(f"actor_rollout_ref.rollout.cudagraph_capture_sizes={plain(sizes)!r} must be a list of "
+                          "batch sizes (whole numbers > 0) to capture CUDA graphs for, e.g. [1,2,4,8,16,32], or null "
+                          "for vLLM's own.")
     _choice(rollout.cpu_in_place_sync, ("auto", True, False), "actor_rollout_ref.rollout.cpu_in_place_sync")
     for key, strategy in (("actor_rollout_ref.actor.strategy", actor.strategy),
                           ("actor_rollout_ref.ref.strategy", cfg.actor_rollout_ref.ref.strategy),

@@ -451,10 +451,13 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(WORKS, "vLLM's logprobs_mode: processed_logprobs (verl's default: log-probs of the distribution sampled "
             "from, after temperature / top-k / top-p) or raw_logprobs (the model's own); the logits modes are "
             "refused (they would be read as log-probs)", "actor_rollout_ref.rollout.logprobs_mode"),
+    *_rules(WORKS, "on GPU, with CUDA graphs (enforce_eager false), the batch sizes vLLM captures them for "
+            "(its compilation_config.cudagraph_capture_sizes, as verl passes them); no effect on CPU, which runs no "
+            "CUDA graphs (not run on a GPU here)", "actor_rollout_ref.rollout.cudagraph_capture_sizes"),
     *_rules(WORKS, "vLLM's scheduling_policy (fcfs, or priority: every request has the same priority here, so the "
             "order is fcfs's)", "actor_rollout_ref.rollout.scheduling_policy"),
     *_rules(NOT_YET, "not built yet", "actor_rollout_ref.rollout.nnodes",
-            "actor_rollout_ref.rollout.cudagraph_capture_sizes", "actor_rollout_ref.rollout.pipeline_model_parallel_size",
+            "actor_rollout_ref.rollout.pipeline_model_parallel_size",
             "actor_rollout_ref.rollout.router_config_path",
             "actor_rollout_ref.rollout.quantization",
             "actor_rollout_ref.rollout.quantization_config_file", "actor_rollout_ref.rollout.disaggregation.enabled",

@@ -38,3 +38,18 @@ def test_latent_attention_keeps_vllm_cpus_blocks_and_takes_torchs_rotary_embeddi
     for chosen, expected in (("attention_backend=AMX_MLA", "AMX_MLA"), ("attention_config.backend=AMX_MLA", None)):
         rollout = compose_config([f"+actor_rollout_ref.rollout.engine_kwargs.vllm.{chosen}"]).actor_rollout_ref.rollout
         assert engine_kwargs(rollout, "cpu", latent_attention=True).get("attention_backend") == expected
+
+
+def test_cuda_graph_capture_sizes():
+    """verl's rollout.cudagraph_capture_sizes: vLLM's compilation_config on GPU with CUDA graphs,
+    beside what the user set there; nothing on CPU or in an eager engine."""
+    rollout = compose_config(["actor_rollout_ref.rollout.cudagraph_capture_sizes=[1,8,32]",
+                              "+actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config.level=3"]
+                             ).actor_rollout_ref.rollout
+    assert engine_kwargs(rollout, "cuda")["compilation_config"] == {"level": 3, "cudagraph_capture_sizes": [1, 8, 32]}
+    assert engine_kwargs(rollout, "cuda", eager=True)["compilation_config"] == {"level": 3}
+    assert engine_kwargs(rollout, "cpu", eager=True)["compilation_config"] == {"level": 3}
+    from hybrid_rl.config import ConfigError, validate_config
+
+    with pytest.raises(ConfigError, match="cudagraph_capture_sizes=8 must be a list of batch sizes"):
+        validate_config(compose_config(["actor_rollout_ref.rollout.cudagraph_capture_sizes=8"]))

@@ -231,6 +231,11 @@ def engine_kwargs(cfg: Any, device_type: str, latent_attention: bool = False, ea
     up-projection when the model loads, which a push does not pack again (vLLM 0.32's amx_mla.py,
     read; not run here)."""
     kwargs = current_engine_args(dict(cfg.engine_kwargs.vllm))
+    sizes = cfg.get("cudagraph_capture_sizes")
+    if sizes and device_type == "cuda" and not eager:  # verl's: the batch sizes vLLM captures CUDA graphs for
+        compilation = dict(kwargs.get("compilation_config") or {})
+        compilation["cudagraph_capture_sizes"] = [int(size) for size in sizes]
+        kwargs["compilation_config"] = compilation
     if device_type == "cpu" and latent_attention:
         compilation = dict(kwargs.get("compilation_config") or {})
         compilation["custom_ops"] = [*compilation.get("custom_ops", []), "-rotary_embedding"]
