@@ -119,6 +119,10 @@ def _start_scoring_process(pickled: bytes) -> None:
     _pool_function = pickle.loads(pickled)
 
 
+def _started_process(_) -> None:
+    time.sleep(0.1)  # long enough that each of the pool's processes takes one
+
+
 def _score_in_process(kwargs: dict):
     result = _pool_function(**kwargs)
     if inspect.isawaitable(result):
@@ -150,6 +154,8 @@ class _ScoringProcesses:
                 cloudpickle.register_pickle_by_value(module)  # a user's file: not importable by name
             self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("forkserver"),
                                              initializer=_start_scoring_process, initargs=(cloudpickle.dumps(fn),))
+            # Every process started (its imports, the function loaded) before any call's deadline runs.
+            list(self._pool.map(_started_process, range(self.processes)))
         return self._pool
 
     def run(self, calls: list[dict], timeout: float | None) -> list:
