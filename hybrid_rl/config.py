@@ -735,7 +735,7 @@ def check_gdpo(cfg: DictConfig) -> None:
                           "of the dict your reward function returns, e.g. [format_reward,accuracy_reward].")
     if weights is not None:
         count = len(keys) if keys is not None else len(cfg.reward.funcs)
-        if (isinstance(weights, str) or not (OmegaConf.is_list(weights) or isinstance(weights, list))
+        if (not (OmegaConf.is_list(weights) or isinstance(weights, list))
                 or len(weights) != count or not all(isinstance(w, (int, float)) and not isinstance(w, bool)
                                                      and math.isfinite(w) for w in weights)):
             raise ConfigError(f"algorithm.gdpo_reward_weights={plain(weights)!r} must be {count} finite numbers, one "

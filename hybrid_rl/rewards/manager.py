@@ -451,9 +451,11 @@ class RewardManager:
         ground truth, extra info), awaited together; failures handled as in ``_call``. With a
         verl 0.9 reward manager of the user's (``manager``): its ``run_single`` on each row of
         ``batch``, its ``{"reward_score", "reward_extra_info"}`` as our ``{"score", ...}``."""
+        rows = DataProtoView.of(batch) if self.manager is not None else None
+
         def start(i, sample):
             if self.manager is not None:
-                return self.manager.run_single(self._rows[i:i + 1])
+                return self.manager.run_single(rows[i:i + 1])
             _, solution_str, data_source, ground_truth, extra_info = sample
             return self.compute_score(**self._kwargs(self.compute_score, data_source, solution_str, ground_truth,
                                                      extra_info))
@@ -470,7 +472,6 @@ class RewardManager:
                 self.manager.loop = asyncio.get_running_loop()  # verl's run_single hands work to self.loop
             return await asyncio.gather(*(one(i, sample) for i, sample in enumerate(samples)), return_exceptions=True)
 
-        self._rows = DataProtoView.of(batch) if self.manager is not None else None
         results = []
         for i, (result, (_, solution_str, data_source, ground_truth, _)) in enumerate(zip(asyncio.run(every()), samples)):
             if isinstance(result, Exception):
@@ -483,7 +484,6 @@ class RewardManager:
                                     f"for sample {i}; return {{'reward_score': float, 'reward_extra_info': dict}}")
                 result = {**(result.get("reward_extra_info") or {}), "score": result["reward_score"]}
             results.append(result)
-        self._rows = None
         return results
 
     def _whole_batch(self, batch) -> tuple[torch.Tensor, dict[str, list]]:
