@@ -22,6 +22,7 @@ from hybrid_rl.controller.worker_group import PLACEMENT_STRATEGIES
 from hybrid_rl.engines import ENGINES, lora, ulysses
 from hybrid_rl.engines.base import CHECKPOINT_PARTS
 from hybrid_rl.engines.megatron import lora as megatron_lora
+from hybrid_rl.engines.megatron.checks import adopt_layers_per_virtual_stage
 from hybrid_rl.engines.megatron.checks import check_roles as check_megatron_roles
 from hybrid_rl.engines.megatron.checks import context_parallel_size as megatron_context_parallel_size
 from hybrid_rl.engines.megatron.checks import parallel_sizes as megatron_parallel_sizes
@@ -1355,7 +1356,8 @@ def _positive(value, key: str) -> None:
 
 def check_model_limits(cfg: DictConfig, model_path: str, reward_model_config=None) -> None:
     """Prompt + response must fit the model's context window, and a Megatron layout the model
-    (and the reward model's, `reward_model_config`, when it runs on Megatron)."""
+    (and the reward model's, `reward_model_config`, when it runs on Megatron); verl 0.2's layers
+    per virtual pipeline stage become the virtual pipeline size they imply for the model."""
     from hybrid_rl.models import ModelPathError
     from hybrid_rl.models import model_config as read_model_config
 
@@ -1390,6 +1392,7 @@ def check_model_limits(cfg: DictConfig, model_path: str, reward_model_config=Non
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
     try:
+        adopt_layers_per_virtual_stage(cfg, model_config, roles, {"reward_model": reward_model_config})
         check_megatron_roles(cfg, model_config, roles, {"reward_model": reward_model_config})
     except (ValueError, RuntimeError) as exc:
         raise ConfigError(str(exc)) from None

@@ -185,8 +185,11 @@ RULES: tuple[Rule, ...] = tuple([
             "critic.model.fsdp_config.grad_offload"),
     *_rules(NO_EFFECT, "verl 0.2's wrap policy: FSDP2 shards each decoder layer", "reward_model.model.fsdp_config.min_num_params"),
     *_rules(NO_EFFECT, "the KL controller is algorithm.kl_ctrl", "critic.kl_ctrl.*"),
-    *_rules(NOT_YET, "verl 0.2's form of the virtual pipeline: set virtual_pipeline_model_parallel_size (layers / "
-            "pipeline stages / this)", "*.megatron.num_layers_per_virtual_pipeline_stage"),
+    *_rules(WORKS, "megatron-LM's form of the virtual pipeline (verl 0.2 declared it and read nothing): sets "
+            "virtual_pipeline_model_parallel_size to each pipeline stage's layers / this for the role's model; refused "
+            "where it does not divide them, without pipeline stages, or beside a different "
+            "virtual_pipeline_model_parallel_size; the reference follows the actor's",
+            "*.megatron.num_layers_per_virtual_pipeline_stage"),
     *_rules(NOT_YET, "verl 0.4-0.5's Nsight profiler steps; the torch profiler runs over global_profiler.steps with "
             "global_profiler.tool=torch", "trainer.profile_steps"),
     *_rules(NO_EFFECT, "options of the Nsight profiler, which is not supported yet", "trainer.controller_nsight_options.*",

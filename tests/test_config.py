@@ -467,6 +467,50 @@ def test_global_micro_batch_sizes_that_leave_a_replica_nothing_or_come_twice_are
             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu are both set") in cli.stderr
 
 
+@pytest.fixture(scope="module")
+def eight_layer_model_dir(tmp_path_factory, tiny_tokenizer) -> str:
+    from tests.conftest import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("eight_layers"), tiny_tokenizer, num_layers=8)
+
+
+def test_verl02s_layers_per_virtual_pipeline_stage_set_the_virtual_pipeline_size(eight_layer_model_dir):
+    from hybrid_rl.config import check_model_limits
+
+    layout = ["trainer.device=cpu", "trainer.n_gpus_per_node=2",
+              "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2", "actor_rollout_ref.actor.use_kl_loss=true"]
+    # 8 layers over 2 pipeline stages: 4 a stage, 2 a virtual stage, so 2 virtual stages (the
+    # reference follows the actor, as its virtual pipeline size does in verl's tree).
+    cfg = validate_config(compose_config([*layout, "actor_rollout_ref.actor.megatron.num_layers_per_virtual_pipeline_stage=2"],
+                                         config_name="ppo_megatron_trainer"))
+    check_model_limits(cfg, eight_layer_model_dir)
+    assert cfg.actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size == 2
+    assert cfg.actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size == 2
+    cfg = validate_config(compose_config([*layout, "actor_rollout_ref.actor.megatron.num_layers_per_virtual_pipeline_stage=1",
+                                          "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=4"],
+                                         config_name="ppo_megatron_trainer"))
+    check_model_limits(cfg, eight_layer_model_dir)
+    assert cfg.actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size == 4
+    for extra, message in [
+        (["actor_rollout_ref.actor.megatron.num_layers_per_virtual_pipeline_stage=3"],
+         r"num_layers_per_virtual_pipeline_stage=3 does not divide the 4 layers of each of the 2 pipeline stages "
+         r"\(valid here: 1, 2, 4\)"),
+        (["actor_rollout_ref.actor.megatron.num_layers_per_virtual_pipeline_stage=2",
+          "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=4"],
+         r"num_layers_per_virtual_pipeline_stage=2 means virtual_pipeline_model_parallel_size=2 for this model .* "
+         r"but virtual_pipeline_model_parallel_size=4 is set: keep one"),
+        (["actor_rollout_ref.actor.megatron.num_layers_per_virtual_pipeline_stage=0"],
+         r"num_layers_per_virtual_pipeline_stage must be >= 1 \(got 0\)"),
+        (["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1",
+          "actor_rollout_ref.actor.megatron.num_layers_per_virtual_pipeline_stage=2"],
+         r"num_layers_per_virtual_pipeline_stage=2 splits each pipeline stage into virtual stages, which needs "
+         r"pipeline_model_parallel_size > 1 \(it is 1\)"),
+    ]:
+        cfg = validate_config(compose_config([*layout, *extra], config_name="ppo_megatron_trainer"))
+        with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.megatron." + message):
+            check_model_limits(cfg, eight_layer_model_dir)
+
+
 def test_older_verl_names_set_the_keys_they_are_now():
     from hybrid_rl.config import settings_given_twice
     from hybrid_rl.config_keys import check_verl_keys

@@ -142,6 +142,58 @@ def frozen_routers(key: str, megatron_cfg: Any, layout: convert.Layout) -> bool:
     return freeze
 
 
+def virtual_stages_from_layers_per_stage(key: str, megatron_cfg: Any, num_layers: int) -> int | None:
+    """verl 0.2's `num_layers_per_virtual_pipeline_stage` (megatron-LM's argument of that name,
+    which verl 0.2 declared but never read) as the virtual pipeline size it implies: each pipeline
+    stage's layers / this, as megatron-LM computes it. None when it is unset."""
+    per_stage = megatron_cfg.get("num_layers_per_virtual_pipeline_stage")
+    if per_stage is None:
+        return None
+    section = f"{key}.megatron"
+    pp = int(megatron_cfg.pipeline_model_parallel_size)
+    if int(per_stage) < 1:
+        raise ValueError(f"{section}.num_layers_per_virtual_pipeline_stage must be >= 1 (got {per_stage}).")
+    if pp < 2:
+        raise ValueError(f"{section}.num_layers_per_virtual_pipeline_stage={per_stage} splits each pipeline stage "
+                         "into virtual stages, which needs pipeline_model_parallel_size > 1 (it is 1): raise it, or "
+                         "drop the key.")
+    if num_layers % pp:
+        raise ValueError(f"{section}.pipeline_model_parallel_size={pp} does not divide the model's {num_layers} "
+                         "layers.")
+    stage_layers = num_layers // pp
+    if stage_layers % int(per_stage):
+        valid = [n for n in range(1, stage_layers + 1) if stage_layers % n == 0]
+        raise ValueError(f"{section}.num_layers_per_virtual_pipeline_stage={per_stage} does not divide the "
+                         f"{stage_layers} layers of each of the {pp} pipeline stages (valid here: "
+                         f"{', '.join(map(str, valid))}).")
+    vpp = stage_layers // int(per_stage)
+    given = megatron_cfg.get("virtual_pipeline_model_parallel_size")
+    if given is not None and int(given) != vpp:
+        raise ValueError(f"{section}.num_layers_per_virtual_pipeline_stage={per_stage} means "
+                         f"virtual_pipeline_model_parallel_size={vpp} for this model ({num_layers} layers, {pp} "
+                         f"pipeline stages), but virtual_pipeline_model_parallel_size={given} is set: keep one.")
+    return vpp
+
+
+def adopt_layers_per_virtual_stage(cfg: Any, hf_config: Any, roles: dict[str, bool],
+                                   role_configs: dict[str, Any] | None = None) -> None:
+    """Each Megatron role's `num_layers_per_virtual_pipeline_stage` set as the virtual pipeline size
+    it implies for its model. The reference, whose virtual pipeline size follows the actor's in
+    verl's tree, follows the actor's layers per virtual stage too unless it sets either itself."""
+    megatron = [key for key, used in roles.items() if used and _section(cfg, key).strategy == "megatron"]
+    actor, ref = cfg.actor_rollout_ref.actor.get("megatron"), cfg.actor_rollout_ref.ref.get("megatron")
+    if (actor is not None and ref is not None and actor.get("num_layers_per_virtual_pipeline_stage") is not None
+            and ref.get("num_layers_per_virtual_pipeline_stage") is None
+            and ref.get("virtual_pipeline_model_parallel_size") is None):
+        ref.num_layers_per_virtual_pipeline_stage = actor.num_layers_per_virtual_pipeline_stage
+    for key in megatron:
+        section = _section(cfg, key)
+        num_layers = convert.Layout.from_hf_config((role_configs or {}).get(key, hf_config)).num_layers
+        vpp = virtual_stages_from_layers_per_stage(key, section.megatron, num_layers)
+        if vpp is not None:
+            section.megatron.virtual_pipeline_model_parallel_size = vpp
+
+
 def check_roles(cfg: Any, hf_config: Any, roles: dict[str, bool], role_configs: dict[str, Any] | None = None) -> None:
     """Check every role (`{"actor_rollout_ref.actor": in use, ...}`) whose strategy is megatron;
     `role_configs` holds the HF config of a role whose model is not the policy's (a reward model)."""
