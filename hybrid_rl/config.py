@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hybrid_rl.agent.formats import FORMATS
 from hybrid_rl.algorithms import (
-    ADV_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, PF_PPO_WEIGHTS, POLICY_LOSSES, ROLLOUT_RS_MODES,
+    ADV_ESTIMATORS, BYPASS_LOSS_TYPES, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, PF_PPO_WEIGHTS, POLICY_LOSSES, ROLLOUT_RS_MODES,
 )
 from hybrid_rl.checkpoint import mirror_file_system, narrowed_load_contents
 from hybrid_rl.config_keys import DEVIATIONS, RENAMED_KEYS, check_verl_keys, plain, verl_defaults
@@ -247,12 +247,15 @@ def validate_config(cfg: DictConfig) -> DictConfig:
                           "e.g. 1e-4, or null for no veto.")
     if correction.bypass_mode is None:
         correction.bypass_mode = not cfg.actor_rollout_ref.hybrid_engine
-    if correction.bypass_mode and (correction.rollout_is or correction.rollout_rs or veto is not None):
-        raise ConfigError("algorithm.rollout_correction.bypass_mode=true makes the engine's log-probs the old "
-                          "log-probs of the PPO ratio, which then corrects for the behaviour policy itself: there is "
-                          "no second set of log-probs for rollout_is / rollout_rs / rollout_token_veto_threshold to "
-                          "compare them with. Set bypass_mode=false to use those (the actor then recomputes the old "
-                          "log-probs).")
+    _choice(correction.loss_type, BYPASS_LOSS_TYPES, "algorithm.rollout_correction.loss_type")
+    if correction.loss_type != "ppo_clip" and not correction.bypass_mode:
+        raise ConfigError(f"algorithm.rollout_correction.loss_type={correction.loss_type} is bypass mode's loss (the "
+                          "engine's log-probs as the old ones): set algorithm.rollout_correction.bypass_mode=true, "
+                          "or loss_type=ppo_clip.")
+    if correction.loss_type == "reinforce" and actor.policy_loss.loss_mode != "vanilla":
+        raise ConfigError(f"algorithm.rollout_correction.loss_type=reinforce replaces the policy loss, but "
+                          f"actor_rollout_ref.actor.policy_loss.loss_mode={actor.policy_loss.loss_mode} is set: keep "
+                          "one (loss_type=ppo_clip trains with that loss in bypass mode).")
     sum_pi_squared = cfg.actor_rollout_ref.actor.calculate_sum_pi_squared
     if algo.adv_estimator in ("optimal_token_baseline", "tir_optimal_token_baseline") and not sum_pi_squared:
         raise ConfigError(f"algorithm.adv_estimator={algo.adv_estimator} weighs every token by Σπ² of the actor's "

@@ -154,6 +154,9 @@ RENAMED_KEYS: dict[str, Renamed] = {
                                                     " (true: 1, verl 0.2 kept only the newest checkpoint)"),
     **{f"{role}.checkpoint.contents": Renamed((f"{role}.checkpoint.save_contents", f"{role}.checkpoint.load_contents"))
        for role in ("actor_rollout_ref.actor", "critic")},
+    "algorithm.rollout_correction.use_policy_gradient": Renamed(("algorithm.rollout_correction.loss_type",),
+                                                                lambda pg: "reinforce" if pg else "ppo_clip",
+                                                                " (true: reinforce)"),
     "ray_init.num_cpus": Renamed(("ray_kwargs.ray_init.num_cpus",)),
     "ray_init.timeline_json_file": Renamed(("ray_kwargs.timeline_json_file",)),
     "actor_rollout_ref.profiler.all_ranks": Renamed(("actor_rollout_ref.actor.profiler.all_ranks",)),
@@ -205,8 +208,6 @@ RULES: tuple[Rule, ...] = tuple([
             "actor_rollout_ref.rollout.use_fire_sampling"),
     *_rules(NOT_YET, "verl 0.4-0.5's SGLang completion callback is not built",
             "actor_rollout_ref.rollout.multi_turn.completion_callback"),
-    *_rules(NOT_YET, "bypass mode trains with the PPO clipped loss only (verl 0.6's switch to its policy-gradient "
-            "loss)", "algorithm.rollout_correction.use_policy_gradient"),
     # --- verl keys our own groups do not set but the code reads
     *_rules(WORKS, "", "actor_rollout_ref.ref.strategy", "actor_rollout_ref.rollout.engine_kwargs.vllm",
             "actor_rollout_ref.rollout.max_model_len", "ray_kwargs.ray_init.num_cpus",
@@ -551,7 +552,9 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(WORKS, "PF-PPO: after GAE the batch is drawn again with replacement, each response by a weight of its "
             "score (reweight_method pow: |score|^weight_pow, max_min, max_random), as verl draws it; refused with "
             "other estimators, where verl ignores it", "algorithm.use_pf_ppo", "algorithm.pf_ppo.*"),
-    *_rules(NOT_YET, "bypass mode trains with the PPO clipped loss (ppo_clip) only",
+    *_rules(WORKS, "bypass mode's loss: ppo_clip, the actor's policy loss with the engine's log-probs as the old "
+            "ones; reinforce, -A * log pi * w with w the truncated ratio pi_current / pi_rollout of rollout_is (1 "
+            "without), whatever policy_loss.loss_mode says; refused without bypass_mode=true",
             "algorithm.rollout_correction.loss_type"),
     *_rules(NO_EFFECT, "verl's asynchronous trainer overlaps generation batches; here they run one after another",
             "algorithm.filter_groups.max_inflight_gen_batches"),

@@ -66,15 +66,21 @@ def multi_turn_metrics(batch: Batch, prefix: str = "") -> dict[str, float]:
     return metrics
 
 
+def reduce_values(key: str, values: list[float]) -> float:
+    """One value of a metric from several (ranks, mini-batches): max for *_max, min for *_min,
+    else the mean."""
+    if key.endswith("_max"):
+        return max(values)
+    return min(values) if key.endswith("_min") else sum(values) / len(values)
+
+
 def reduce_worker_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """Mean over ranks (per-rank losses are already scaled so that this mean is exact); metrics
-    named *_max take the max."""
+    """`reduce_values` over ranks (per-rank losses are already scaled so that the mean is exact)."""
     merged: dict[str, list[float]] = defaultdict(list)
     for metrics in per_rank:
         for key, value in metrics.items():
             merged[key].append(value)
-    return {key: max(values) if key.endswith("_max") else sum(values) / len(values)
-            for key, values in merged.items()}
+    return {key: reduce_values(key, values) for key, values in merged.items()}
 
 
 class Timer:

@@ -27,8 +27,9 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig
 
 from hybrid_rl.algorithms import (
-    RunningMoments, apply_kl_penalty, compute_rollout_correction, get_advantage_estimator, get_kl_controller,
-    groups_with_variance, mismatch_metrics, overlong_penalty, pf_ppo_resample, shape_advantages, shape_scores,
+    RunningMoments, apply_kl_penalty, compute_rollout_correction, correction_settings, get_advantage_estimator,
+    get_kl_controller, groups_with_variance, mismatch_metrics, overlong_penalty, pf_ppo_resample, shape_advantages,
+    shape_scores,
 )
 from hybrid_rl import seqlen_balancing
 from hybrid_rl.checkpoint import (CRITIC, CheckpointManager, PendingCheckpoint, build_checkpoint_callback,
@@ -935,13 +936,9 @@ class Trainer:
         if "old_log_probs" in batch and "rollout_log_probs" in batch and not self.bypass:
             old, rollout, mask = batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"]
             metrics.update(mismatch_metrics(old, rollout, mask))
-            rc = cfg.rollout_correction
-            veto = rc.get("rollout_token_veto_threshold")  # verl 0.7's key
-            if rc.rollout_is or rc.rollout_rs or veto is not None:
-                weights, batch["response_mask"], rc_metrics = compute_rollout_correction(
-                    old, rollout, mask, rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
-                    rollout_rs=rc.rollout_rs, rollout_rs_threshold=rc.rollout_rs_threshold,
-                    token_veto_threshold=veto, batch_normalize=rc.rollout_is_batch_normalize)
+            settings = correction_settings(cfg.rollout_correction)
+            if settings is not None:
+                weights, batch["response_mask"], rc_metrics = compute_rollout_correction(old, rollout, mask, **settings)
                 if weights is not None:
                     batch["rollout_is_weights"] = weights
                 metrics.update(rc_metrics)

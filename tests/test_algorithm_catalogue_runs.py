@@ -79,6 +79,13 @@ CASES = {
                                "algorithm.rollout_correction.rollout_is=token", f"{A}policy_loss.loss_mode=dppo_tv"],
     "tir_optimal_token_baseline": ["algorithm.adv_estimator=tir_optimal_token_baseline",
                                    f"{A}calculate_sum_pi_squared=true", f"{A}policy_loss.loss_mode=dppo_kl"],
+    # Bypass mode with verl 0.6's policy-gradient switch: REINFORCE weighted by the truncated ratio of
+    # the trained policy to the engine's, rejection masks from the same ratio.
+    "grpo_bypass_reinforce": ["algorithm.adv_estimator=grpo", "algorithm.rollout_correction.bypass_mode=true",
+                              "algorithm.rollout_correction.use_policy_gradient=true",
+                              "algorithm.rollout_correction.rollout_is=sequence",
+                              "algorithm.rollout_correction.rollout_rs=token_k1",
+                              "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0"],
     # verl 0.9's form: the keys added with +, the reward manager in its newest place.
     "gdpo": ["algorithm.adv_estimator=gdpo", "+algorithm.gdpo_reward_keys=[answer,brevity]",
              "+algorithm.gdpo_reward_weights=[1.0,0.5]", "reward.reward_manager.name=gdpo",
@@ -98,6 +105,8 @@ EXPECTED_METRICS = {
     "reinforce_plus_plus": ["actor/reward_kl_penalty"],
     "remax": ["timing_s/gen_max"],
     "gpg": ["actor/kl_loss"],
+    "grpo_bypass_reinforce": ["rollout_corr/rollout_is_min", "rollout_corr/rollout_is_mean",
+                              "rollout_corr/rollout_rs_masked_fraction", "rollout_corr/abs_logp_diff_max"],
     "gdpo": ["gdpo/answer/mean", "gdpo/answer/std", "gdpo/brevity/max", "gdpo/brevity/min"],
 }
 

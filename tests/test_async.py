@@ -152,9 +152,10 @@ def test_config_refuses_what_a_rollout_pool_cannot_do_yet():
                            (["rollout.n_gpus_per_node=0"], "positive integer"),
                            (["actor_rollout_ref.rollout.tensor_model_parallel_size=2"], "must divide"),
                            (["algorithm.filter_groups.enable=true"], "dynamic sampling"),
-                           (["algorithm.adv_estimator=remax"], "greedy baseline"),
-                           (["algorithm.rollout_correction.rollout_is=token"], "bypass_mode=false")]:
+                           (["algorithm.adv_estimator=remax"], "greedy baseline")]:
         with pytest.raises(ConfigError, match=message):
             validate_config(compose_config(pool + extra))
     assert validate_config(compose_config(pool)).algorithm.rollout_correction.bypass_mode is True
+    # Bypass mode's weights compare the trained policy with the engine's, in the loss.
+    validate_config(compose_config(pool + ["algorithm.rollout_correction.rollout_is=token"]))
     assert validate_config(compose_config([])).algorithm.rollout_correction.bypass_mode is False

@@ -111,6 +111,25 @@ def test_sum_pi_squared_needs_the_actors_log_prob_pass():
         validate_config(compose_config([*otb, "algorithm.rollout_correction.bypass_mode=true"]))
 
 
+def test_bypass_modes_loss_type_and_verl06s_policy_gradient_switch():
+    bypass = ["algorithm.rollout_correction.bypass_mode=true"]
+    cfg = validate_config(compose_config([*bypass, "algorithm.rollout_correction.use_policy_gradient=true",
+                                          "algorithm.rollout_correction.rollout_is=token"]))
+    assert cfg.algorithm.rollout_correction.loss_type == "reinforce"
+    # In bypass mode the weights and masks compare the trained policy with the engine's.
+    validate_config(compose_config([*bypass, "algorithm.rollout_correction.rollout_rs=token_k1",
+                                    "algorithm.rollout_correction.rollout_rs_threshold=2.0"]))
+    for overrides, message in [
+        (["algorithm.rollout_correction.loss_type=reinforce"],
+         "loss_type=reinforce is bypass mode's loss .* set algorithm.rollout_correction.bypass_mode=true"),
+        ([*bypass, "algorithm.rollout_correction.loss_type=pg"], "loss_type='pg' is not valid"),
+        ([*bypass, "algorithm.rollout_correction.loss_type=reinforce", "actor_rollout_ref.actor.policy_loss.loss_mode=gspo"],
+         "loss_type=reinforce replaces the policy loss, but actor_rollout_ref.actor.policy_loss.loss_mode=gspo"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            validate_config(compose_config(overrides))
+
+
 def test_vllm_engine_arguments_under_names_vllm_dropped_are_translated_as_verl_does():
     from hybrid_rl.workers.rollout import current_engine_args
 

@@ -25,11 +25,14 @@ from .shaping import (
 )
 from .kl import full_kl_from_logits
 from .kl_control import AdaptiveKLController, FixedKLController, apply_kl_penalty, get_kl_controller
-from .rollout_correction import ROLLOUT_RS_MODES, compute_rollout_correction, mismatch_metrics
+from .rollout_correction import (
+    BYPASS_LOSS_TYPES, ROLLOUT_RS_MODES, compute_rollout_correction, correction_settings, mismatch_metrics,
+)
 from .value_loss import compute_value_loss
 
 __all__ = [
     "ADV_ESTIMATORS",
+    "BYPASS_LOSS_TYPES",
     "GROUP_ESTIMATORS",
     "AdaptiveKLController",
     "FixedKLController",
@@ -46,6 +49,7 @@ __all__ = [
     "clip_rewards",
     "compute_grpo_outcome_advantage",
     "compute_rollout_correction",
+    "correction_settings",
     "compute_value_loss",
     "entropy_from_logits",
     "full_kl_from_logits",

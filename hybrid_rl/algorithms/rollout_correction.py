@@ -5,6 +5,10 @@ coming from π_old, the trainer's recomputation of the same policy. With log ρ 
 sampled token this module gives truncated importance-sampling (TIS) weights, a rejection mask for outlier
 tokens / sequences, and mismatch diagnostics. Config: ``algorithm.rollout_correction``.
 
+In bypass mode (the engine's log-probs are the old ones) the same weights and masks compare the policy
+being trained, π_θ, with π_rollout, in each micro-batch's loss (``loss_type``: ppo_clip applies the masks
+only, reinforce the weights too: L = −A·log π_θ·w).
+
 Rejection statistics per token (ρ = π_old / π_rollout; expectations under π_rollout):
 k1 = −log ρ, k2 = ½(log ρ)², k3 = ρ − 1 − log ρ (≥ 0); E[k1] = E[k3] = KL(π_rollout ‖ π_old).
 """
@@ -22,6 +26,7 @@ SAFETY_BOUND = 20.0  # |log ρ| bound before every exp, so weights stay finite
 BATCH_NORM_MIN_MEAN = 1e-8  # batch-normalisation is skipped below this mean weight
 
 ROLLOUT_IS_MODES = ("token", "sequence")
+BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
 
 _TOKEN_STATS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "k1": lambda log_ratio: -log_ratio,
@@ -215,3 +220,15 @@ def compute_rollout_correction(
         }
     metrics.update({f"rollout_corr/rollout_is_{k}": v for k, v in stats.items()})
     return weights, new_mask, metrics
+
+
+def correction_settings(rollout_correction) -> dict | None:
+    """`compute_rollout_correction`'s keyword arguments from ``algorithm.rollout_correction``, or
+    None when it asks for neither weights, rejection nor the veto."""
+    rc = rollout_correction
+    veto = rc.get("rollout_token_veto_threshold")  # verl 0.7's key
+    if not (rc.rollout_is or rc.rollout_rs or veto is not None):
+        return None
+    return dict(rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold, rollout_rs=rc.rollout_rs,
+                rollout_rs_threshold=rc.rollout_rs_threshold, token_veto_threshold=veto,
+                batch_normalize=rc.rollout_is_batch_normalize)

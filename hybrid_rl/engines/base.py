@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid_rl import seqlen_balancing
+from hybrid_rl.metrics import reduce_values
 from hybrid_rl.protocol import Batch
 
 FORWARD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
@@ -397,17 +398,20 @@ def all_reduce_scalar(value: float, device: torch.device, op=dist.ReduceOp.SUM, 
 
 
 def combine_metric(key: str, total: float | None, value: float) -> float:
-    """Metrics named *_max combine by max, all others by sum."""
+    """Metrics named *_max combine by max, *_min by min, all others by sum."""
     if total is None:
         return value
-    return max(total, value) if key.endswith("_max") else total + value
+    if key.endswith("_max"):
+        return max(total, value)
+    return min(total, value) if key.endswith("_min") else total + value
 
 
 def summarise(key: str, values: list[float]) -> float:
-    """One value from per-mini-batch values: the total for the token count, max for *_max, else the mean."""
+    """One value from per-mini-batch values: the total for the token count, else as ranks' values
+    are reduced (`metrics.reduce_values`)."""
     if key == FORWARD_TOKENS:
         return float(sum(values))
-    return max(values) if key.endswith("_max") else sum(values) / len(values)
+    return reduce_values(key, values)
 
 
 def token_share(mask: torch.Tensor, agg_kwargs: dict) -> float:

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from hybrid_rl.algorithms import (
-    aggregate_loss, entropy_from_logits, full_kl_from_logits, get_policy_loss, kl_penalty, mismatch_metrics,
-    token_log_probs,
+    aggregate_loss, compute_rollout_correction, correction_settings, entropy_from_logits, full_kl_from_logits,
+    get_policy_loss, kl_penalty, mismatch_metrics, token_log_probs,
 )
 from hybrid_rl.config import needs_reference
 from hybrid_rl.controller import Dispatch, register
@@ -195,7 +195,11 @@ class ActorRolloutRefWorker(ModelWorker):
         cfg = self.cfg.actor_rollout_ref.actor
         n = self.cfg.actor_rollout_ref.rollout.n
         temperature = batch.meta.temperature
-        policy_loss = get_policy_loss(cfg.policy_loss.loss_mode)
+        correction = self.cfg.algorithm.rollout_correction
+        bypass = bool(correction.bypass_mode)
+        # Bypass mode's reinforce loss takes the place of the policy loss (config.py refuses another loss_mode).
+        policy_loss = get_policy_loss("reinforce" if bypass and correction.loss_type == "reinforce"
+                                      else cfg.policy_loss.loss_mode)
         # One mini-batch and one epoch: the data were sampled by these exact weights, so the
         # ratio is 1 and the old log-probs are the current ones, detached.
         on_policy = "old_log_probs" not in batch
@@ -209,11 +213,15 @@ class ActorRolloutRefWorker(ModelWorker):
 
         # The update's forward is where the trainer's log-probs of the sampled tokens first exist:
         # on policy, and in bypass mode (the engine's are the old ones), it measures the mismatch.
-        measure = on_policy or bool(self.cfg.algorithm.rollout_correction.bypass_mode)
+        measure = on_policy or bypass
+        # In bypass mode rollout_is / rollout_rs compare the policy being trained with the engine's,
+        # micro-batch by micro-batch, as verl's bypass loss does.
+        in_loss_correction = correction_settings(correction) if bypass else None
 
         def loss_fn(out: dict, t: dict, agg_kwargs: dict):
             return self._actor_loss(out, t, {**agg_kwargs, "loss_scale_factor": cfg.loss_scale_factor},
-                                    cfg, policy_loss, temperature, on_policy, measure)
+                                    cfg, policy_loss, temperature, on_policy, measure, in_loss_correction,
+                                    correction.loss_type == "reinforce")
 
         # The full KL is the only loss that needs whole next-token distributions, the reference's
         # among them (its weights on the GPU throughout).
@@ -225,7 +233,8 @@ class ActorRolloutRefWorker(ModelWorker):
         return metrics
 
     def _actor_loss(self, out: dict, t: dict, agg_kwargs: dict, cfg, policy_loss, temperature: float,
-                    on_policy: bool, measure_mismatch: bool):
+                    on_policy: bool, measure_mismatch: bool, in_loss_correction: dict | None = None,
+                    weighted_by_correction: bool = False):
         mask = t["response_mask"]
         mode = cfg.loss_agg_mode
         full_kl = "logits" in out
@@ -237,8 +246,14 @@ class ActorRolloutRefWorker(ModelWorker):
         if cfg.entropy_coeff == 0:
             entropy = entropy.detach()  # a metric only: no backward through it
         old = log_prob.detach() if on_policy else t["old_log_probs"]
-        pg_loss, pg_metrics = policy_loss(old, log_prob, t["advantages"], mask, loss_agg_mode=mode, config=cfg,
-                                          agg_kwargs=agg_kwargs, rollout_is_weights=t.get("rollout_is_weights"))
+        pg_mask, is_weights, correction_metrics = mask, t.get("rollout_is_weights"), {}
+        if in_loss_correction is not None:  # bypass mode: pi_theta against the engine's pi_rollout
+            weights, pg_mask, correction_metrics = compute_rollout_correction(
+                log_prob.detach(), t["rollout_log_probs"], mask, **in_loss_correction)
+            # ppo_clip: its ratio is already pi_theta / pi_rollout, so the weights are metrics only.
+            is_weights = weights if weighted_by_correction else None
+        pg_loss, pg_metrics = policy_loss(old, log_prob, t["advantages"], pg_mask, loss_agg_mode=mode, config=cfg,
+                                          agg_kwargs=agg_kwargs, rollout_is_weights=is_weights)
         entropy_agg = aggregate_loss(entropy, mask, mode, **agg_kwargs)
         loss = pg_loss - cfg.entropy_coeff * entropy_agg
         share = token_share(mask, agg_kwargs)
@@ -253,9 +268,10 @@ class ActorRolloutRefWorker(ModelWorker):
             kl_loss = aggregate_loss(kld, mask, mode, **agg_kwargs)
             loss = loss + cfg.kl_loss_coef * kl_loss
             terms["actor/kl_loss"] = float(kl_loss.detach())
-        if measure_mismatch and "rollout_log_probs" in t:
-            for key, value in mismatch_metrics(log_prob.detach(), t["rollout_log_probs"], mask).items():
-                terms[key] = value if key.endswith("_max") else value * share
+        if measure_mismatch and "rollout_log_probs" in t and not correction_metrics:
+            correction_metrics = mismatch_metrics(log_prob.detach(), t["rollout_log_probs"], mask)
+        for key, value in correction_metrics.items():  # extremes as they are, means weighted by the tokens
+            terms[key] = value if key.endswith(("_max", "_min")) else value * share
         return loss, terms
 
 

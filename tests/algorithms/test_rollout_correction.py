@@ -317,7 +317,6 @@ def test_token_veto_drops_the_sequences_verl_07_vetoed(rollout_rs):
 @pytest.mark.parametrize("overrides, match", [
     (["rollout_token_veto_threshold=0"], r"rollout_token_veto_threshold=0 must be a positive number"),
     (["rollout_token_veto_threshold=abc"], r"rollout_token_veto_threshold='abc' must be a positive number"),
-    (["rollout_token_veto_threshold=1e-4", "bypass_mode=true"], r"rollout_token_veto_threshold to compare"),
     (["rollout_rs=token", "rollout_rs_threshold=2.0", "rollout_rs_threshold_lower=3.0"],
      r"rollout_rs=token \(verl 0.7's level\) .* 0 < lower <= upper"),
     (["rollout_rs=token_k1", "rollout_rs_threshold=2.0", "rollout_rs_threshold_lower=0.5"],
