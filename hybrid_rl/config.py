@@ -198,6 +198,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     check_overlong_buffer(cfg)
     check_gdpo(cfg)
     check_dynamic_sampling(cfg)
+    rollout_cache_settings(cfg)
     check_iterative_config(cfg)
     check_lora(cfg)
     check_fsdp_size(cfg)
@@ -782,6 +783,48 @@ def check_dynamic_sampling(cfg: DictConfig) -> None:
     if cfg.actor_rollout_ref.rollout.n < 2:
         raise ConfigError("algorithm.filter_groups.enable=true keeps the groups whose responses differ, which needs "
                           f"actor_rollout_ref.rollout.n >= 2 (got {cfg.actor_rollout_ref.rollout.n}).")
+
+
+def rollout_cache_settings(cfg: DictConfig) -> dict | None:
+    """The rollout cache's arguments (hybrid_rl/rollout_cache.py) from whichever of verl's three
+    switches is on: 0.9's `skip.rollout`, 0.7-0.8's `actor_rollout_ref.rollout.skip`, 0.5-0.6's
+    `actor_rollout_ref.rollout.skip_rollout`; None when none is."""
+    rollout = cfg.actor_rollout_ref.rollout
+    switches = {"skip.rollout.enable": OmegaConf.select(cfg, "skip.rollout.enable", default=False),
+                "actor_rollout_ref.rollout.skip.enable": OmegaConf.select(rollout, "skip.enable", default=False),
+                "actor_rollout_ref.rollout.skip_rollout": OmegaConf.select(rollout, "skip_rollout", default=False)}
+    on = [key for key, value in switches.items() if value]
+    if not on:
+        return None
+    if len(on) > 1:
+        raise ConfigError(f"{' and '.join(on)} are verl's switches of the rollout cache in different releases; "
+                          "set one.")
+    if not cfg.actor_rollout_ref.hybrid_engine:
+        raise ConfigError(f"{on[0]}=true caches the colocated rollout's batches; a rollout pool of its own "
+                          "(actor_rollout_ref.hybrid_engine=false) generates ahead of the steps and is not cached "
+                          "(verl's skip.async_rollout is not supported yet). Set hybrid_engine=true or drop the "
+                          "switch.")
+    if on[0] == "skip.rollout.enable":
+        skip = cfg.skip.rollout
+        _choice(skip.action, ("cache", "repeat"), "skip.rollout.action")
+        steps = plain(skip.steps)
+        if not (isinstance(steps, list) and steps and all(
+                isinstance(step, int) and not isinstance(step, bool) and step > 0 for step in steps)):
+            raise ConfigError(f"skip.rollout.steps={steps!r} must list the training steps (whole numbers from 1) "
+                              "the cache serves, e.g. skip.rollout.steps=[1,2,3]; with none it would cache nothing.")
+        settings = {"dump_dir": skip.dump_dir, "action": skip.action, "steps": steps}
+    elif on[0] == "actor_rollout_ref.rollout.skip.enable":
+        skip = rollout.skip
+        _choice(skip.action, ("cache", "repeat", "repeat_last"), "actor_rollout_ref.rollout.skip.action")
+        if isinstance(skip.max_dump_step, bool) or not isinstance(skip.max_dump_step, int) or skip.max_dump_step < 1:
+            raise ConfigError(f"actor_rollout_ref.rollout.skip.max_dump_step={skip.max_dump_step!r} must be a whole "
+                              "number >= 1: the first steps, which load their dump or generate and dump it.")
+        settings = {"dump_dir": skip.dump_dir, "action": skip.action, "max_dump_step": skip.max_dump_step}
+    else:  # verl 0.5-0.6: the first step's rollout, dumped once, serves every step
+        settings = {"dump_dir": rollout.skip_dump_dir, "action": "repeat_last", "max_dump_step": 1}
+    if not settings["dump_dir"]:
+        raise ConfigError(f"{on[0]}=true needs a dump folder (its dump_dir key), e.g. ~/.verl/rollout_dump.")
+    return settings
 
 
 def check_iterative_config(cfg: DictConfig) -> None:

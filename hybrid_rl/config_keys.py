@@ -47,6 +47,10 @@ FULL_DETERMINISM = ("torch's deterministic kernels (warning where an op has none
                     "role in the worker gets them; seeds stay trainer.seed's")
 REMOTE_SANDBOX = ("verl's remote sandbox service is not used; code rewards run in the local sandbox "
                   "(reward.funcs=[code_tests])")
+ROLLOUT_CACHE = ("the rollout cache: the listed steps' rollouts dumped to dump_dir and, in a later run, loaded "
+                 "instead of generated (cache: a step's own dump; repeat: the nearest); docs/architecture.md")
+ROLLOUT_CACHE_07 = ("the first max_dump_step steps load their dump or generate and dump it; later ones generate "
+                    "(cache), cycle through the dumps (repeat) or take the latest (repeat_last)")
 # The Hydra tree: the checkout's top-level conf/ (hybrid_rl/conf links to it), copied into the
 # package when it is built, so an installed hybrid-rl finds it too (also as pkg://hybrid_rl.conf).
 CONF_DIR = Path(__file__).resolve().parent / "conf"
@@ -599,7 +603,9 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NO_EFFECT, "read only with distillation.enabled, which is not supported yet", "distillation.*"),
     *_rules(NOT_YET, "verl's transfer queue is not built", "transfer_queue.enable"),
     *_rules(NO_EFFECT, "read only with transfer_queue.enable, which is not supported yet", "transfer_queue.*"),
-    *_rules(NOT_YET, "rollout caching for debugging is not built", "skip.*.enable"),
+    *_rules(WORKS, ROLLOUT_CACHE, "skip.rollout.*"),
+    *_rules(NOT_YET, "caching the batches of verl's fully asynchronous trainer or transfer queue is not built; "
+            "skip.rollout caches the colocated rollout's", "skip.*.enable"),
     *_rules(NO_EFFECT, "read only with the enable switch next to it, which is not supported yet", "skip.*"),
     # --- keys of verl 0.7-0.8 that 0.9.1 dropped (conf/verl/legacy.yaml)
     *_rules(NO_EFFECT, "verl's choice between its worker implementations; there is one here",
@@ -611,10 +617,10 @@ RULES: tuple[Rule, ...] = tuple([
             "nothing to checkpoint", "actor_rollout_ref.actor.sum_pi_squared_checkpointing"),
     *_rules(NO_EFFECT, "vLLM loads the pushed weights by their Hugging Face names; no layer map is consulted",
             "actor_rollout_ref.rollout.layer_name_map.*"),
-    *_rules(NOT_YET, "rollout caching for debugging is not built", "actor_rollout_ref.rollout.skip.enable",
-            "actor_rollout_ref.rollout.skip_rollout"),
-    *_rules(NO_EFFECT, "read only with the rollout cache switch, which is not supported yet",
-            "actor_rollout_ref.rollout.skip.*", "actor_rollout_ref.rollout.skip_dump_dir"),
+    *_rules(WORKS, "verl 0.7-0.8's form of skip.rollout: " + ROLLOUT_CACHE_07, "actor_rollout_ref.rollout.skip.*"),
+    *_rules(WORKS, "verl 0.5-0.6's form of skip.rollout: the first step's rollout, dumped under skip_dump_dir, serves "
+            "every step (docs/architecture.md, rollout cache)", "actor_rollout_ref.rollout.skip_rollout",
+            "actor_rollout_ref.rollout.skip_dump_dir"),
     *_rules(NO_EFFECT, "weights are pushed to vLLM in memory, one tensor at a time",
             "actor_rollout_ref.rollout.update_weights_bucket_megabytes"),
     *_rules(WORKS, "verl 0.7's lower bound on π_train / π_rollout for its rollout_rs levels token, sequence and "

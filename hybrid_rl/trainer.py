@@ -35,7 +35,8 @@ from hybrid_rl import seqlen_balancing
 from hybrid_rl.checkpoint import (CRITIC, CheckpointManager, PendingCheckpoint, build_checkpoint_callback,
                                   capacity_block_ending, mirror_checkpoint, parts_to_load, read_trainer_state,
                                   run_checkpoint_callback)
-from hybrid_rl.config import FILTER_METRICS_OF_BATCH, needs_critic, needs_reference, to_container
+from hybrid_rl.config import (FILTER_METRICS_OF_BATCH, needs_critic, needs_reference, rollout_cache_settings,
+                              to_container)
 from hybrid_rl.console import RunSummary, quiet_env
 from hybrid_rl.controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool, WorkerError, create_colocated_worker_cls
 from hybrid_rl.controller.worker_group import PendingCall
@@ -51,6 +52,7 @@ from hybrid_rl.metrics import (Timer, compute_data_metrics, multi_turn_metrics, 
 from hybrid_rl.profiler import StepWindows
 from hybrid_rl.protocol import Batch, BatchMeta, Sampling
 from hybrid_rl.rewards import RewardManager
+from hybrid_rl.rollout_cache import RolloutCache, dump_folder
 from hybrid_rl.tracking import Tracker
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
 from hybrid_rl.workers.critic import CriticWorker
@@ -269,6 +271,12 @@ class Trainer:
                            "data.train_batch_size or ppo_epochs > 1).")
         # A rollout pool of its own generates up to rollout.max_staleness batches ahead.
         self.async_rollout = not cfg.actor_rollout_ref.hybrid_engine
+        # verl's skip.rollout: steps served from rollouts an earlier run dumped.
+        cache = rollout_cache_settings(cfg)
+        self.rollout_cache = None if cache is None else RolloutCache(
+            dump_folder(cache.pop("dump_dir"), cfg.trainer.experiment_name, cfg.trainer.project_name, gen_batch_size,
+                        cfg.actor_rollout_ref.rollout.n, cfg.data.max_prompt_length, cfg.data.max_response_length),
+            **cache)
         self.n_ranks = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
         self.stop_requested: str | None = None  # the signal's name, once one asked to stop
         self.summary = RunSummary()
@@ -795,9 +803,8 @@ class Trainer:
             with timer.phase("gen"):
                 batch = self.next_generated(metrics)
         else:
-            prompts = self.prompt_batch(indices)
             with timer.phase("gen"):
-                batch = self.workers.generate_sequences(self.rollout_batch(prompts, self.global_step))
+                prompts, batch = self.generate(indices, metrics)
 
         if cfg.algorithm.adv_estimator == "remax":
             with timer.phase("gen_max"):
@@ -816,6 +823,25 @@ class Trainer:
             if cfg.algorithm.adv_estimator == "gdpo":
                 batch["reward_components"] = reward_components(reward_extra, cfg.algorithm.gdpo_reward_keys, len(batch))
         return batch, reward_extra
+
+    def generate(self, indices: list[int], metrics: dict) -> tuple[Batch, Batch]:
+        """The step's prompts (each with its group uid) and their n responses each: generated for the
+        prompts at `indices`, or, where the rollout cache serves the step, the prompts and responses
+        it dumped (the sampler has still drawn `indices`, so later steps draw what they would have)."""
+        step = self.global_step
+        cached = self.rollout_cache.load(step) if self.rollout_cache is not None else None
+        if cached is not None:
+            prompts, batch, source = cached
+            prompts.meta = batch.meta = BatchMeta(step=step, temperature=training_temperature(
+                self.cfg.actor_rollout_ref.rollout))
+            metrics["rollout_cache/loaded_batches"] = metrics.get("rollout_cache/loaded_batches", 0.0) + 1
+            metrics["rollout_cache/source_step"] = float(source)
+            return prompts, batch
+        prompts = self.prompt_batch(indices)
+        batch = self.workers.generate_sequences(self.rollout_batch(prompts, step))
+        if self.rollout_cache is not None:
+            self.rollout_cache.save(step, prompts, batch)
+        return prompts, batch
 
     def add_overlong_penalty(self, batch: Batch, scores: torch.Tensor, reward_extra: dict, metrics: dict) -> torch.Tensor:
         """DAPO's overlong buffer (reward_model.overlong_buffer): each response's penalty added to
