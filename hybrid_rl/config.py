@@ -199,6 +199,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     check_gdpo(cfg)
     check_dynamic_sampling(cfg)
     rollout_cache_settings(cfg)
+    reference_model_path(cfg)
     check_iterative_config(cfg)
     check_lora(cfg)
     check_fsdp_size(cfg)
@@ -342,6 +343,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     if rollout.ignore_eos and rollout.multi_turn.enable:
         raise ConfigError("actor_rollout_ref.rollout.ignore_eos=true with multi_turn.enable=true: an assistant turn "
                           "ends at EOS, so the tool loop needs it; set ignore_eos=false.")
+    check_fire_sampling(cfg)
     if rollout.do_sample and not rollout.temperature > 0:
         raise ConfigError("actor_rollout_ref.rollout.temperature must be > 0 when do_sample=true; "
                           "set do_sample=false for greedy decoding.")
@@ -785,6 +787,27 @@ def check_dynamic_sampling(cfg: DictConfig) -> None:
                           f"actor_rollout_ref.rollout.n >= 2 (got {cfg.actor_rollout_ref.rollout.n}).")
 
 
+def check_fire_sampling(cfg: DictConfig) -> None:
+    """verl 0.3's `rollout.use_fire_sampling` (workers/rollout.py: fire_generate) splits each
+    training response into its first token and the rest: what cannot take that split is refused."""
+    rollout = cfg.actor_rollout_ref.rollout
+    if not rollout.get("use_fire_sampling", False):
+        return
+    key = "actor_rollout_ref.rollout.use_fire_sampling=true"
+    clashes = {"multi_turn.enable=true": rollout.multi_turn.enable,
+               "beam_search=true": rollout.beam_search,
+               "do_sample=false": not rollout.do_sample,
+               "router_replay.mode=R3": replay_mode(cfg.actor_rollout_ref.actor) == "R3"}
+    for setting, on in clashes.items():
+        if on:
+            raise ConfigError(f"{key} samples each response's first token hot and the rest as usual; with "
+                              f"{setting} there is no such split (the tool loop's turns, a beam search, greedy "
+                              "decoding, or the routes of a single generation). Drop one of them.")
+    if rollout.response_length < 2:
+        raise ConfigError(f"{key} needs responses of two tokens or more (response_length="
+                          f"{rollout.response_length}): the first is FIRE's, the rest the rollout's.")
+
+
 def rollout_cache_settings(cfg: DictConfig) -> dict | None:
     """The rollout cache's arguments (hybrid_rl/rollout_cache.py) from whichever of verl's three
     switches is on: 0.9's `skip.rollout`, 0.7-0.8's `actor_rollout_ref.rollout.skip`, 0.5-0.6's
@@ -825,6 +848,44 @@ def rollout_cache_settings(cfg: DictConfig) -> dict | None:
     if not settings["dump_dir"]:
         raise ConfigError(f"{on[0]}=true needs a dump folder (its dump_dir key), e.g. ~/.verl/rollout_dump.")
     return settings
+
+
+REF_MODEL_KEY = "actor_rollout_ref.ref.model.path"
+
+
+def reference_model_path(cfg: DictConfig) -> str | None:
+    """verl 0.6's reference model of its own (`+actor_rollout_ref.ref.model.path=<folder>`, e.g. a
+    teacher that the KL loss pulls the policy toward): the model the reference policy is built
+    from instead of the actor's starting weights; None without one."""
+    ref_model = OmegaConf.select(cfg, "actor_rollout_ref.ref.model")
+    if ref_model is None:
+        return None
+    fix = f"set +{REF_MODEL_KEY}=<model folder or .gguf file>, or leave actor_rollout_ref.ref.model null"
+    if not OmegaConf.is_dict(ref_model):
+        raise ConfigError(f"actor_rollout_ref.ref.model={ref_model!r} must be a section with a path: {fix}.")
+    unknown = sorted(set(ref_model) - {"path"})
+    if unknown:
+        raise ConfigError(f"actor_rollout_ref.ref.model.{unknown[0]} is not read: the reference model takes only "
+                          f"a path (its other settings follow actor_rollout_ref.model and ref.*); {fix}.")
+    path = ref_model.get("path")
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"{REF_MODEL_KEY}={path!r}: {fix}.")
+    if not needs_reference(cfg):
+        raise ConfigError(f"{REF_MODEL_KEY} is set, but nothing uses a reference policy: turn on the KL loss "
+                          "(actor_rollout_ref.actor.use_kl_loss=true) or the KL in the reward "
+                          f"(algorithm.use_kl_in_reward=true), or drop {REF_MODEL_KEY}.")
+    if cfg.trainer.iterative.enable and cfg.trainer.iterative.reset_reference:
+        raise ConfigError(f"{REF_MODEL_KEY} with trainer.iterative.reset_reference=true: resetting would replace "
+                          "that model by the actor's weights. Set reset_reference=false or drop the path.")
+    if cfg.actor_rollout_ref.model.get("hf_config_path"):
+        raise ConfigError(f"{REF_MODEL_KEY} with actor_rollout_ref.model.hf_config_path: that config describes the "
+                          "actor's model, not the reference's. Drop hf_config_path or the reference model.")
+    megatron = cfg.actor_rollout_ref.ref.get("megatron")
+    if (cfg.actor_rollout_ref.ref.strategy == "megatron" and megatron is not None
+            and megatron.get("use_dist_checkpointing", False)):
+        raise ConfigError(f"{REF_MODEL_KEY} and actor_rollout_ref.ref.megatron.use_dist_checkpointing=true both say "
+                          "where the reference's weights come from; keep one.")
+    return path
 
 
 def check_iterative_config(cfg: DictConfig) -> None:
@@ -1400,33 +1461,32 @@ def _positive(value, key: str) -> None:
         raise ConfigError(f"{key}={value} must be a positive integer.")
 
 
-def check_model_limits(cfg: DictConfig, model_path: str, reward_model_config=None) -> None:
-    """Prompt + response must fit the model's context window, and a Megatron layout the model
-    (and the reward model's, `reward_model_config`, when it runs on Megatron); verl 0.2's layers
+def check_model_limits(cfg: DictConfig, model_path: str, reward_model_config=None,
+                       ref_model_path: str | None = None) -> None:
+    """Prompt + response must fit the model's context window (and a reference model's of its own,
+    `ref_model_path`), and a Megatron layout the model (and the reward model's,
+    `reward_model_config`, when it runs on Megatron, and the reference model's); verl 0.2's layers
     per virtual pipeline stage become the virtual pipeline size they imply for the model."""
-    from hybrid_rl.models import ModelPathError
-    from hybrid_rl.models import model_config as read_model_config
-
-    config_folder = cfg.actor_rollout_ref.model.get("hf_config_path") or model_path
-    try:  # as the engines build it: hf_config_path and override_config included
-        model_config = read_model_config(model_path, cfg.actor_rollout_ref.model)
-    except (OSError, ValueError) as exc:
-        reason = (str(exc).strip().splitlines() or [""])[0][:200]
-        raise ModelPathError(
-            f"Cannot read the model config {os.path.join(config_folder, 'config.json')} ({type(exc).__name__}: "
-            f"{reason}). Point actor_rollout_ref.model.path at a Hugging Face model folder with a valid "
-            "config.json (including its model_type).") from exc
-    limit = getattr(model_config, "max_position_embeddings", None)
+    model_config = _read_model_config(cfg, model_path, "actor_rollout_ref.model.path")
+    role_configs = {"reward_model": reward_model_config}
+    models = [("the model's", model_path, model_config)]
+    if ref_model_path is not None:
+        role_configs["actor_rollout_ref.ref"] = _read_model_config(cfg, ref_model_path, REF_MODEL_KEY)
+        models.append((f"the reference model's ({REF_MODEL_KEY})", ref_model_path,
+                       role_configs["actor_rollout_ref.ref"]))
     rollout = cfg.actor_rollout_ref.rollout
     total = context_length(rollout)
-    if limit is not None and total > limit:
-        what = (f"actor_rollout_ref.rollout.max_model_len ({total})" if rollout.max_model_len else
-                f"The prompt length ({rollout.prompt_length}) + response length ({rollout.response_length}) "
-                f"= {total}")
-        raise ConfigError(
-            f"{what} exceeds the model's context window ({limit} tokens, max_position_embeddings in "
-            f"{os.path.join(config_folder, 'config.json')} or model.override_config). Shorten data.max_prompt_length or "
-            "data.max_response_length (the rollout's lengths follow them).")
+    for whose, path, config in models:
+        limit = getattr(config, "max_position_embeddings", None)
+        if limit is not None and total > limit:
+            what = (f"actor_rollout_ref.rollout.max_model_len ({total})" if rollout.max_model_len else
+                    f"The prompt length ({rollout.prompt_length}) + response length ({rollout.response_length}) "
+                    f"= {total}")
+            config_file = os.path.join(cfg.actor_rollout_ref.model.get("hf_config_path") or path, "config.json")
+            raise ConfigError(
+                f"{what} exceeds {whose} context window ({limit} tokens, max_position_embeddings in "
+                f"{config_file} or model.override_config). Shorten data.max_prompt_length or "
+                "data.max_response_length (the rollout's lengths follow them).")
     check_rollout_parallel(cfg, model_config)
     roles = {"actor_rollout_ref.actor": True, "actor_rollout_ref.ref": needs_reference(cfg),
              "critic": needs_critic(cfg), "reward_model": reward_model_config is not None}
@@ -1434,14 +1494,32 @@ def check_model_limits(cfg: DictConfig, model_path: str, reward_model_config=Non
         role_cfg = cfg.actor_rollout_ref[role]
         if roles[f"actor_rollout_ref.{role}"] and role_cfg.strategy != "megatron":
             try:
-                check_transformers_routers(f"actor_rollout_ref.{role}", replay_mode(role_cfg), model_config)
+                check_transformers_routers(f"actor_rollout_ref.{role}", replay_mode(role_cfg),
+                                           role_configs.get(f"actor_rollout_ref.{role}", model_config))
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
     try:
-        adopt_layers_per_virtual_stage(cfg, model_config, roles, {"reward_model": reward_model_config})
-        check_megatron_roles(cfg, model_config, roles, {"reward_model": reward_model_config})
+        adopt_layers_per_virtual_stage(cfg, model_config, roles, role_configs)
+        check_megatron_roles(cfg, model_config, roles, role_configs)
     except (ValueError, RuntimeError) as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _read_model_config(cfg: DictConfig, path: str, key: str):
+    """The model's HF config as the engines build it (hf_config_path and override_config
+    included); an unreadable one is a bad `key`."""
+    from hybrid_rl.models import ModelPathError
+    from hybrid_rl.models import model_config as read_model_config
+
+    try:
+        return read_model_config(path, cfg.actor_rollout_ref.model)
+    except (OSError, ValueError) as exc:
+        reason = (str(exc).strip().splitlines() or [""])[0][:200]
+        config_folder = cfg.actor_rollout_ref.model.get("hf_config_path") or path
+        raise ModelPathError(
+            f"Cannot read the model config {os.path.join(config_folder, 'config.json')} ({type(exc).__name__}: "
+            f"{reason}). Point {key} at a Hugging Face model folder with a valid config.json (including its "
+            "model_type).") from exc
 
 
 def check_rollout_parallel(cfg: DictConfig, hf_config) -> None:

@@ -206,9 +206,11 @@ RULES: tuple[Rule, ...] = tuple([
             "actor_rollout_ref.actor.profiler.enable=true", "*.profile.use_profile"),
     *_rules(NO_EFFECT, "read only with profile.use_profile, which is not supported yet", "*.profile.*"),
     *_rules(NO_EFFECT, "the torch profiler records whole steps", "actor_rollout_ref.profiler.discrete"),
-    *_rules(NOT_YET, "a reference model of its own is not built: the reference is the actor's starting weights",
-            "actor_rollout_ref.ref.model"),
-    *_rules(NOT_YET, "FIRE sampling (the first token at a higher temperature) is not built",
+    *_rules(WORKS, "verl 0.6's reference model of its own, +actor_rollout_ref.ref.model.path=<folder or .gguf> "
+            "(e.g. a teacher that the KL loss pulls the policy toward; its tokenizer must be the actor's); null: the "
+            "actor's starting weights", "actor_rollout_ref.ref.model"),
+    *_rules(WORKS, "FIRE sampling: each training response's first token drawn at temperature 30 from the top 16 "
+            "(or rollout.top_k) tokens, the rest with the rollout's settings; validation samples as before",
             "actor_rollout_ref.rollout.use_fire_sampling"),
     *_rules(NOT_YET, "verl 0.4-0.5's SGLang completion callback is not built",
             "actor_rollout_ref.rollout.multi_turn.completion_callback"),

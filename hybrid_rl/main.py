@@ -15,12 +15,12 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from hybrid_rl.config import (PRIME_PROCESSES, PRIME_TIMEOUT_S, ConfigError, adopt_served_reward_model,
-                              check_model_limits, custom_reward_function, custom_reward_manager, resolve_config,
-                              reward_manager_kwargs, settings_given_twice, validate_config)
+from hybrid_rl.config import (PRIME_PROCESSES, PRIME_TIMEOUT_S, REF_MODEL_KEY, ConfigError, adopt_served_reward_model,
+                              check_model_limits, custom_reward_function, custom_reward_manager, reference_model_path,
+                              resolve_config, reward_manager_kwargs, settings_given_twice, validate_config)
 from hybrid_rl.config_keys import CONF_DIR, additions_of_verl_keys_as_overrides, compose_config, leaves, verl_defaults
 from hybrid_rl.console import quiet_third_party_output
-from hybrid_rl.models import ModelPathError, cache_dir, load_tokenizer, resolve_model_path
+from hybrid_rl.models import ModelPathError, cache_dir, load_tokenizer, model_config, resolve_model_path
 
 quiet_third_party_output()  # before transformers, vLLM or Ray are imported
 logger = logging.getLogger("hybrid_rl")
@@ -75,8 +75,13 @@ def prepare(cfg: DictConfig):
         _, config = check_reward_model(cfg.reward_model, "reward_model.model.path")
         if cfg.reward_model.strategy == "megatron":  # its layout is checked with the other Megatron roles'
             reward_model_config = config
-    check_model_limits(cfg, model_path, reward_model_config)
+    ref_path = reference_model_path(cfg)
+    if ref_path is not None:
+        ref_path = resolve_model_path(ref_path, key=REF_MODEL_KEY)
+    check_model_limits(cfg, model_path, reward_model_config, ref_path)
     tokenizer = load_checked_tokenizer(cfg, model_path)
+    if ref_path is not None:
+        check_reference_vocabulary(cfg, tokenizer, model_path, ref_path)
 
     train_files, val_files = cfg.data.train_files, cfg.data.val_files
     if train_files is None:
@@ -284,6 +289,32 @@ def load_checked_tokenizer(cfg: DictConfig, model_path: str):
             f"Cannot load a tokenizer from {key}={source!r} ({type(exc).__name__}: {reason}). Point "
             f"{key} at a folder with the tokenizer files (tokenizer.json / tokenizer_config.json) of "
             "this model.") from exc
+
+
+def check_reference_vocabulary(cfg: DictConfig, tokenizer, model_path: str, ref_path: str) -> None:
+    """A reference model of its own scores the actor's token ids, so its tokenizer (when its
+    folder has one) must be the actor's and its embedding must hold every id; the full KL compares
+    whole next-token distributions, so there the vocabulary sizes must match too."""
+    from transformers import AutoTokenizer
+
+    try:
+        ref_tokenizer = AutoTokenizer.from_pretrained(ref_path)
+    except (OSError, ValueError):
+        ref_tokenizer = None  # a folder of weights only: the ids are checked against its embedding below
+    if ref_tokenizer is not None and ref_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ModelPathError(f"{REF_MODEL_KEY}={ref_path}: its tokenizer's vocabulary differs from the actor's, so "
+                             "the same token ids would be different text to it. Use a reference model of the same "
+                             "tokenizer family (e.g. a larger model of the actor's series).")
+    ref_vocab = model_config(ref_path, cfg.actor_rollout_ref.model).vocab_size
+    if ref_vocab < len(tokenizer):
+        raise ModelPathError(f"{REF_MODEL_KEY}={ref_path}: its embedding has {ref_vocab} rows, fewer than the "
+                             f"actor's tokenizer's {len(tokenizer)} tokens.")
+    actor = cfg.actor_rollout_ref.actor
+    actor_vocab = model_config(model_path, cfg.actor_rollout_ref.model).vocab_size
+    if actor.use_kl_loss and actor.kl_loss_type == "full" and ref_vocab != actor_vocab:
+        raise ConfigError(f"actor_rollout_ref.actor.kl_loss_type=full compares whole next-token distributions, but "
+                          f"{REF_MODEL_KEY}'s model has {ref_vocab} vocabulary rows and the actor's {actor_vocab}: "
+                          "use kl_loss_type=low_var_kl (k3), kl (k1) or mse (k2), which read the sampled tokens only.")
 
 
 def check_builtin_data_sources(dataset, key: str) -> None:

@@ -35,8 +35,8 @@ from hybrid_rl import seqlen_balancing
 from hybrid_rl.checkpoint import (CRITIC, CheckpointManager, PendingCheckpoint, build_checkpoint_callback,
                                   capacity_block_ending, mirror_checkpoint, parts_to_load, read_trainer_state,
                                   run_checkpoint_callback)
-from hybrid_rl.config import (FILTER_METRICS_OF_BATCH, needs_critic, needs_reference, rollout_cache_settings,
-                              to_container)
+from hybrid_rl.config import (FILTER_METRICS_OF_BATCH, REF_MODEL_KEY, needs_critic, needs_reference,
+                              reference_model_path, rollout_cache_settings, to_container)
 from hybrid_rl.console import RunSummary, quiet_env
 from hybrid_rl.controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool, WorkerError, create_colocated_worker_cls
 from hybrid_rl.controller.worker_group import PendingCall
@@ -314,8 +314,10 @@ class Trainer:
                             use_gpu=cfg.trainer.device == "cuda", cpus_per_process=cpus,
                             strategy=cfg.trainer.placement_strategy)
         config = to_container(cfg)
-        roles = {"actor_rollout_ref": ClassWithInitArgs(ActorRolloutRefWorker, config, self.model_path,
-                                                        self.total_steps)}
+        ref_path = reference_model_path(cfg)
+        roles = {"actor_rollout_ref": ClassWithInitArgs(
+            ActorRolloutRefWorker, config, self.model_path, self.total_steps,
+            resolve_model_path(ref_path, key=REF_MODEL_KEY) if ref_path is not None else None)}
         if self.use_critic:
             critic_path = resolve_model_path(cfg.critic.model.path) if cfg.critic.model.path else self.model_path
             roles["critic"] = ClassWithInitArgs(CriticWorker, config, critic_path, self.total_steps)

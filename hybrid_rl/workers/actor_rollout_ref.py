@@ -35,6 +35,10 @@ from hybrid_rl.workers.weight_sync import WeightChannel, sync_weights
 class ActorRolloutRefWorker(ModelWorker):
     role = "actor_rollout_ref"
 
+    def __init__(self, config: dict, model_path: str, total_steps: int, ref_path: str | None = None):
+        super().__init__(config, model_path, total_steps)
+        self.ref_path = ref_path  # a reference model of its own (ref.model.path); None: the actor's start
+
     # ------------------------------------------------------------------ set-up
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict:
@@ -53,8 +57,9 @@ class ActorRolloutRefWorker(ModelWorker):
         self.ref = None
         if needs_reference(cfg):
             # Under LoRA the base model, the actor's adapter switched off: no second copy.
-            self.ref = lora.AdapterDisabled(self.actor) if self.actor.has_adapter else build_engine(
-                ModelSpec("ref", self.model_path, model_cfg), cfg.actor_rollout_ref.ref, self.device)
+            self.ref = lora.AdapterDisabled(self.actor) if self.actor.has_adapter and self.ref_path is None else (
+                build_engine(ModelSpec("ref", self.ref_path or self.model_path, model_cfg), cfg.actor_rollout_ref.ref,
+                             self.device))
 
         rollout_cfg = cfg.actor_rollout_ref.rollout
         self.channel = None  # to a rollout pool of its own (hybrid_engine=false), from rank 0

@@ -157,12 +157,55 @@ def generate_batch(engine, multi_turn, cfg: Any, prompts: Batch, pad_token_id: i
             out["extra_info"] = [{**row["extra_info"], "turn_scores": t.turn_scores}
                                  for row, t in zip(rows, trajectories)]
         return out
-    tokens, log_probs = engine.generate(prompts, settings, rollout_cfg.response_length)
+    if sampling is Sampling.TRAIN and rollout_cfg.get("use_fire_sampling", False):
+        tokens, log_probs = fire_generate(engine, prompts, settings, rollout_cfg.response_length,
+                                          raw_log_probs=rollout_cfg.logprobs_mode == "raw_logprobs")
+    else:
+        tokens, log_probs = engine.generate(prompts, settings, rollout_cfg.response_length)
     out = assemble_rollout(prompts, tokens, log_probs, rollout_cfg.response_length, pad_token_id,
                            () if settings["ignore_eos"] else eos_token_ids)
     if sampling is Sampling.TRAIN and engine.routes is not None:  # for router replay R3
         out[ROUTES_KEY] = route_table(out["attention_mask"], engine.routes)
     return out
+
+
+# FIRE's first token: sampled this hot, among the 16 likeliest tokens unless rollout.top_k narrows it.
+FIRE_TEMPERATURE, FIRE_TOP_K = 30.0, 16
+
+
+def fire_top_k(top_k: int) -> int:
+    """How many of the likeliest tokens FIRE draws the first token from, given the rollout's top_k."""
+    return int(top_k) if top_k > 0 else FIRE_TOP_K
+
+
+def fire_generate(engine, prompts: Batch, settings: dict, response_length: int,
+                  raw_log_probs: bool = False) -> tuple[list, list]:
+    """FIRE sampling (Chen et al. 2024, "Flaming-hot Initiation with Regular Execution",
+    arXiv:2410.21236; verl 0.3's `rollout.use_fire_sampling`): each response's first token is
+    drawn at temperature 30 from the top 16 (or `top_k`) tokens, under `top_p`, and the rest with
+    the rollout's own settings after it. vLLM takes no temperature above 2, so the first token is
+    drawn here from the engine's log-probs of the candidates (its log-prob: the hot distribution's,
+    or with `raw_log_probs` the model's). A response whose first token is EOS ends there
+    (assemble_rollout cuts it)."""
+    candidates, log_probs = engine.top_next_tokens(prompts, fire_top_k(settings["top_k"]))
+    # Softmax is shift-invariant: log-probs renormalised over the candidates give the same hot distribution.
+    hot = log_probs / FIRE_TEMPERATURE
+    if settings["top_p"] < 1.0:
+        probs, order = torch.softmax(hot, dim=-1).sort(dim=-1, descending=True)
+        outside = (probs.cumsum(dim=-1) - probs) >= settings["top_p"]  # the smallest set holding top_p
+        hot = hot.masked_fill(torch.zeros_like(outside).scatter(-1, order, outside), float("-inf"))
+    hot_log_probs = torch.log_softmax(hot, dim=-1)
+    choice = torch.multinomial(hot_log_probs.exp(), 1)
+    first = candidates.gather(1, choice)
+    first_log_probs = (log_probs if raw_log_probs else hot_log_probs).gather(1, choice)
+    extended = Batch({"input_ids": torch.cat([prompts["input_ids"], first], dim=1),
+                      "attention_mask": torch.cat([prompts["attention_mask"], torch.ones_like(first)], dim=1)},
+                     meta=prompts.meta)
+    if "prompt_ids" in prompts.non_tensors:
+        extended["prompt_ids"] = [list(map(int, ids)) + [int(token)] for ids, token in zip(prompts["prompt_ids"], first)]
+    rest, rest_log_probs = engine.generate(extended, settings, response_length - 1)
+    return ([[int(token)] + tail for token, tail in zip(first[:, 0], rest)],
+            [[float(log_prob)] + tail for log_prob, tail in zip(first_log_probs[:, 0], rest_log_probs)])
 
 
 def conversation_rows(prompts: Batch) -> list[dict]:
@@ -337,6 +380,8 @@ class VLLMRollout:
                 # processed_logprobs (verl's default): log-probs of the distribution actually
                 # sampled from (after temperature/top-k/top-p); raw_logprobs: of the model's own.
                 logprobs_mode=cfg.get("logprobs_mode") or "processed_logprobs",
+                # FIRE reads the log-probs of its first token's candidates (vLLM's default: up to 20).
+                max_logprobs=max(20, fire_top_k(cfg.top_k)) if cfg.get("use_fire_sampling") else 20,
                 scheduling_policy=cfg.get("scheduling_policy") or "fcfs",
                 seed=int(cfg.seed) + self.dp_rank,
                 enable_sleep_mode=self.sleep_between_rollouts,
@@ -442,6 +487,20 @@ class VLLMRollout:
             log_probs.append([step[tok].logprob for step, tok in zip(completion.logprobs, completion.token_ids)])
         return tokens, log_probs
 
+    def top_next_tokens(self, batch: Batch, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k likeliest next tokens after each row's prompt, (rows, k), and their log-probs in
+        the engine's logprobs mode (processed: renormalised over the k)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(n=1, max_tokens=1, temperature=1.0, top_k=k, logprobs=k, detokenize=False)
+        with self.sampling():
+            outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_token_lists(batch)], params,
+                                        use_tqdm=False)
+        # Each position's entries: the k ranked tokens, and the sampled one (one of them here).
+        ranked = [sorted(out.outputs[0].logprobs[0].items(), key=lambda item: item[1].rank)[:k] for out in outputs]
+        return (torch.tensor([[token for token, _ in row] for row in ranked], dtype=torch.long),
+                torch.tensor([[entry.logprob for _, entry in row] for row in ranked], dtype=torch.float32))
+
     def beam_search(self, batch: Batch, beam_width: int, response_length: int) -> tuple[list, list]:
         """Each group's rows get the best beams of one vLLM beam search of its prompt (best first,
         by vLLM's length-normalised log-probability), with their tokens' log-probs."""
@@ -498,6 +557,20 @@ class HFRollout:
         self.pad_token_id = pad_token_id
         self.eos_token_ids = eos_token_ids
         self.routes = None  # transformers' generate returns no routes
+
+    @torch.no_grad()
+    def top_next_tokens(self, batch: Batch, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k likeliest next tokens after each row's prompt, (rows, k), and the model's log-probs
+        of them (one forward of the prompts, on every rank as FSDP's all-gathers need)."""
+        device = next(self.module.parameters()).device
+        mask = batch["attention_mask"]
+        was_training = self.module.training
+        self.module.eval()
+        logits = self.module(input_ids=batch["input_ids"].to(device), attention_mask=mask.to(device),
+                             position_ids=(mask.cumsum(dim=1) - 1).clamp_min(0).to(device)).logits[:, -1]
+        self.module.train(was_training)
+        log_probs, tokens = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+        return tokens.cpu(), log_probs.cpu()
 
     @torch.no_grad()
     def generate(self, batch: Batch, settings: dict, response_length: int) -> tuple[list, list]:
