@@ -9,10 +9,13 @@ import importlib.util
 import logging
 import math
 import os
+from typing import NamedTuple
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hybrid_rl.agent.formats import FORMATS
+from hybrid_rl.algorithms.distillation import LOSS_MODES as DISTILLATION_LOSS_MODES
+from hybrid_rl.algorithms.distillation import TOP_K_MODE as DISTILLATION_TOP_K_MODE
 from hybrid_rl.algorithms import (
     ADV_ESTIMATORS, BYPASS_LOSS_TYPES, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, PF_PPO_WEIGHTS, POLICY_LOSSES, ROLLOUT_RS_MODES,
 )
@@ -200,6 +203,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     check_dynamic_sampling(cfg)
     rollout_cache_settings(cfg)
     reference_model_path(cfg)
+    check_distillation(cfg)
     check_iterative_config(cfg)
     check_lora(cfg)
     check_fsdp_size(cfg)
@@ -888,6 +892,92 @@ def reference_model_path(cfg: DictConfig) -> str | None:
     return path
 
 
+DISTILLATION = "distillation"
+
+
+class Teacher(NamedTuple):
+    key: str  # the rows' teacher_key value it scores ("default" for a single teacher, which scores all)
+    path_key: str  # where its model path is set, for errors
+    path: str
+
+
+def distillation_teachers(cfg: DictConfig) -> list[Teacher] | None:
+    """verl 0.9's on-policy distillation teachers, None with distillation.enabled off. One entry in distillation.teacher_models scores every row; with
+    several, each row goes to the teacher whose `key` is the row's `distillation.teacher_key` field
+    (verl drops the default entry `teacher_model` then; here setting it beside others is refused)."""
+    section = cfg.get(DISTILLATION)
+    if section is None or not section.enabled:
+        return None
+    _choice(section.enabled, (True, False), f"{DISTILLATION}.enabled")
+    entries = dict(section.teacher_models or {})
+    if len(entries) > 1:
+        default = entries.pop("teacher_model", None)
+        if default is not None and (default.get("model_path") or default.get("key")):
+            raise ConfigError(f"{DISTILLATION}.teacher_models.teacher_model is set beside other teachers "
+                              f"({', '.join(sorted(entries))}); verl drops that default entry silently when others "
+                              "are added. Give it a name of its own (+distillation.teacher_models.teacher_model1.*).")
+    if not entries:
+        raise ConfigError(f"{DISTILLATION}.enabled=true needs a teacher: set "
+                          f"{DISTILLATION}.teacher_models.teacher_model.model_path=<model folder>.")
+    teachers: list[Teacher] = []
+    for name, teacher in entries.items():
+        where = f"{DISTILLATION}.teacher_models.{name}"
+        path = teacher.get("model_path") if OmegaConf.is_dict(teacher) else None
+        if not isinstance(path, str) or not path:
+            raise ConfigError(f"{where}.model_path={path!r}: set it to the teacher's model folder (or .gguf file).")
+        key = "default" if len(entries) == 1 else teacher.get("key")
+        if len(entries) > 1 and (not isinstance(key, str) or not key):
+            raise ConfigError(f"{where}.key={key!r}: with several teachers each needs the value of the rows' "
+                              f"{DISTILLATION}.teacher_key field ({section.teacher_key}) that it scores.")
+        if key in [other.key for other in teachers]:
+            raise ConfigError(f"{where}.key={key!r} is another teacher's key too; each key routes to one teacher.")
+        teachers.append(Teacher(key, f"{where}.model_path", path))
+    return teachers
+
+
+def check_distillation(cfg: DictConfig) -> None:
+    """The distillation loss's settings (hybrid_rl/algorithms/distillation.py) and what the
+    teacher, an FSDP engine in the actor's worker processes, cannot run beside."""
+    if distillation_teachers(cfg) is None:
+        return
+    loss = cfg.distillation.distillation_loss
+    key = f"{DISTILLATION}.distillation_loss"
+    _choice(loss.loss_mode, DISTILLATION_LOSS_MODES, f"{key}.loss_mode")
+    _choice(loss.use_task_rewards, (True, False), f"{key}.use_task_rewards")
+    _choice(loss.use_policy_gradient, (True, False), f"{key}.use_policy_gradient")
+    if loss.use_policy_gradient:
+        _choice(loss.policy_loss_mode, ("vanilla",), f"{key}.policy_loss_mode")
+        for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
+            value = loss[name]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ConfigError(f"{key}.{name}={value!r} must be a number >= 0 (PPO's clip range, 0.2).")
+    elif loss.loss_mode in ("k1", "kl"):
+        raise ConfigError(f"{key}.loss_mode={loss.loss_mode} with use_policy_gradient=false: the gradient of k1 "
+                          "itself does not depend on the teacher. Use it as a reward (use_policy_gradient=true) or "
+                          "back-propagate k3 / forward_kl_topk.")
+    for name, low in (("distillation_loss_coef", 0), ("loss_max_clamp", None), ("log_prob_min_clamp", None)):
+        value = loss[name]
+        if value is None and name != "distillation_loss_coef":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+                name == "loss_max_clamp" and not value > 0) or (low is not None and value < low):
+            raise ConfigError(f"{key}.{name}={value!r} must be a number{' > 0' if name == 'loss_max_clamp' else ''}"
+                              f"{' >= 0' if low is not None else ''}{' or null' if name != 'distillation_loss_coef' else ''}.")
+    actor, ref = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.ref
+    if actor.strategy == "megatron":
+        raise ConfigError(f"{DISTILLATION}.enabled=true with actor_rollout_ref.actor.strategy=megatron is not "
+                          "supported yet: distillation trains the FSDP engine (strategy=fsdp2).")
+    if replay_mode(ref) != "disabled":
+        raise ConfigError(f"{DISTILLATION}.enabled=true with the reference's router replay: the teacher runs with "
+                          "actor_rollout_ref.ref's settings, and replaying the actor's routes in another model is "
+                          "not supported yet; set actor_rollout_ref.ref's router_replay.mode=disabled.")
+    if loss.loss_mode == DISTILLATION_TOP_K_MODE:
+        top_k = loss.topk
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+            raise ConfigError(f"{key}.topk={top_k!r} must be a whole number >= 1: how many of the teacher's most "
+                              "likely tokens forward_kl_topk compares (verl's default 32).")
+
+
 def check_iterative_config(cfg: DictConfig) -> None:
     """trainer.iterative.*: what iterative RL can do here."""
     iterative = cfg.trainer.iterative
@@ -1462,9 +1552,9 @@ def _positive(value, key: str) -> None:
 
 
 def check_model_limits(cfg: DictConfig, model_path: str, reward_model_config=None,
-                       ref_model_path: str | None = None) -> None:
+                       ref_model_path: str | None = None, teachers=()) -> None:
     """Prompt + response must fit the model's context window (and a reference model's of its own,
-    `ref_model_path`), and a Megatron layout the model (and the reward model's,
+    `ref_model_path`, and each distillation teacher's, `teachers`: (config key, path)), and a Megatron layout the model (and the reward model's,
     `reward_model_config`, when it runs on Megatron, and the reference model's); verl 0.2's layers
     per virtual pipeline stage become the virtual pipeline size they imply for the model."""
     model_config = _read_model_config(cfg, model_path, "actor_rollout_ref.model.path")
@@ -1474,6 +1564,8 @@ def check_model_limits(cfg: DictConfig, model_path: str, reward_model_config=Non
         role_configs["actor_rollout_ref.ref"] = _read_model_config(cfg, ref_model_path, REF_MODEL_KEY)
         models.append((f"the reference model's ({REF_MODEL_KEY})", ref_model_path,
                        role_configs["actor_rollout_ref.ref"]))
+    for path_key, path in teachers:
+        models.append((f"the distillation teacher's ({path_key})", path, _read_model_config(cfg, path, path_key)))
     rollout = cfg.actor_rollout_ref.rollout
     total = context_length(rollout)
     for whose, path, config in models:

@@ -47,6 +47,9 @@ FULL_DETERMINISM = ("torch's deterministic kernels (warning where an op has none
                     "role in the worker gets them; seeds stay trainer.seed's")
 REMOTE_SANDBOX = ("verl's remote sandbox service is not used; code rewards run in the local sandbox "
                   "(reward.funcs=[code_tests])")
+DISTILLATION = ("on-policy distillation: each teacher, a model in the actor's worker processes run with "
+                "actor_rollout_ref.ref's settings (FSDP), scores the student's responses; several teachers split the "
+                "rows by the teacher_key field; docs/algorithms.md")
 ROLLOUT_CACHE = ("the rollout cache: the listed steps' rollouts dumped to dump_dir and, in a later run, loaded "
                  "instead of generated (cache: a step's own dump; repeat: the nearest); docs/architecture.md")
 ROLLOUT_CACHE_07 = ("the first max_dump_step steps load their dump or generate and dump it; later ones generate "
@@ -601,8 +604,12 @@ RULES: tuple[Rule, ...] = tuple([
             "*.profiler.tool_config.torch.*"),
     *_rules(NO_EFFECT, "read only by a profiler tool other than torch, which is not supported yet",
             "global_profiler.*", "*.profiler.*"),
-    *_rules(NOT_YET, "distillation is not built yet", "distillation.enabled"),
-    *_rules(NO_EFFECT, "read only with distillation.enabled, which is not supported yet", "distillation.*"),
+    *_rules(WORKS, DISTILLATION, "distillation.enabled", "distillation.teacher_key",
+            "distillation.teacher_models.*.model_path", "distillation.teacher_models.*.key"),
+    *_rules(WORKS, "the distillation loss: hybrid_rl/algorithms/distillation.py, docs/algorithms.md",
+            "distillation.distillation_loss.*"),
+    *_rules(NO_EFFECT, "the teacher is a model in the actor's worker processes (actor_rollout_ref.ref's settings), "
+            "not a pool of inference servers", "distillation.*"),
     *_rules(NOT_YET, "verl's transfer queue is not built", "transfer_queue.enable"),
     *_rules(NO_EFFECT, "read only with transfer_queue.enable, which is not supported yet", "transfer_queue.*"),
     *_rules(WORKS, ROLLOUT_CACHE, "skip.rollout.*"),

@@ -15,9 +15,11 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from hybrid_rl.algorithms.distillation import TOP_K_MODE as DISTILLATION_TOP_K_MODE
 from hybrid_rl.config import (PRIME_PROCESSES, PRIME_TIMEOUT_S, REF_MODEL_KEY, ConfigError, adopt_served_reward_model,
-                              check_model_limits, custom_reward_function, custom_reward_manager, reference_model_path,
-                              resolve_config, reward_manager_kwargs, settings_given_twice, validate_config)
+                              check_model_limits, custom_reward_function, custom_reward_manager, distillation_teachers,
+                              reference_model_path, resolve_config, reward_manager_kwargs, settings_given_twice,
+                              validate_config)
 from hybrid_rl.config_keys import CONF_DIR, additions_of_verl_keys_as_overrides, compose_config, leaves, verl_defaults
 from hybrid_rl.console import quiet_third_party_output
 from hybrid_rl.models import ModelPathError, cache_dir, load_tokenizer, model_config, resolve_model_path
@@ -78,10 +80,14 @@ def prepare(cfg: DictConfig):
     ref_path = reference_model_path(cfg)
     if ref_path is not None:
         ref_path = resolve_model_path(ref_path, key=REF_MODEL_KEY)
-    check_model_limits(cfg, model_path, reward_model_config, ref_path)
+    teachers = distillation_teachers(cfg) or []
+    teacher_paths = [(teacher.path_key, resolve_model_path(teacher.path, key=teacher.path_key)) for teacher in teachers]
+    check_model_limits(cfg, model_path, reward_model_config, ref_path, teacher_paths)
     tokenizer = load_checked_tokenizer(cfg, model_path)
     if ref_path is not None:
         check_reference_vocabulary(cfg, tokenizer, model_path, ref_path)
+    for path_key, path in teacher_paths:
+        check_teacher_vocabulary(cfg, tokenizer, model_path, path, path_key)
 
     train_files, val_files = cfg.data.train_files, cfg.data.val_files
     if train_files is None:
@@ -126,6 +132,7 @@ def prepare(cfg: DictConfig):
     if sources is not None and compute_score is not None:
         raise ConfigError(f"both reward.funcs and {key}.path are set; list the function in reward.funcs "
                           f"(as '{custom.path}:{custom.name}') and leave {key}.path unset.")
+    check_teacher_rows(cfg, train_dataset, teachers, "data.train_files")
     if len(train_dataset) < cfg.data.train_batch_size:
         raise ConfigError(
             f"data.train_files has {len(train_dataset)} usable prompts, fewer than data.train_batch_size="
@@ -291,30 +298,57 @@ def load_checked_tokenizer(cfg: DictConfig, model_path: str):
             "this model.") from exc
 
 
-def check_reference_vocabulary(cfg: DictConfig, tokenizer, model_path: str, ref_path: str) -> None:
-    """A reference model of its own scores the actor's token ids, so its tokenizer (when its
-    folder has one) must be the actor's and its embedding must hold every id; the full KL compares
-    whole next-token distributions, so there the vocabulary sizes must match too."""
+def check_vocabulary(cfg: DictConfig, tokenizer, model_path: str, other_path: str, key: str,
+                     whole: tuple[str, str] | None = None) -> None:
+    """A model that scores the actor's token ids (a reference model of its own, a distillation
+    teacher) must have the actor's tokenizer (when its folder has one) and an embedding that holds
+    every id. `whole`: the setting that compares whole next-token distributions (and what to use
+    instead), which needs the same vocabulary size too."""
     from transformers import AutoTokenizer
 
     try:
-        ref_tokenizer = AutoTokenizer.from_pretrained(ref_path)
+        other_tokenizer = AutoTokenizer.from_pretrained(other_path)
     except (OSError, ValueError):
-        ref_tokenizer = None  # a folder of weights only: the ids are checked against its embedding below
-    if ref_tokenizer is not None and ref_tokenizer.get_vocab() != tokenizer.get_vocab():
-        raise ModelPathError(f"{REF_MODEL_KEY}={ref_path}: its tokenizer's vocabulary differs from the actor's, so "
-                             "the same token ids would be different text to it. Use a reference model of the same "
-                             "tokenizer family (e.g. a larger model of the actor's series).")
-    ref_vocab = model_config(ref_path, cfg.actor_rollout_ref.model).vocab_size
-    if ref_vocab < len(tokenizer):
-        raise ModelPathError(f"{REF_MODEL_KEY}={ref_path}: its embedding has {ref_vocab} rows, fewer than the "
-                             f"actor's tokenizer's {len(tokenizer)} tokens.")
-    actor = cfg.actor_rollout_ref.actor
+        other_tokenizer = None  # a folder of weights only: the ids are checked against its embedding below
+    if other_tokenizer is not None and other_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ModelPathError(f"{key}={other_path}: its tokenizer's vocabulary differs from the actor's, so the same "
+                             "token ids would be different text to it. Use a model of the same tokenizer family "
+                             "(e.g. a larger model of the actor's series).")
+    other_vocab = model_config(other_path, cfg.actor_rollout_ref.model).vocab_size
+    if other_vocab < len(tokenizer):
+        raise ModelPathError(f"{key}={other_path}: its embedding has {other_vocab} rows, fewer than the actor's "
+                             f"tokenizer's {len(tokenizer)} tokens.")
     actor_vocab = model_config(model_path, cfg.actor_rollout_ref.model).vocab_size
-    if actor.use_kl_loss and actor.kl_loss_type == "full" and ref_vocab != actor_vocab:
-        raise ConfigError(f"actor_rollout_ref.actor.kl_loss_type=full compares whole next-token distributions, but "
-                          f"{REF_MODEL_KEY}'s model has {ref_vocab} vocabulary rows and the actor's {actor_vocab}: "
-                          "use kl_loss_type=low_var_kl (k3), kl (k1) or mse (k2), which read the sampled tokens only.")
+    if whole is not None and other_vocab != actor_vocab:
+        setting, instead = whole
+        raise ConfigError(f"{setting} compares whole next-token distributions, but {key}'s model has {other_vocab} "
+                          f"vocabulary rows and the actor's {actor_vocab}: {instead}")
+
+
+def check_reference_vocabulary(cfg: DictConfig, tokenizer, model_path: str, ref_path: str) -> None:
+    actor = cfg.actor_rollout_ref.actor
+    check_vocabulary(cfg, tokenizer, model_path, ref_path, REF_MODEL_KEY, whole=(
+        "actor_rollout_ref.actor.kl_loss_type=full", "use kl_loss_type=low_var_kl (k3), kl (k1) or mse (k2), which "
+        "read the sampled tokens only.") if actor.use_kl_loss and actor.kl_loss_type == "full" else None)
+
+
+def check_teacher_vocabulary(cfg: DictConfig, tokenizer, model_path: str, teacher_path: str, key: str) -> None:
+    top_k = cfg.distillation.distillation_loss.loss_mode == DISTILLATION_TOP_K_MODE
+    check_vocabulary(cfg, tokenizer, model_path, teacher_path, key, whole=(
+        f"distillation.distillation_loss.loss_mode={DISTILLATION_TOP_K_MODE}", "use loss_mode=k3 (or another "
+        "estimator on the sampled tokens).") if top_k else None)
+
+
+def check_teacher_rows(cfg: DictConfig, dataset, teachers, key: str) -> None:
+    """With several distillation teachers routed by data_source, every row's must have one."""
+    if len(teachers) < 2 or cfg.distillation.teacher_key != "data_source":
+        return
+    known = {teacher.key for teacher in teachers}
+    unknown = sorted({str(source) for source in dataset.data_sources()} - known)
+    if unknown:
+        raise ConfigError(f"{key} has rows whose data_source ({', '.join(map(repr, unknown[:5]))}) no distillation "
+                          f"teacher's key names (the teachers': {', '.join(map(repr, sorted(known)))}). Add a "
+                          "teacher with that key, or route by another field (distillation.teacher_key).")
 
 
 def check_builtin_data_sources(dataset, key: str) -> None:

@@ -35,8 +35,8 @@ from hybrid_rl import seqlen_balancing
 from hybrid_rl.checkpoint import (CRITIC, CheckpointManager, PendingCheckpoint, build_checkpoint_callback,
                                   capacity_block_ending, mirror_checkpoint, parts_to_load, read_trainer_state,
                                   run_checkpoint_callback)
-from hybrid_rl.config import (FILTER_METRICS_OF_BATCH, REF_MODEL_KEY, needs_critic, needs_reference,
-                              reference_model_path, rollout_cache_settings, to_container)
+from hybrid_rl.config import (FILTER_METRICS_OF_BATCH, REF_MODEL_KEY, distillation_teachers, needs_critic,
+                              needs_reference, reference_model_path, rollout_cache_settings, to_container)
 from hybrid_rl.console import RunSummary, quiet_env
 from hybrid_rl.controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool, WorkerError, create_colocated_worker_cls
 from hybrid_rl.controller.worker_group import PendingCall
@@ -226,6 +226,24 @@ class InFlight:
         return self.batch
 
 
+def teacher_rows(batch: Batch, teachers: list, field: str) -> torch.Tensor:
+    """Which distillation teacher scores each row (its index in `teachers`): a single one every
+    row; of several, the one whose key is the row's `field` (distillation.teacher_key: a field of
+    the row such as data_source, else an entry of its extra_info)."""
+    if len(teachers) == 1:
+        return torch.zeros(len(batch), dtype=torch.long)
+    values = [str(value) for value in (
+        batch[field] if field in batch.non_tensors else
+        [info.get(field) if isinstance(info, dict) else None for info in batch["extra_info"]])]
+    index = {teacher.key: i for i, teacher in enumerate(teachers)}
+    missing = sorted({value for value in values if value not in index})
+    if missing:
+        raise ValueError(f"distillation.teacher_key={field}: rows with {field} {', '.join(map(repr, missing[:5]))} "
+                         f"have no teacher (the teachers' keys: {', '.join(map(repr, index))}). Add a teacher with "
+                         "that key, or route by another field.")
+    return torch.tensor([index[value] for value in values], dtype=torch.long)
+
+
 class Trainer:
     def __init__(self, cfg: DictConfig, model_path: str, tokenizer, train_dataset: RLDataset,
                  val_dataset: RLDataset | None, reward_fn: RewardManager, val_reward_fn: RewardManager):
@@ -239,6 +257,7 @@ class Trainer:
         self.val_reward_fn = val_reward_fn
         self.advantage_fn = get_advantage_estimator(cfg.algorithm.adv_estimator)
         self.use_reference = needs_reference(cfg)
+        self.teachers = distillation_teachers(cfg) or []
         self.use_critic = needs_critic(cfg)
 
         self.dynamic_sampling = cfg.algorithm.filter_groups.enable
@@ -315,9 +334,10 @@ class Trainer:
                             strategy=cfg.trainer.placement_strategy)
         config = to_container(cfg)
         ref_path = reference_model_path(cfg)
+        teacher_paths = {teacher.key: resolve_model_path(teacher.path, key=teacher.path_key) for teacher in self.teachers}
         roles = {"actor_rollout_ref": ClassWithInitArgs(
             ActorRolloutRefWorker, config, self.model_path, self.total_steps,
-            resolve_model_path(ref_path, key=REF_MODEL_KEY) if ref_path is not None else None)}
+            resolve_model_path(ref_path, key=REF_MODEL_KEY) if ref_path is not None else None, teacher_paths)}
         if self.use_critic:
             critic_path = resolve_model_path(cfg.critic.model.path) if cfg.critic.model.path else self.model_path
             roles["critic"] = ClassWithInitArgs(CriticWorker, config, critic_path, self.total_steps)
@@ -744,6 +764,12 @@ class Trainer:
             if self.use_reference:
                 with timer.phase("ref"):
                     batch.union(self.workers.compute_ref_log_prob(batch))
+
+            if self.teachers:
+                with timer.phase("teacher"):
+                    batch["teacher_index"] = teacher_rows(batch, self.teachers, cfg.distillation.teacher_key)
+                    batch.union(self.workers.compute_teacher_log_prob(batch))
+                    batch.pop(["teacher_index"])
 
             if self.use_critic:
                 with timer.phase("values"):

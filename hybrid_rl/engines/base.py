@@ -55,6 +55,8 @@ class Output(enum.Enum):
     # {"log_probs", "sum_pi_squared"}: Σ_v π_v² of each next-token distribution too (no gradient)
     LOG_PROBS_SUM_PI_SQUARED = "log_probs_sum_pi_squared"
     LOGITS = "logits"  # {"logits"}: (B, T, V) float32, divided by the temperature
+    # {"top_log_probs", "top_ids"}: (B, T, k) the k most likely next tokens' log-probs and ids (k: ModelSpec.top_k)
+    TOP_LOG_PROBS = "top_log_probs"
     VALUES = "values"  # {"values"}: V(s_t), read at the position before each response token
     SCORES = "scores"  # {"scores"}: (B,) a reward model's score, read at each row's last real token
     TOKEN_SCORES = "token_scores"  # {"token_scores"}: a process reward model's score at each response token
@@ -81,10 +83,11 @@ HEAD_CLASSES = {Head.LM: "AutoModelForCausalLM", Head.VALUE: "AutoModelForTokenC
 CHECKPOINT_PARTS = ("model", "optimizer", "extra")
 
 # Each role's own section and its model's section in the config.
-ROLE_KEYS = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "critic": "critic",
-             "reward_model": "reward_model"}
-MODEL_KEYS = {"actor": "actor_rollout_ref.model", "ref": "actor_rollout_ref.model", "critic": "critic.model",
-              "reward_model": "reward_model.model"}
+# A distillation teacher runs with the reference policy's settings.
+ROLE_KEYS = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "teacher": "actor_rollout_ref.ref",
+             "critic": "critic", "reward_model": "reward_model"}
+MODEL_KEYS = {"actor": "actor_rollout_ref.model", "ref": "actor_rollout_ref.model",
+              "teacher": "actor_rollout_ref.model", "critic": "critic.model", "reward_model": "reward_model.model"}
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,7 @@ class ModelSpec:
     optim_cfg: Any = None  # None: frozen (the reference policy)
     total_steps: int = 1  # for the learning-rate schedule
     tag_token_ids: tuple[int, int] | None = None  # Head.STEP_TAG: the (good, bad) token ids
+    top_k: int = 0  # Output.TOP_LOG_PROBS: how many of each next-token distribution's most likely tokens
 
     @property
     def model_key(self) -> str:

@@ -243,6 +243,10 @@ class FSDPEngine(TrainEngine):
                                                                    self.spec.tag_token_ids)}
         if output is Output.LOGITS:
             return {"logits": hf_model.response_logits(self.module, micro, temperature, self.options)}
+        if output is Output.TOP_LOG_PROBS:
+            top_log_probs, top_ids = hf_model.response_top_log_probs(self.module, micro, self.spec.top_k, temperature,
+                                                                     self.options)
+            return {"top_log_probs": top_log_probs, "top_ids": top_ids}
         with_entropy = output is Output.LOG_PROBS_ENTROPY
         sum_pi_squared = output is Output.LOG_PROBS_SUM_PI_SQUARED
         log_probs, second = hf_model.response_log_probs(self.module, micro, temperature, self.options, with_entropy,

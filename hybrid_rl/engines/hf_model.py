@@ -346,6 +346,23 @@ def response_logits(model: torch.nn.Module, micro: dict[str, torch.Tensor], temp
     return response_head_outputs(model, micro, options, head_fn)
 
 
+def response_top_log_probs(model: torch.nn.Module, micro: dict[str, torch.Tensor], top_k: int, temperature: float,
+                           options: ForwardOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `top_k` most likely tokens of each next-token distribution that predicts a response
+    token: float32 log-probs (B, T, k) at `temperature` and their ids (B, T, k), best first (a
+    distillation teacher's; the (B, T, V) logits exist one micro-batch at a time)."""
+    def head_fn(hidden, targets, head):
+        if head.weight.shape[0] > 2 ** 24:  # the ids travel as float32 beside the log-probs
+            raise ValueError(f"a vocabulary of {head.weight.shape[0]} rows is too large for top-k log-probs")
+        dtype = head_dtype(head, options)
+        log_probs = torch.log_softmax((hidden.to(dtype) @ head.weight.to(dtype).T).float() / temperature, dim=-1)
+        top = log_probs.topk(top_k, dim=-1)
+        return torch.cat([top.values, top.indices.float()], dim=-1)
+
+    out = response_head_outputs(model, micro, options, head_fn)
+    return out[..., :top_k], out[..., top_k:].long()
+
+
 def response_values(model: torch.nn.Module, micro: dict[str, torch.Tensor], options: ForwardOptions) -> torch.Tensor:
     """V(s_t) (B, T) for each response token t: the value head's output at the position that
     precedes it, computed in the role's dtype and, with `remove_padding`, on packed rows of real

@@ -1,6 +1,6 @@
-"""The colocated worker: actor (trained), reference policy (frozen), each a training engine
-(`hybrid_rl.engines`, chosen by its `strategy`), and a rollout engine (in-process vLLM, or
-transformers generate) in one process per rank.
+"""The colocated worker: actor (trained), reference policy and distillation teachers (frozen),
+each a training engine (`hybrid_rl.engines`, chosen by its `strategy`), and a rollout engine
+(in-process vLLM, or transformers generate) in one process per rank.
 
 The driver calls the `@register`-ed methods; `DP_COMPUTE` methods receive this rank's share of
 the batch, `ONE_TO_ALL` methods run on every rank with the same arguments.
@@ -13,11 +13,13 @@ import time
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
 from hybrid_rl.algorithms import (
     aggregate_loss, compute_rollout_correction, correction_settings, entropy_from_logits, full_kl_from_logits,
     get_policy_loss, kl_penalty, mismatch_metrics, token_log_probs,
 )
+from hybrid_rl.algorithms.distillation import TOP_K_MODE, forward_kl_top_k, sampled_token_losses
 from hybrid_rl.config import needs_reference
 from hybrid_rl.controller import Dispatch, register
 from hybrid_rl.controller.worker import get_free_port, get_node_ip
@@ -35,9 +37,11 @@ from hybrid_rl.workers.weight_sync import WeightChannel, sync_weights
 class ActorRolloutRefWorker(ModelWorker):
     role = "actor_rollout_ref"
 
-    def __init__(self, config: dict, model_path: str, total_steps: int, ref_path: str | None = None):
+    def __init__(self, config: dict, model_path: str, total_steps: int, ref_path: str | None = None,
+                 teacher_paths: dict[str, str] | None = None):
         super().__init__(config, model_path, total_steps)
         self.ref_path = ref_path  # a reference model of its own (ref.model.path); None: the actor's start
+        self.teacher_paths = teacher_paths or {}  # distillation: {routing key: model folder}, in routing order
 
     # ------------------------------------------------------------------ set-up
     @register(dispatch=Dispatch.ONE_TO_ALL)
@@ -60,6 +64,12 @@ class ActorRolloutRefWorker(ModelWorker):
             self.ref = lora.AdapterDisabled(self.actor) if self.actor.has_adapter and self.ref_path is None else (
                 build_engine(ModelSpec("ref", self.ref_path or self.model_path, model_cfg), cfg.actor_rollout_ref.ref,
                              self.device))
+        # Distillation teachers run on the FSDP engine with the reference's settings, whatever its strategy.
+        distillation = cfg.distillation.distillation_loss
+        top_k = distillation.topk if distillation.loss_mode == TOP_K_MODE else 0
+        teacher_cfg = OmegaConf.merge(cfg.actor_rollout_ref.ref, {"strategy": "fsdp2"})
+        self.teachers = [build_engine(ModelSpec("teacher", path, model_cfg, top_k=top_k), teacher_cfg, self.device)
+                         for path in self.teacher_paths.values()]
 
         rollout_cfg = cfg.actor_rollout_ref.rollout
         self.channel = None  # to a rollout pool of its own (hybrid_engine=false), from rank 0
@@ -192,6 +202,29 @@ class ActorRolloutRefWorker(ModelWorker):
         ref = self._log_probs(self.ref, batch, ref_cfg, replay_routes=replay_mode(ref_cfg) == "R3")
         return Batch(tensors={"ref_log_prob": ref["log_probs"]})
 
+    @register(dispatch=Dispatch.DP_COMPUTE, mesh="ref")
+    def compute_teacher_log_prob(self, batch: Batch) -> Batch:
+        """The distillation teachers' view of the responses, at temperature 1 (verl's teacher
+        log-probs are its engine's raw prompt log-probs): `teacher_log_prob` (B, T) of the sampled
+        tokens, or with forward_kl_topk `teacher_top_log_probs` / `teacher_top_ids` (B, T, k).
+        With several teachers each row keeps its own one's (`teacher_index`); every teacher
+        scores all of this rank's rows, so each runs the same passes on every rank."""
+        loss = self.cfg.distillation.distillation_loss
+        output = Output.TOP_LOG_PROBS if loss.loss_mode == TOP_K_MODE else Output.LOG_PROBS
+        ref_cfg = self.cfg.actor_rollout_ref.ref
+        max_tokens = ref_cfg.log_prob_max_token_len_per_gpu if ref_cfg.log_prob_use_dynamic_bsz else None
+        rows = batch.select(list(FORWARD_KEYS), non_tensor_keys=[])
+        index = batch["teacher_index"]
+        out: dict[str, torch.Tensor] = {}
+        for i, teacher in enumerate(self.teachers):
+            scored = teacher.infer(rows, output, 1.0, ref_cfg.log_prob_micro_batch_size_per_gpu, max_tokens)
+            mine = index == i
+            for key, value in scored.items():
+                out.setdefault(key, torch.zeros_like(value))[mine] = value[mine]
+        names = {"log_probs": "teacher_log_prob", "top_log_probs": "teacher_top_log_probs",
+                 "top_ids": "teacher_top_ids"}
+        return Batch(tensors={names[key]: value for key, value in out.items()})
+
     # ------------------------------------------------------------------ training
     @register(dispatch=Dispatch.DP_COMPUTE, mesh="actor")
     def update_actor(self, batch: Batch) -> dict:
@@ -209,12 +242,15 @@ class ActorRolloutRefWorker(ModelWorker):
         # ratio is 1 and the old log-probs are the current ones, detached.
         on_policy = "old_log_probs" not in batch
         keys = list(FORWARD_KEYS) + ["response_mask", "advantages"]
-        keys += [k for k in ("old_log_probs", "ref_log_prob", "rollout_log_probs", "rollout_is_weights")
-                 if k in batch]
+        keys += [k for k in ("old_log_probs", "ref_log_prob", "rollout_log_probs", "rollout_is_weights",
+                             *TEACHER_KEYS) if k in batch]
         if replay_mode(cfg) != "disabled" and ROUTES_KEY in batch:  # R2's recorded routes, or R3's
             keys.append(ROUTES_KEY)
         batch = batch.select(keys, non_tensor_keys=[])
         full_kl = cfg.use_kl_loss and cfg.kl_loss_type == "full"
+        distillation = self.cfg.distillation.distillation_loss if self.teachers else None
+        # The full KL and the top-k distillation loss need the whole next-token distributions.
+        whole = full_kl or (distillation is not None and distillation.loss_mode == TOP_K_MODE)
 
         # The update's forward is where the trainer's log-probs of the sampled tokens first exist:
         # on policy, and in bypass mode (the engine's are the old ones), it measures the mismatch.
@@ -226,25 +262,25 @@ class ActorRolloutRefWorker(ModelWorker):
         def loss_fn(out: dict, t: dict, agg_kwargs: dict):
             return self._actor_loss(out, t, {**agg_kwargs, "loss_scale_factor": cfg.loss_scale_factor},
                                     cfg, policy_loss, temperature, on_policy, measure, in_loss_correction,
-                                    correction.loss_type == "reinforce")
+                                    correction.loss_type == "reinforce", distillation)
 
         # The full KL is the only loss that needs whole next-token distributions, the reference's
         # among them (its weights on the GPU throughout).
         with self.ref.resident() if full_kl else contextlib.nullcontext():
             metrics = self.actor.update(batch, cfg, rollout_n=n, seed=self.cfg.trainer.seed + batch.meta.step,
-                                        output=Output.LOGITS if full_kl else Output.LOG_PROBS_ENTROPY,
+                                        output=Output.LOGITS if whole else Output.LOG_PROBS_ENTROPY,
                                         temperature=temperature, loss_fn=loss_fn)
         metrics["perf/max_memory_gb"] = peak_memory_gb(self.device)
         return metrics
 
     def _actor_loss(self, out: dict, t: dict, agg_kwargs: dict, cfg, policy_loss, temperature: float,
                     on_policy: bool, measure_mismatch: bool, in_loss_correction: dict | None = None,
-                    weighted_by_correction: bool = False):
+                    weighted_by_correction: bool = False, distillation=None):
         mask = t["response_mask"]
         mode = cfg.loss_agg_mode
-        full_kl = "logits" in out
-        if full_kl:
-            logits = out["logits"]
+        logits = out.get("logits")
+        full_kl = cfg.use_kl_loss and cfg.kl_loss_type == "full"
+        if logits is not None:
             log_prob, entropy = token_log_probs(logits, t["responses"]), entropy_from_logits(logits)
         else:
             log_prob, entropy = out["log_probs"], out["entropy"]
@@ -277,7 +313,57 @@ class ActorRolloutRefWorker(ModelWorker):
             correction_metrics = mismatch_metrics(log_prob.detach(), t["rollout_log_probs"], mask)
         for key, value in correction_metrics.items():  # extremes as they are, means weighted by the tokens
             terms[key] = value if key.endswith(("_max", "_min")) else value * share
+        if distillation is not None:
+            distill_loss, distill_terms = self._distillation_loss(distillation, logits, log_prob, old, t, agg_kwargs,
+                                                                  mode, is_weights)
+            terms.update(distill_terms)
+            if distillation.use_task_rewards:  # verl: the task's loss + coef x distillation's
+                loss = loss + distillation.distillation_loss_coef * distill_loss
+            else:  # distillation alone: no policy, entropy or KL term
+                loss = distill_loss
         return loss, terms
+
+    @staticmethod
+    def _distillation_loss(settings, logits, log_prob, old, t: dict, agg_kwargs: dict, mode: str, is_weights):
+        """verl 0.9's distillation term: per-token losses between the student and the teacher
+        (algorithms/distillation.py), clamped to ±loss_max_clamp, then back-propagated as a loss
+        aggregated like the policy's, or with use_policy_gradient used as each token's advantage
+        −loss in a vanilla PPO loss with the distillation's own clip range."""
+        mask = t["response_mask"]
+        share = token_share(mask, agg_kwargs)
+        terms = {}
+        if settings.loss_mode == TOP_K_MODE:
+            top_k = forward_kl_top_k(logits, t["teacher_top_log_probs"], t["teacher_top_ids"],
+                                     settings.log_prob_min_clamp)
+            losses = top_k.losses
+            real = mask.bool()
+            if real.any():
+                terms["distillation/student_mass"] = float(top_k.student_mass[real].mean()) * share
+                terms["distillation/teacher_mass"] = float(top_k.teacher_mass[real].mean()) * share
+                terms["distillation/overlap_ratio"] = (float(top_k.overlap_count[real].float().mean())
+                                                       / settings.topk * share)
+        else:
+            losses = sampled_token_losses(log_prob, t["teacher_log_prob"], settings.loss_mode)
+            terms["distillation/abs_loss"] = float(aggregate_loss(losses.detach().abs(), mask, "token-mean",
+                                                                  **agg_kwargs))
+        real = losses.detach()[mask.bool()]
+        if real.numel():
+            terms["distillation/loss_max"], terms["distillation/loss_min"] = float(real.max()), float(real.min())
+        if settings.loss_max_clamp is not None:
+            losses = losses.clamp(-settings.loss_max_clamp, settings.loss_max_clamp)
+        if settings.use_policy_gradient:
+            loss, pg_metrics = get_policy_loss("vanilla")(old, log_prob, -losses.detach(), mask, loss_agg_mode=mode,
+                                                          config=settings, agg_kwargs=agg_kwargs,
+                                                          rollout_is_weights=is_weights)
+            terms.update({f"distillation/{key}": float(value) * share for key, value in pg_metrics.items()})
+        else:
+            loss = aggregate_loss(losses, mask, mode, **agg_kwargs)
+        terms["distillation/loss"] = float(loss.detach())
+        return loss, terms
+
+
+# What the distillation teachers add to the batch (compute_teacher_log_prob).
+TEACHER_KEYS = ("teacher_log_prob", "teacher_top_log_probs", "teacher_top_ids")
 
 
 def eos_ids(model_path: str, tokenizer) -> list[int]:
