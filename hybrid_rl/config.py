@@ -964,14 +964,16 @@ def check_distillation(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}.{name}={value!r} must be a number{' > 0' if name == 'loss_max_clamp' else ''}"
                               f"{' >= 0' if low is not None else ''}{' or null' if name != 'distillation_loss_coef' else ''}.")
     actor, ref = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.ref
-    if actor.strategy == "megatron":
-        raise ConfigError(f"{DISTILLATION}.enabled=true with actor_rollout_ref.actor.strategy=megatron is not "
-                          "supported yet: distillation trains the FSDP engine (strategy=fsdp2).")
     if replay_mode(ref) != "disabled":
         raise ConfigError(f"{DISTILLATION}.enabled=true with the reference's router replay: the teacher runs with "
                           "actor_rollout_ref.ref's settings, and replaying the actor's routes in another model is "
                           "not supported yet; set actor_rollout_ref.ref's router_replay.mode=disabled.")
     if loss.loss_mode == DISTILLATION_TOP_K_MODE:
+        if actor.strategy == "megatron":
+            raise ConfigError(f"{key}.loss_mode={DISTILLATION_TOP_K_MODE} needs the student's full-vocabulary "
+                              "logits, which the Megatron engine does not return (vocabulary-parallel heads): use "
+                              "an estimator on the sampled tokens (k3, or k1 with use_policy_gradient=true), or "
+                              "actor_rollout_ref.actor.strategy=fsdp2.")
         top_k = loss.topk
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
             raise ConfigError(f"{key}.topk={top_k!r} must be a whole number >= 1: how many of the teacher's most "

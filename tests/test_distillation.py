@@ -119,9 +119,10 @@ def test_bad_distillation_settings_are_refused(overrides, fragment):
     assert fragment in str(error.value)
 
 
-def test_a_megatron_student_is_refused():
-    cfg = compose_config(ON, config_name="ppo_megatron_trainer")
-    with pytest.raises(ConfigError, match="strategy=megatron is not supported yet"):
+def test_a_megatron_student_takes_the_sampled_token_losses_only():
+    validate_config(compose_config(ON, config_name="ppo_megatron_trainer"))
+    cfg = compose_config([*ON, f"{LOSS}.loss_mode=forward_kl_topk"], config_name="ppo_megatron_trainer")
+    with pytest.raises(ConfigError, match="logits, which the Megatron engine does not return"):
         validate_config(cfg)
 
 
@@ -169,27 +170,44 @@ def sampled(logits: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
 
 
+# A Megatron student over two ranks (PP=2) beside its FSDP teacher, sharded over both.
+MEGATRON = ["trainer.n_gpus_per_node=2", "trainer.cpus_per_worker=1",
+            "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+            "actor_rollout_ref.actor.megatron.dtype=fp32", "actor_rollout_ref.rollout.name=vllm"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["k3", "forward_kl_topk", "k1_policy_gradient"])
+@pytest.mark.parametrize("mode", ["k3", "forward_kl_topk", "k1_policy_gradient", "k3_megatron"])
 def test_a_step_distils_from_the_teacher(ray_session, tiny_model_dir, tiny_tokenizer, arithmetic_files, tmp_path,
                                          mode):
     """One step with a teacher of other weights. Its logged distillation loss is computed again
     from the dumped responses: k3 or the top-8 forward KL between the student's starting weights
     and the teacher, token mean; as a reward (k1, policy gradient, on policy: ratio 1) the PPO loss
     with advantage −k1 is the mean k1."""
+    import json
+    import os
+
+    from hybrid_rl.main import build_trainer
     from tests.conftest import build_tiny_model, run_overrides
-    from tests.test_algorithm_catalogue_runs import ONE_STEP, train
+    from tests.test_algorithm_catalogue_runs import ONE_STEP
 
     teacher = build_tiny_model(tmp_path / "teacher", tiny_tokenizer, seed=1)
     out, dump = tmp_path / "run", tmp_path / "dump"
     settings = {"k3": ["loss_mode=k3", "use_task_rewards=false"],
                 "forward_kl_topk": ["loss_mode=forward_kl_topk", "topk=8", "use_task_rewards=false"],
-                "k1_policy_gradient": ["loss_mode=k1", "use_policy_gradient=true", "use_task_rewards=true"]}[mode]
+                "k1_policy_gradient": ["loss_mode=k1", "use_policy_gradient=true", "use_task_rewards=true"],
+                "k3_megatron": ["loss_mode=k3", "use_task_rewards=false"]}[mode]
     overrides = run_overrides(tiny_model_dir, arithmetic_files, out, response=12) + [
         *ONE_STEP, "distillation.enabled=true", f"distillation.teacher_models.teacher_model.model_path={teacher}",
-        *(f"{LOSS}.{item}" for item in settings),
+        *(f"{LOSS}.{item}" for item in settings), *(MEGATRON if mode.endswith("megatron") else []),
         "skip.rollout.enable=true", "skip.rollout.steps=[1]", f"skip.rollout.dump_dir={dump}"]
-    (metrics,) = train(overrides, out)
+    trainer = build_trainer(compose_config(overrides, config_name="ppo_megatron_trainer" if mode.endswith("megatron")
+                                           else "ppo_trainer"))
+    try:
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    (metrics,) = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
 
     (dumped,) = dump.glob("*/*/1/generation_0.pt")
     tensors = torch.load(dumped, weights_only=False)["generated"]["tensors"]
@@ -201,7 +219,7 @@ def test_a_step_distils_from_the_teacher(ray_session, tiny_model_dir, tiny_token
         assert metrics["distillation/student_mass"] == pytest.approx(float(student_mass[mask].mean()), rel=1e-4)
         assert metrics["distillation/teacher_mass"] == pytest.approx(float(teacher_mass[mask].mean()), rel=1e-4)
     else:
-        losses = (torch.exp(-d) + d - 1) if mode == "k3" else d
+        losses = (torch.exp(-d) + d - 1) if mode.startswith("k3") else d
     expected = float(losses[mask].mean())
     assert abs(expected) > 1e-3  # the two models differ: the student's own weights give 0
     assert metrics["distillation/loss"] == pytest.approx(expected, rel=1e-4)

@@ -202,7 +202,13 @@ class ActorRolloutRefWorker(ModelWorker):
         ref = self._log_probs(self.ref, batch, ref_cfg, replay_routes=replay_mode(ref_cfg) == "R3")
         return Batch(tensors={"ref_log_prob": ref["log_probs"]})
 
-    @register(dispatch=Dispatch.DP_COMPUTE, mesh="ref")
+    @property
+    def teacher(self):
+        """The first distillation teacher, whose data-parallel layout all of them share (the
+        reference's settings); the `teacher` mesh of `compute_teacher_log_prob`."""
+        return self.teachers[0] if self.teachers else None
+
+    @register(dispatch=Dispatch.DP_COMPUTE, mesh="teacher")
     def compute_teacher_log_prob(self, batch: Batch) -> Batch:
         """The distillation teachers' view of the responses, at temperature 1 (verl's teacher
         log-probs are its engine's raw prompt log-probs): `teacher_log_prob` (B, T) of the sampled
