@@ -208,6 +208,16 @@ def _broken_tokenizer(ctx):
     return folder
 
 
+def _other_vocabulary_model(ctx):
+    from transformers import AutoTokenizer
+
+    from tests.test_reference_model import llama
+
+    tokenizer = AutoTokenizer.from_pretrained(ctx.model_dir)
+    tokenizer.add_tokens(["<not-in-the-actors>"])
+    return llama(ctx.tmp / "other_vocabulary", tokenizer, len(tokenizer))
+
+
 MODEL_CASES = [
     case("model-path-missing", lambda ctx: [f"actor_rollout_ref.model.path={ctx.tmp}/no_such_model"],
          ModelPathError, "actor_rollout_ref.model.path=", "is neither a model folder nor a .gguf file",
@@ -238,6 +248,16 @@ MODEL_CASES = [
     case("critic-model-path-missing", lambda ctx: ["algorithm.adv_estimator=gae",
                                                    f"critic.model.path={ctx.tmp}/no_critic"],
          ModelPathError, "critic.model.path=", "is neither a model folder nor a .gguf file"),
+    case("distillation-teacher-path-missing",
+         lambda ctx: ["distillation.enabled=true",
+                      f"distillation.teacher_models.teacher_model.model_path={ctx.tmp}/no_teacher"],
+         ModelPathError, "distillation.teacher_models.teacher_model.model_path=",
+         "is neither a model folder nor a .gguf file"),
+    case("distillation-teacher-of-another-tokenizer",
+         lambda ctx: ["distillation.enabled=true",
+                      f"distillation.teacher_models.teacher_model.model_path={_other_vocabulary_model(ctx)}"],
+         ModelPathError, "distillation.teacher_models.teacher_model.model_path=",
+         "its tokenizer's vocabulary differs from the actor's"),
     case("response-beyond-context-window", ["data.max_prompt_length=400", "data.max_response_length=200"],
          ConfigError, "= 600 exceeds the model's context window (512 tokens", "max_position_embeddings",
          "Shorten data.max_prompt_length or data.max_response_length"),
