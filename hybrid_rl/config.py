@@ -955,14 +955,16 @@ def check_distillation(cfg: DictConfig) -> None:
         raise ConfigError(f"{key}.loss_mode={loss.loss_mode} with use_policy_gradient=false: the gradient of k1 "
                           "itself does not depend on the teacher. Use it as a reward (use_policy_gradient=true) or "
                           "back-propagate k3 / forward_kl_topk.")
-    for name, low in (("distillation_loss_coef", 0), ("loss_max_clamp", None), ("log_prob_min_clamp", None)):
-        value = loss[name]
-        if value is None and name != "distillation_loss_coef":
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-                name == "loss_max_clamp" and not value > 0) or (low is not None and value < low):
-            raise ConfigError(f"{key}.{name}={value!r} must be a number{' > 0' if name == 'loss_max_clamp' else ''}"
-                              f"{' >= 0' if low is not None else ''}{' or null' if name != 'distillation_loss_coef' else ''}.")
+    def number(value) -> bool:
+        return not isinstance(value, bool) and isinstance(value, (int, float))
+
+    if not (number(loss.distillation_loss_coef) and loss.distillation_loss_coef >= 0):
+        raise ConfigError(f"{key}.distillation_loss_coef={loss.distillation_loss_coef!r} must be a number >= 0.")
+    if loss.loss_max_clamp is not None and not (number(loss.loss_max_clamp) and loss.loss_max_clamp > 0):
+        raise ConfigError(f"{key}.loss_max_clamp={loss.loss_max_clamp!r} must be a number > 0, or null (no clamp).")
+    if loss.log_prob_min_clamp is not None and not number(loss.log_prob_min_clamp):
+        raise ConfigError(f"{key}.log_prob_min_clamp={loss.log_prob_min_clamp!r} must be a number (e.g. -10.0), "
+                          "or null (no floor).")
     actor, ref = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.ref
     if replay_mode(ref) != "disabled":
         raise ConfigError(f"{DISTILLATION}.enabled=true with the reference's router replay: the teacher runs with "
