@@ -901,6 +901,10 @@ class Teacher(NamedTuple):
     path: str
 
 
+# verl's DistillationTeacherModelConfig; num_replicas and inference (its serving) have no effect here.
+TEACHER_FIELDS = frozenset(("key", "model_path", "num_replicas", "inference"))
+
+
 def distillation_teachers(cfg: DictConfig) -> list[Teacher] | None:
     """verl 0.9's on-policy distillation teachers, None with distillation.enabled off. One entry in distillation.teacher_models scores every row; with
     several, each row goes to the teacher whose `key` is the row's `distillation.teacher_key` field
@@ -922,6 +926,10 @@ def distillation_teachers(cfg: DictConfig) -> list[Teacher] | None:
     teachers: list[Teacher] = []
     for name, teacher in entries.items():
         where = f"{DISTILLATION}.teacher_models.{name}"
+        unknown = sorted(set(teacher) - TEACHER_FIELDS) if OmegaConf.is_dict(teacher) else []
+        if unknown:  # verl's teacher dataclass refuses them too
+            raise ConfigError(f"{where}.{unknown[0]} is not a teacher setting; a teacher has "
+                              f"{', '.join(sorted(TEACHER_FIELDS))}.")
         path = teacher.get("model_path") if OmegaConf.is_dict(teacher) else None
         if not isinstance(path, str) or not path:
             raise ConfigError(f"{where}.model_path={path!r}: set it to the teacher's model folder (or .gguf file).")

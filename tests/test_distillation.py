@@ -110,6 +110,8 @@ def test_teachers_from_verls_keys():
     (["distillation.enabled=true", "+distillation.teacher_models.t1.model_path=/t1",
       "+distillation.teacher_models.t2.model_path=/t2", "+distillation.teacher_models.t2.key=b"],
      "t1.key=None: with several teachers each needs"),
+    ([*ON, "+distillation.teacher_models.teacher_model.modelpath=/m"],
+     "teacher_model.modelpath is not a teacher setting; a teacher has inference, key, model_path"),
     (["distillation.enabled=true", *(f"+distillation.teacher_models.{n}.{k}={v}" for n in ("t1", "t2")
                                      for k, v in (("key", "same"), ("model_path", "/m")))], "another teacher's key"),
 ])
