@@ -336,25 +336,23 @@ class ActorRolloutRefWorker(ModelWorker):
         aggregated like the policy's, or with use_policy_gradient used as each token's advantage
         −loss in a vanilla PPO loss with the distillation's own clip range."""
         mask = t["response_mask"]
+        real = mask.bool()
         share = token_share(mask, agg_kwargs)
-        terms = {}
+        # Per-token figures: this micro-batch's means, weighted into the mini-batch's.
         if settings.loss_mode == TOP_K_MODE:
             top_k = forward_kl_top_k(logits, t["teacher_top_log_probs"], t["teacher_top_ids"],
                                      settings.log_prob_min_clamp)
             losses = top_k.losses
-            real = mask.bool()
-            if real.any():
-                terms["distillation/student_mass"] = float(top_k.student_mass[real].mean()) * share
-                terms["distillation/teacher_mass"] = float(top_k.teacher_mass[real].mean()) * share
-                terms["distillation/overlap_ratio"] = (float(top_k.overlap_count[real].float().mean())
-                                                       / settings.topk * share)
+            means = {"student_mass": top_k.student_mass, "teacher_mass": top_k.teacher_mass,
+                     "overlap_ratio": top_k.overlap_count.float() / settings.topk}
         else:
             losses = sampled_token_losses(log_prob, t["teacher_log_prob"], settings.loss_mode)
-            terms["distillation/abs_loss"] = float(aggregate_loss(losses.detach().abs(), mask, "token-mean",
-                                                                  **agg_kwargs))
-        real = losses.detach()[mask.bool()]
-        if real.numel():
-            terms["distillation/loss_max"], terms["distillation/loss_min"] = float(real.max()), float(real.min())
+            means = {"abs_loss": losses.detach().abs()}
+        terms = {}
+        if real.any():
+            terms = {f"distillation/{name}": float(values[real].mean()) * share for name, values in means.items()}
+            terms["distillation/loss_max"] = float(losses.detach()[real].max())
+            terms["distillation/loss_min"] = float(losses.detach()[real].min())
         if settings.loss_max_clamp is not None:
             losses = losses.clamp(-settings.loss_max_clamp, settings.loss_max_clamp)
         if settings.use_policy_gradient:
