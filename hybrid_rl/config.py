@@ -906,8 +906,8 @@ TEACHER_FIELDS = frozenset(("key", "model_path", "num_replicas", "inference"))
 
 
 def distillation_teachers(cfg: DictConfig) -> list[Teacher] | None:
-    """verl 0.9's on-policy distillation teachers, None with distillation.enabled off. One entry in distillation.teacher_models scores every row; with
-    several, each row goes to the teacher whose `key` is the row's `distillation.teacher_key` field
+    """verl 0.9's on-policy distillation teachers, None with distillation.enabled off. One entry
+    in distillation.teacher_models scores every row; with several, each row goes to the teacher whose `key` is the row's `distillation.teacher_key` field
     (verl drops the default entry `teacher_model` then; here setting it beside others is refused)."""
     section = cfg.get(DISTILLATION)
     if section is None or not section.enabled:
@@ -1566,7 +1566,8 @@ def _positive(value, key: str) -> None:
 def check_model_limits(cfg: DictConfig, model_path: str, reward_model_config=None,
                        ref_model_path: str | None = None, teachers=()) -> None:
     """Prompt + response must fit the model's context window (and a reference model's of its own,
-    `ref_model_path`, and each distillation teacher's, `teachers`: (config key, path)), and a Megatron layout the model (and the reward model's,
+    `ref_model_path`, and each distillation teacher's, `teachers`: (config key, path)), and a
+    Megatron layout the model (and the reward model's,
     `reward_model_config`, when it runs on Megatron, and the reference model's); verl 0.2's layers
     per virtual pipeline stage become the virtual pipeline size they imply for the model."""
     model_config = _read_model_config(cfg, model_path, "actor_rollout_ref.model.path")

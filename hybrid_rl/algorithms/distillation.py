@@ -35,7 +35,6 @@ class TopKDistillation(NamedTuple):
     student_mass: torch.Tensor  # (B, T) Σ π_S over the teacher's top k
     teacher_mass: torch.Tensor  # (B, T) Σ π_T over its top k
     overlap_count: torch.Tensor  # (B, T) how many of the teacher's top k are also the student's
-    overlap_advantage: torch.Tensor  # (B, T) mean −π_T(i)(log π_T(i) − log π_S(i)) over those shared tokens
 
 
 def forward_kl_top_k(student_logits: torch.Tensor, teacher_log_probs: torch.Tensor, teacher_ids: torch.Tensor,
@@ -45,8 +44,8 @@ def forward_kl_top_k(student_logits: torch.Tensor, teacher_log_probs: torch.Tens
     `student_logits` (B, T, V) give log π_S = log_softmax (already divided by the temperature);
     `teacher_log_probs` / `teacher_ids` (B, T, k) are the teacher's top k. The sum over a truncated
     support can fall below 0, hence the floor. With `log_prob_min_clamp` both sides' log-probs are
-    floored at it inside the sum (the masses are taken before). The overlap figures (verl's
-    diagnostics) compare K_t with the student's own top k.
+    floored at it inside the sum (the masses are taken before). The overlap count (verl's
+    diagnostic) compares K_t with the student's own top k.
     """
     log_probs = torch.log_softmax(student_logits.float(), dim=-1)
     teacher_log_probs = teacher_log_probs.float()
@@ -62,6 +61,4 @@ def forward_kl_top_k(student_logits: torch.Tensor, teacher_log_probs: torch.Tens
     with torch.no_grad():
         student_top = log_probs.topk(teacher_ids.shape[-1], dim=-1).indices
         shared = (teacher_ids.unsqueeze(-1) == student_top.unsqueeze(-2)).any(-1)
-        count = shared.sum(-1)
-        advantage = (-per_token * shared).sum(-1) / count.clamp_min(1)
-    return TopKDistillation(losses, student_mass.detach(), teacher_mass, count, advantage)
+    return TopKDistillation(losses, student_mass.detach(), teacher_mass, shared.sum(-1))
