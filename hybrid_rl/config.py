@@ -211,7 +211,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     check_optimizers(cfg)
     check_schedules(cfg)
     resolve_clip_grad(cfg)
-    check_tiled_mlp(cfg)
+    check_fsdp_model_features(cfg)
     if cfg.actor_rollout_ref.actor.get("use_prefix_grouper") and "megatron" in (
             cfg.actor_rollout_ref.actor.strategy, cfg.actor_rollout_ref.ref.strategy):
         raise ConfigError("actor_rollout_ref.actor.use_prefix_grouper=true shares each prompt among its responses in "
@@ -1171,21 +1171,29 @@ def check_optimizers(cfg: DictConfig) -> None:
             raise ConfigError(str(error)) from None
 
 
-def check_tiled_mlp(cfg: DictConfig) -> None:
-    """`model.tiled_mlp` tiles the FSDP engine's transformers MLPs; a model on the Megatron engine
-    (megatron's own layers) is refused, as is a shard count that is not a positive integer."""
+def check_fsdp_model_features(cfg: DictConfig) -> None:
+    """`model.tiled_mlp` tiles the FSDP engine's transformers MLPs and `model.enable_activation_offload`
+    hooks its training forward (as verl's does, FSDP only); a role on the Megatron engine (megatron's
+    own layers) is refused, as is a shard count that is not a positive integer."""
     roles = {"actor_rollout_ref.model": ("actor_rollout_ref.actor", "actor_rollout_ref.ref"),
              "critic.model": ("critic",), "reward_model.model": ("reward_model",)}
     for model_key, role_keys in roles.items():
-        tiled = OmegaConf.select(cfg, f"{model_key}.tiled_mlp")
-        if not tiled or not tiled.get("enabled", False):
-            continue
-        _positive(tiled.get("num_shards", 4), f"{model_key}.tiled_mlp.num_shards")
         megatron = [key for key in role_keys if OmegaConf.select(cfg, f"{key}.strategy") == "megatron"]
-        if megatron:
-            raise ConfigError(f"{model_key}.tiled_mlp.enabled=true tiles the FSDP engine's transformers MLPs, and "
-                              f"{megatron[0]}.strategy=megatron builds megatron's layers; set it to false (megatron's "
-                              "recomputation: model.enable_gradient_checkpointing=true), or use strategy=fsdp2.")
+        tiled = OmegaConf.select(cfg, f"{model_key}.tiled_mlp")
+        if tiled and tiled.get("enabled", False):
+            _positive(tiled.get("num_shards", 4), f"{model_key}.tiled_mlp.num_shards")
+            if megatron:
+                raise ConfigError(f"{model_key}.tiled_mlp.enabled=true tiles the FSDP engine's transformers MLPs, "
+                                  f"and {megatron[0]}.strategy=megatron builds megatron's layers; set it to false "
+                                  "(megatron's recomputation: model.enable_gradient_checkpointing=true), or use "
+                                  "strategy=fsdp2.")
+        # Only a trained model's forward saves activations: the actor's, not the reference's.
+        trained = [key for key in megatron if key in ("actor_rollout_ref.actor", "critic")]
+        if OmegaConf.select(cfg, f"{model_key}.enable_activation_offload", default=False) and trained:
+            raise ConfigError(f"{model_key}.enable_activation_offload=true offloads what the FSDP engine's training "
+                              f"forward saves (verl's is FSDP-only too), and {trained[0]}.strategy=megatron; set it "
+                              "to false (megatron recomputes instead: model.enable_gradient_checkpointing=true), or "
+                              "use strategy=fsdp2.")
 
 
 def resolve_clip_grad(cfg: DictConfig) -> None:

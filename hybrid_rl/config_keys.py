@@ -443,8 +443,12 @@ RULES: tuple[Rule, ...] = tuple([
             "each under activation checkpointing: the MLP's intermediate activations exist for one slice at a time "
             "(expert blocks stay whole; as verl 0.7-0.8 did it, verl 0.9.1 reads the keys nowhere); refused on "
             "the Megatron engine", "*.model.tiled_mlp.enabled", "*.model.tiled_mlp.num_shards"),
-    *_rules(NOT_YET, "not built yet",
-            "*.model.enable_activation_offload", "*.model.use_liger", "actor_rollout_ref.model.mtp.enable"),
+    *_rules(WORKS, "on GPU, what the FSDP engine's training forward saves for its backward pass (parameters and "
+            "tensors under 1 MiB excepted) waits in pinned host memory until the backward pass needs it; under "
+            "gradient checkpointing that is each layer's input and the LM head's tensors; logged as "
+            "<role>/activation_offload_gb; no effect on CPU, where activations are in host memory already; refused "
+            "on the Megatron engine (written, not yet run on a GPU)", "*.model.enable_activation_offload"),
+    *_rules(NOT_YET, "not built yet", "*.model.use_liger", "actor_rollout_ref.model.mtp.enable"),
     *_rules(NO_EFFECT, "read only with the feature above it enabled, which is not supported yet",
             "actor_rollout_ref.model.mtp.*", "actor_rollout_ref.rollout.mtp"),
     *_rules(NO_EFFECT, "models are read from local folders; there is no shared-memory copy", "*.use_shm"),

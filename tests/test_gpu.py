@@ -1,7 +1,8 @@
 """The training engines on a CUDA GPU (skipped without one): the Megatron engine against the FSDP
 engine on the same model, batch and seed; megatron's bf16 path; FSDP2's CPU offload
 (`fsdp_config.offload_policy`) and verl's `param_offload` / `optimizer_offload` (and on Megatron
-`grad_offload`) change where the weights live, not what a step computes; LoRA on CUDA (bf16 compute) computes what it does on the CPU."""
+`grad_offload`) change where the weights live, not what a step computes, as `model.enable_activation_offload`
+does for the saved activations; LoRA on CUDA (bf16 compute) computes what it does on the CPU."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hybrid_rl.engines import Output
+from hybrid_rl.engines import Output, activation_offload
 from tests.conftest import build_tiny_model
 from tests.engine_helpers import actor_config, make_engine, offloaded, rollout_batch, step, weights
 
@@ -87,6 +88,27 @@ def test_fsdp_cpu_offload_on_cuda(model_dir):
     for name, tensor in runs[False]["after"].items():
         assert tensor.device.type == runs[True]["after"][name].device.type == "cuda"
         torch.testing.assert_close(runs[True]["after"][name], tensor, rtol=1e-5, atol=1e-6)
+
+
+def test_fsdp_activation_offload_on_cuda(model_dir, monkeypatch):
+    """What the forward saves waits in pinned host memory (with and without recomputation), and the
+    backward pass computes the same update from it."""
+    monkeypatch.setattr(activation_offload, "MIN_OFFLOAD_BYTES", 0)  # the tiny model's tensors are small
+    for checkpointing in (False, True):
+        runs = {}
+        for offload in (False, True):
+            cfg = actor_config("fsdp2", extra=[
+                f"actor_rollout_ref.model.enable_activation_offload={offload}",
+                f"actor_rollout_ref.model.enable_gradient_checkpointing={checkpointing}"])
+            engine = make_engine(cfg, model_dir, CUDA)
+            runs[offload] = {"first": step(engine, cfg, 1), "second": step(engine, cfg, 2), "after": weights(engine)}
+        assert "actor/activation_offload_gb" not in runs[False]["first"]
+        assert runs[True]["first"]["actor/activation_offload_gb"] > 0
+        for key in ("actor/loss", "actor/grad_norm"):
+            assert runs[True]["first"][key] == pytest.approx(runs[False]["first"][key], rel=1e-6)
+            assert runs[True]["second"][key] == pytest.approx(runs[False]["second"][key], rel=1e-6)
+        for name, tensor in runs[False]["after"].items():
+            torch.testing.assert_close(runs[True]["after"][name], tensor, rtol=1e-6, atol=1e-7)
 
 
 def test_fsdp_param_and_optimizer_offload_on_cuda(model_dir, tmp_path):

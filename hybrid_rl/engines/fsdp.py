@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from hybrid_rl import hardware
 from hybrid_rl.engines import hf_model, lora, optimizers, routing, tiled_mlp, ulysses
+from hybrid_rl.engines.activation_offload import ActivationOffload
 from hybrid_rl.engines.base import ROUTES_KEY, Head, ModelSpec, Output, TrainEngine, lr_lambda
 
 
@@ -165,6 +166,9 @@ class FSDPEngine(TrainEngine):
         self.offload_optimizer = on_gpu and trainable and bool(fsdp_cfg.get("optimizer_offload", False))
         if self.offload_params:
             self._place(False, params=True, optimizer=False, grads=False)
+        # verl's enable_activation_offload; on CPU the activations are in host memory already.
+        self.activation_offload = ActivationOffload(device) if (
+            on_gpu and trainable and spec.model_cfg.get("enable_activation_offload", False)) else None
 
     def _weights_dtype(self, fsdp_cfg: Any, compute_dtype: torch.dtype) -> torch.dtype:
         """verl's `fsdp_config.model_dtype`: the dtype the weights are held and trained in (and so
@@ -262,6 +266,9 @@ class FSDPEngine(TrainEngine):
             raise ValueError(f"{self.spec.role}: the batch carries routes to replay, but this engine was built "
                              "without router_replay.mode: set it for the role whose model this is.")
         results = []
+        offload = self.activation_offload
+        if offload is not None:
+            offload.offloaded_bytes = 0
         with replay.pass_over() if replay is not None else contextlib.nullcontext():
             for micro in micros:
                 if loss_fn is None:
@@ -270,10 +277,17 @@ class FSDPEngine(TrainEngine):
                     recorded = replay.recorded_table() if replay is not None else None
                     results.append(result if recorded is None else {**result, ROUTES_KEY: recorded})
                     continue
-                loss, terms = loss_fn(self.forward(micro, output, temperature), micro)
+                with offload if offload is not None else contextlib.nullcontext():
+                    loss, terms = loss_fn(self.forward(micro, output, temperature), micro)
                 loss.backward()
                 results.append(terms)
         return results
+
+    def pass_metrics(self) -> dict[str, float]:
+        metrics = super().pass_metrics()
+        if self.activation_offload is not None:
+            metrics["activation_offload_gb"] = self.activation_offload.offloaded_bytes / 2**30
+        return metrics
 
     def optimizer_step(self, grad_clip: float) -> float:
         params = [p for p in self.module.parameters() if p.grad is not None]

@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 def tile_mlps(layers: list[torch.nn.Module], num_shards: int, key: str) -> int:
     """Tile the dense MLP (`layer.mlp`) of each of `layers`; mixture-of-experts blocks stay whole
     (their routers see every token at once, and router replay records one call per layer).
-    Returns how many were tiled; `key` names the setting in errors (`config.check_tiled_mlp`
+    Returns how many were tiled; `key` names the setting in errors (`config.check_fsdp_model_features`
     has checked num_shards)."""
     mlps = [layer.mlp for layer in layers if isinstance(getattr(layer, "mlp", None), torch.nn.Module)]
     dense = [mlp for mlp in mlps if not hasattr(mlp, "experts")]
