@@ -1426,17 +1426,25 @@ def check_sequence_parallel(cfg: DictConfig) -> None:
 
 
 def check_profiler(cfg: DictConfig) -> None:
-    """global_profiler.tool=torch over global_profiler.steps, and the roles' profiler settings."""
+    """The roles' torch profilers over global_profiler.steps. Each role profiles with its own
+    `profiler.tool`, which follows global_profiler.tool unless set (as in verl)."""
     prof = cfg.global_profiler
-    _choice(prof.tool, (None, "torch"), "global_profiler.tool",
-            {name: "use torch, PyTorch's profiler" for name in ("nsys", "npu", "torch_memory")})
+    verl_tools = {name: "use torch, PyTorch's profiler" for name in ("nsys", "npu", "torch_memory")}
+    _choice(prof.tool, (None, "torch"), "global_profiler.tool", verl_tools)
+    for key in ROLE_PROFILER_KEYS.values():
+        _choice(OmegaConf.select(cfg, f"{key}.tool"), (None, "torch"), f"{key}.tool", verl_tools)
     roles = _role_processes(cfg)
     enabled = {role: key for role, key in ROLE_PROFILER_KEYS.items()
                if role in roles and OmegaConf.select(cfg, f"{key}.enable")}
-    if prof.tool is None:
-        if enabled:
-            raise ConfigError(f"{next(iter(enabled.values()))}.enable=true records nothing without "
-                              "global_profiler.tool=torch and global_profiler.steps=[...] (the steps to profile).")
+    toolless = [key for key in enabled.values() if OmegaConf.select(cfg, f"{key}.tool") is None]
+    if toolless:
+        raise ConfigError(f"{toolless[0]}.enable=true records nothing without a profiler tool: set "
+                          f"global_profiler.tool=torch (or {toolless[0]}.tool=torch) and global_profiler.steps=[...] "
+                          "(the steps to profile).")
+    if not enabled:
+        if prof.tool == "torch":
+            raise ConfigError("global_profiler.tool=torch, but no role's profiler is enabled: set "
+                              "actor_rollout_ref.actor.profiler.enable=true (or critic.profiler.enable=true, ...).")
         if prof.finish_hook_cmd:
             raise ConfigError("global_profiler.finish_hook_cmd runs after the last profiled step, and nothing is "
                               "profiled: set global_profiler.tool=torch, global_profiler.steps=[...] and a role's "
@@ -1444,11 +1452,8 @@ def check_profiler(cfg: DictConfig) -> None:
         return
     steps = prof.steps
     if not steps or not all(isinstance(s, int) and s > 0 for s in steps):
-        raise ConfigError(f"global_profiler.tool=torch profiles the steps listed in global_profiler.steps, which must "
-                          f"be a list of step numbers >= 1 (got {steps}); e.g. global_profiler.steps=[2,3].")
-    if not enabled:
-        raise ConfigError("global_profiler.tool=torch, but no role's profiler is enabled: set "
-                          "actor_rollout_ref.actor.profiler.enable=true (or critic.profiler.enable=true, ...).")
+        raise ConfigError(f"The torch profiler profiles the steps listed in global_profiler.steps, which must be a "
+                          f"list of step numbers >= 1 (got {steps}); e.g. global_profiler.steps=[2,3].")
     for role, key in enabled.items():
         node = OmegaConf.select(cfg, key)
         contents = OmegaConf.select(node, "tool_config.torch.contents") or []

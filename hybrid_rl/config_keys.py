@@ -597,7 +597,8 @@ RULES: tuple[Rule, ...] = tuple([
             "global_profiler.save_path", "*.profiler.enable", "*.profiler.all_ranks", "*.profiler.ranks",
             "*.profiler.save_path", "*.profiler.tool_config.torch.contents", "*.profiler.tool_config.torch.discrete",
             "reward_model.profiler.tool_config"),
-    *_rules(NOT_YET, "every role follows global_profiler.tool here; set that instead", "*.profiler.tool"),
+    *_rules(WORKS, "the role's profiler: torch, or null (not profiled); it follows global_profiler.tool unless set, "
+            "as in verl (nsys, npu and torch_memory are not supported yet)", "*.profiler.tool"),
     *_rules(WORKS, "a shell command run once after the last profiled step, on these ranks (else the profiled "
             "ones), with verl's VERL_PROFILE_SAVE_PATH, _TOOL, _RANK, _PID and _ROLE set", "*.profiler.finish_hook_*",
             "global_profiler.finish_hook_*"),

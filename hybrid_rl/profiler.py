@@ -1,13 +1,14 @@
 """Profiling worker processes with `torch.profiler` over chosen training steps, with verl's keys.
 
-`global_profiler.tool=torch` and `global_profiler.steps=[...]` choose the steps; each role's
-`profiler.enable`, `all_ranks` / `ranks` and `tool_config.torch.{contents, discrete}` choose its
-processes and what they record. The driver starts and stops the profiler of every worker process
-around those steps (`Trainer.fit`), and every `@register`-ed worker method is a named range in
-the trace (`controller.decorator.register`). torch.profiler is one per process, so the roles
-colocated in one process share one trace. After the last profiled step, `finish_hook_cmd` runs
-once on the ranks `finish_hook_ranks` / `finish_hook_all_ranks` choose (else the profiled ones),
-e.g. to upload `$VERL_PROFILE_SAVE_PATH`, as in verl.
+`global_profiler.steps=[...]` chooses the steps; each role's `profiler.enable`, `profiler.tool=torch`
+(which follows `global_profiler.tool` unless set), `all_ranks` / `ranks` and
+`tool_config.torch.{contents, discrete}` choose its processes and what they record. The driver
+starts and stops the profiler of every worker process around those steps (`Trainer.fit`), and
+every `@register`-ed worker method is a named range in the trace (`controller.decorator.register`).
+torch.profiler is one per process, so the roles colocated in one process share one trace. After
+the last profiled step, `finish_hook_cmd` runs once on the ranks `finish_hook_ranks` /
+`finish_hook_all_ranks` choose (else the profiled ones), e.g. to upload `$VERL_PROFILE_SAVE_PATH`,
+as in verl.
 
 Per profiled process, under `global_profiler.save_path`: `step<N>/<roles>_rank<r>.json.gz` (a
 Chrome trace for Perfetto or chrome://tracing; `steps<A>-<B>/` when
@@ -66,8 +67,9 @@ def role_settings(cfg, role: str) -> ProfileSettings | None:
 
     key = ROLE_PROFILER_KEYS.get(role)
     node = OmegaConf.select(cfg, key) if key else None
-    if (OmegaConf.select(cfg, "global_profiler.tool") != "torch" or not OmegaConf.select(cfg, "global_profiler.steps")
-            or node is None or not node.enable):
+    # A role's tool follows global_profiler.tool unless set (verl's interpolation).
+    if (node is None or not node.enable or node.get("tool") != "torch"
+            or not OmegaConf.select(cfg, "global_profiler.steps")):
         return None
     torch_cfg = OmegaConf.select(node, "tool_config.torch") or {}
     ranks = None if node.all_ranks else frozenset(node.ranks or [0])

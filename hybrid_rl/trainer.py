@@ -49,7 +49,7 @@ from hybrid_rl.engines.routing import replay_mode
 from hybrid_rl.iterative import IterationSamples, load_step_scorer
 from hybrid_rl.metrics import (Timer, compute_data_metrics, multi_turn_metrics, per_source_means,
                                reduce_worker_metrics, reward_source_metrics, throughput_metrics)
-from hybrid_rl.profiler import StepWindows
+from hybrid_rl.profiler import ROLE_PROFILER_KEYS, StepWindows, role_settings
 from hybrid_rl.protocol import Batch, BatchMeta, Sampling
 from hybrid_rl.rewards import RewardManager
 from hybrid_rl.rollout_cache import RolloutCache, dump_folder
@@ -525,7 +525,8 @@ class Trainer:
                 return
         self.summary.first_step = self.global_step + 1
         self.batches = iter(self.sampler)
-        profiled = StepWindows(cfg.global_profiler.steps if cfg.global_profiler.tool == "torch" else (),
+        any_profiled = any(role_settings(cfg, role) for role in ROLE_PROFILER_KEYS)
+        profiled = StepWindows(cfg.global_profiler.steps if any_profiled else (),
                                cfg.global_profiler.profile_continuous_steps)
         profiling = False
         longest_step = 0.0

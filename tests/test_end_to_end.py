@@ -108,16 +108,17 @@ def test_two_ranks_vllm_grpo(eager, rollout_tp, lora_rank, ray_session, tiny_mod
 
 def test_two_ranks_hf_rollout(ray_session, tiny_model_dir, arithmetic_files, tmp_path):
     """rollout.name=hf: transformers generate on the sharded actor, ranks kept in lock-step. With
-    verl's profiler keys: torch.profiler traces the second step of rank 1 only, whose finish hook
-    then lists the traces."""
+    verl's profiler keys: torch.profiler (the actor's own profiler.tool; global_profiler.tool stays
+    null) traces the second step of rank 1 only, whose finish hook then lists the traces."""
     profile = tmp_path / "profile"
     cfg = compose_config(run_overrides(tiny_model_dir, arithmetic_files, tmp_path, MAX_PROMPT, RESPONSE) + [
         "trainer.n_gpus_per_node=2", "trainer.cpus_per_worker=1", "trainer.total_training_steps=2",
         "trainer.val_before_train=false", "trainer.test_freq=2", "data.train_batch_size=2",
         "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.rollout.name=hf",
-        "global_profiler.tool=torch", "global_profiler.steps=[2]", f"global_profiler.save_path={profile}",
-        "actor_rollout_ref.actor.profiler.enable=true", "actor_rollout_ref.actor.profiler.ranks=[1]",
+        "actor_rollout_ref.actor.profiler.tool=torch", "global_profiler.steps=[2]",
+        f"global_profiler.save_path={profile}", "actor_rollout_ref.actor.profiler.enable=true",
+        "actor_rollout_ref.actor.profiler.ranks=[1]",
         f"global_profiler.finish_hook_cmd='ls \"$VERL_PROFILE_SAVE_PATH/step2\" > {tmp_path}/hook_$VERL_PROFILE_RANK'",
     ])
     trainer = build_trainer(cfg)

@@ -157,9 +157,20 @@ def test_role_settings_follow_verl_keys(tmp_path):
     assert role_settings(validate_config(compose_config([])), "actor_rollout_ref") is None
 
 
+def test_a_role_profiles_with_its_own_tool():
+    """verl's role-level profiler.tool: torch for the actor alone, with no global tool."""
+    cfg = validate_config(compose_config(["global_profiler.steps=[2]", "actor_rollout_ref.actor.profiler.enable=true",
+                                          "actor_rollout_ref.actor.profiler.tool=torch",
+                                          "critic.profiler.enable=true"]))
+    assert role_settings(cfg, "actor_rollout_ref") is not None
+    assert role_settings(cfg, "critic") is None
+
+
 @pytest.mark.parametrize("overrides, expected", [
     (["global_profiler.tool=nsys"], r"global_profiler.tool=nsys is not supported yet \(use torch, PyTorch's profiler"),
-    (["actor_rollout_ref.actor.profiler.enable=true"], "records nothing without global_profiler.tool=torch"),
+    (["actor_rollout_ref.actor.profiler.enable=true"], r"records nothing without a profiler tool: set "
+     r"global_profiler.tool=torch \(or actor_rollout_ref.actor.profiler.tool=torch\)"),
+    (PROFILE + ["actor_rollout_ref.actor.profiler.tool=null"], "actor.profiler.enable=true records nothing without"),
     (["global_profiler.tool=torch", "actor_rollout_ref.actor.profiler.enable=true"],
      r"profiles the steps listed in global_profiler.steps.*got None"),
     (["global_profiler.tool=torch", "global_profiler.steps=[0]", "actor_rollout_ref.actor.profiler.enable=true"],
@@ -168,10 +179,10 @@ def test_role_settings_follow_verl_keys(tmp_path):
     (PROFILE + ["actor_rollout_ref.actor.profiler.tool_config.torch.contents=[cpu,gpu]"],
      r"contents lists \['gpu'\]"),
     (PROFILE + ["actor_rollout_ref.actor.profiler.ranks=[0,1]"], r"\[1\] are not ranks of its 1 processes"),
-    (PROFILE + ["critic.profiler.tool=nsys"], r"critic.profiler.tool='nsys' is not supported yet \(every role"),
+    (PROFILE + ["critic.profiler.tool=nsys"], r"critic.profiler.tool=nsys is not supported yet \(use torch"),
     (["global_profiler.finish_hook_cmd=true"], "finish_hook_cmd runs after the last profiled step, and nothing is"),
     (PROFILE + ["global_profiler.finish_hook_ranks=[2]"], r"finish_hook_ranks=\[2\]: \[2\] are not ranks of its 1"),
-], ids=["nsys", "enable-without-tool", "no-steps", "step-zero", "no-role", "contents", "ranks", "role-tool",
+], ids=["nsys", "enable-without-tool", "role-tool-null", "no-steps", "step-zero", "no-role", "contents", "ranks", "role-tool",
         "finish-hook-without-profiling", "finish-hook-ranks"])
 def test_bad_profiler_settings_fail_at_start(overrides, expected):
     with pytest.raises(ConfigError, match=expected):
