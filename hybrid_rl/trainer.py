@@ -334,7 +334,7 @@ class Trainer:
                             strategy=cfg.trainer.placement_strategy)
         config = to_container(cfg)
         ref_path = reference_model_path(cfg)
-        teacher_paths = {teacher.key: resolve_model_path(teacher.path, key=teacher.path_key) for teacher in self.teachers}
+        teacher_paths = [resolve_model_path(teacher.path, key=teacher.path_key) for teacher in self.teachers]
         roles = {"actor_rollout_ref": ClassWithInitArgs(
             ActorRolloutRefWorker, config, self.model_path, self.total_steps,
             resolve_model_path(ref_path, key=REF_MODEL_KEY) if ref_path is not None else None, teacher_paths)}

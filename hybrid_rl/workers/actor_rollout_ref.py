@@ -38,10 +38,10 @@ class ActorRolloutRefWorker(ModelWorker):
     role = "actor_rollout_ref"
 
     def __init__(self, config: dict, model_path: str, total_steps: int, ref_path: str | None = None,
-                 teacher_paths: dict[str, str] | None = None):
+                 teacher_paths: list[str] | None = None):
         super().__init__(config, model_path, total_steps)
         self.ref_path = ref_path  # a reference model of its own (ref.model.path); None: the actor's start
-        self.teacher_paths = teacher_paths or {}  # distillation: {routing key: model folder}, in routing order
+        self.teacher_paths = teacher_paths or []  # distillation: the teachers' model folders, in routing order
 
     # ------------------------------------------------------------------ set-up
     @register(dispatch=Dispatch.ONE_TO_ALL)
@@ -69,7 +69,7 @@ class ActorRolloutRefWorker(ModelWorker):
         top_k = distillation.topk if distillation.loss_mode == TOP_K_MODE else 0
         teacher_cfg = OmegaConf.merge(cfg.actor_rollout_ref.ref, {"strategy": "fsdp2"})
         self.teachers = [build_engine(ModelSpec("teacher", path, model_cfg, top_k=top_k), teacher_cfg, self.device)
-                         for path in self.teacher_paths.values()]
+                         for path in self.teacher_paths]
 
         rollout_cfg = cfg.actor_rollout_ref.rollout
         self.channel = None  # to a rollout pool of its own (hybrid_engine=false), from rank 0
