@@ -25,6 +25,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import yaml
+from hydra.plugins.search_path_plugin import SearchPathPlugin
 from omegaconf import DictConfig, OmegaConf
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,16 @@ ROLLOUT_CACHE_07 = ("the first max_dump_step steps load their dump or generate a
 # package when it is built, so an installed hybrid-rl finds it too (also as pkg://hybrid_rl.conf).
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 VERL_KEY_FILES = ("ppo_trainer.yaml", "ppo_megatron_trainer.yaml", "legacy.yaml", "legacy_megatron.yaml")
+
+
+class OurConfigTree(SearchPathPlugin):
+    """A config folder of the user's (``--config-path``) whose YAML builds on verl's trainer
+    config (``defaults: [ppo_trainer, _self_]``, found in verl through ``hydra.searchpath:
+    [file://verl/trainer/config]``, a folder of verl's checkout) builds on ours: registered
+    (``Plugins.instance().register``), it has Hydra search our tree after the user's folder."""
+
+    def manipulate_search_path(self, search_path) -> None:
+        search_path.append("hybrid-rl", f"file://{CONF_DIR}")
 
 
 def compose_config(overrides=(), config_name: str = "ppo_trainer") -> DictConfig:

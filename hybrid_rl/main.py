@@ -13,6 +13,7 @@ import signal
 import sys
 
 import hydra
+from hydra.core.plugins import Plugins
 from omegaconf import DictConfig, OmegaConf
 
 from hybrid_rl.algorithms.distillation import TOP_K_MODE as DISTILLATION_TOP_K_MODE
@@ -20,7 +21,8 @@ from hybrid_rl.config import (PRIME_PROCESSES, PRIME_TIMEOUT_S, REF_MODEL_KEY, C
                               check_model_limits, custom_reward_function, custom_reward_manager, distillation_teachers,
                               reference_model_path, resolve_config, reward_manager_kwargs, settings_given_twice,
                               validate_config)
-from hybrid_rl.config_keys import CONF_DIR, additions_of_verl_keys_as_overrides, compose_config, leaves, verl_defaults
+from hybrid_rl.config_keys import (CONF_DIR, OurConfigTree, additions_of_verl_keys_as_overrides, compose_config, leaves,
+                                  verl_defaults)
 from hybrid_rl.console import quiet_third_party_output
 from hybrid_rl.models import ModelPathError, cache_dir, load_tokenizer, model_config, resolve_model_path
 
@@ -589,6 +591,7 @@ def unknown_override_keys(argv: list[str]) -> list[str]:
 def cli() -> None:
     """`python -m hybrid_rl.main` and the `hybrid-rl-train` command."""
     sys.argv[1:] = additions_of_verl_keys_as_overrides(sys.argv[1:])
+    Plugins.instance().register(OurConfigTree)
     if errors := unknown_override_keys(sys.argv[1:]) + settings_given_twice(
             o.partition("=")[0].lstrip("+") for o in split_command_line(sys.argv[1:])[2]):
         print("\n".join(f"error: {e}" for e in errors), file=sys.stderr)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 from hydra.errors import ConfigCompositionException
 
 from hybrid_rl.algorithms import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
@@ -177,6 +178,38 @@ def test_cli_prints_config_and_reports_errors_without_traceback():
     assert bad.returncode == 2
     assert bad.stderr.strip().startswith("error: algorithm.adv_estimator='nope' is not valid")
     assert "Traceback" not in bad.stderr
+
+
+# A config folder of a verl user's own (verl's examples/sglang_multiturn/config/gsm8k_multiturn_grpo.yaml
+# has this shape): it builds on verl's trainer config, found through a folder of verl's checkout.
+USER_CONFIG = """hydra:
+  searchpath:
+    - file://verl/trainer/config
+
+defaults:
+  - ppo_trainer
+  - _self_
+
+data:
+  return_raw_chat: True
+actor_rollout_ref:
+  rollout:
+    multi_turn:
+      enable: True
+      max_assistant_turns: 5
+"""
+
+
+def test_a_users_config_folder_builds_on_our_tree_as_on_verls(tmp_path):
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "mine.yaml").write_text(USER_CONFIG)
+    printed = subprocess.run([sys.executable, "-m", "hybrid_rl.main", f"--config-path={tmp_path / 'conf'}",
+                              "--config-name=mine", "actor_rollout_ref.rollout.n=3", "--cfg", "job"],
+                             cwd=tmp_path, capture_output=True, text=True)
+    assert printed.returncode == 0, printed.stderr
+    cfg = yaml.safe_load(printed.stdout)
+    assert cfg["actor_rollout_ref"]["rollout"]["multi_turn"]["max_assistant_turns"] == 5  # the user's file
+    assert cfg["actor_rollout_ref"]["rollout"]["n"] == 3 and cfg["algorithm"]["adv_estimator"] == "grpo"  # ours
 
 
 def test_misspelt_keys_fail_with_the_nearest_real_key():
