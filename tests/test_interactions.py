@@ -12,7 +12,8 @@ import pytest
 from hybrid_rl import agent
 from hybrid_rl.agent.interactions import AnswerCheck, Interaction, check_interaction_rows, load_interactions
 from hybrid_rl.agent.tools import ToolConfigError
-from tests.test_multi_turn import ScriptedModel, call, make_loop, multi_turn_cfg, smol_tokenizer  # noqa: F401
+from tests.test_multi_turn import (ScriptedModel, call, make_loop, multi_turn_cfg, smol_tokenizer,  # noqa: F401
+                                   train_through_driver)
 
 END = "<|im_end|>"
 # verl's examples/sglang_multiturn/config/interaction_config/gsm8k_interaction_config.yaml (b178a3cd5)
@@ -81,7 +82,7 @@ def test_verls_gsm8k_interaction_config_loads_as_the_answer_checker(tmp_path):
     ("interaction: []\n", "non-empty 'interaction:' list"),
     ("interaction:\n  - class_name: judge\n", "unknown interaction 'judge'"),
     ("interaction:\n  - class_name: verl.interactions.weather_interaction.WeatherInteraction\n",
-     "one of verl's interaction classes"),
+     "one of verl's own interaction classes"),
     ("interaction:\n  - class_name: tests.test_interactions.write\n", "not a subclass"),
     ("interaction:\n  - {name: a, class_name: answer_check}\n  - {name: a, class_name: answer_check}\n",
      "a second interaction named 'a'"),
@@ -178,14 +179,12 @@ def test_the_default_model_answers_again_through_the_driver(ray_session, tmp_pat
     the inserted user turns."""
     import json
 
-    from hybrid_rl.config_keys import compose_config
     from hybrid_rl.data.arithmetic import make_arithmetic_rows, write_rows
-    from hybrid_rl.main import build_trainer
 
     data = write_rows(str(tmp_path / "arith.parquet"), make_arithmetic_rows(8, seed=5, lo=100, hi=999))
     (tmp_path / "reward.py").write_text(RECORDING_REWARD)
     record = tmp_path / "record.jsonl"
-    cfg = compose_config([
+    metrics = train_through_driver([
         f"data.train_files={data}", "data.val_files=null", "data.max_response_length=64",
         "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "trainer.total_training_steps=1", "actor_rollout_ref.actor.use_kl_loss=false",  # no reference model
@@ -196,13 +195,8 @@ def test_the_default_model_answers_again_through_the_driver(ray_session, tmp_pat
         "actor_rollout_ref.rollout.multi_turn.max_user_turns=1",
         f"custom_reward_function.path={tmp_path / 'reward.py'}", "custom_reward_function.name=compute_score",
         f"+custom_reward_function.reward_kwargs.record={record}",
-    ])
-    trainer = build_trainer(cfg)
-    try:
-        trainer.fit()
-    finally:
-        trainer.shutdown()
-    (step,) = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    ], tmp_path / "run")
+    (step,) = metrics
     seen = [json.loads(line) for line in open(record)]
     # Each finished first answer is scored once (max_user_turns=1 leaves the second unscored), one
     # cut by the token budget not at all; a wrong one is asked again where the budget leaves room.

@@ -41,6 +41,20 @@ def multi_turn_cfg(tool_config_path, **overrides):
     return OmegaConf.create({"multi_turn": {**base, **overrides}})
 
 
+def train_through_driver(overrides: list[str], run_dir) -> list[dict]:
+    """Compose ``overrides`` as the command line would, train through the driver, and return the
+    metrics lines of ``run_dir`` (the run's trainer.default_local_dir)."""
+    from hybrid_rl.config_keys import compose_config
+    from hybrid_rl.main import build_trainer
+
+    trainer = build_trainer(compose_config(overrides))
+    try:
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+
+
 def call(name, **arguments) -> str:
     return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
 
@@ -165,7 +179,7 @@ def test_tool_config_loads_ours_and_dotted_classes_and_names_bad_entries(tmp_pat
     assert sorted(tools) == ["calculator", "echo"] and tools["echo"].execute({"text": "hi"}).text == "> hi"
     cases = [
         ({"class_name": "search"}, "unknown tool 'search'"),
-        ({"class_name": "verl.tools.gsm8k_tool.Gsm8kTool"}, "verl's tool classes"),
+        ({"class_name": "verl.tools.search_tool.SearchTool"}, "one of verl's own tool classes"),
         ({"class_name": "tests.test_multi_turn.Nope"}, "cannot import"),
         ({"class_name": "tests.test_multi_turn.call"}, "not a subclass"),
         ({"class_name": "calculator", "config": {"digits": 3}}, "does not take the config"),
@@ -233,15 +247,16 @@ def test_function_tools_load_from_a_verl_file_with_their_inferred_schemas(tmp_pa
         "required": ["a", "b"]}
     assert tools["lookup"].schema["function"]["description"] == "The capital of a country."
     assert tools["add"].execute({"a": 2, "b": 40}) == ToolOutput("42")
-    # An async function's (response, reward, metrics): its response, as JSON.
-    assert json.loads(tools["lookup"].execute({"country": "France"}).text) == {"country": "France", "capital": "Paris"}
+    # An async function's (response, reward, metrics): its response, as JSON, and its reward.
+    lookup = tools["lookup"].execute({"country": "France"})
+    assert json.loads(lookup.text) == {"country": "France", "capital": "Paris"} and lookup.reward == 1.0
     # Through the turn loop: a raising function is the model's observation, counted.
     end = "<|im_end|>"
     model = ScriptedModel(smol_tokenizer, {"A": [f"{call('add', a=1, b=2)}{end}", f"{call('fail')}{end}", f"3{end}"]})
     (t,) = make_loop(smol_tokenizer, tools, 400).run(model, [smol_tokenizer.encode("A")], {})
     text = smol_tokenizer.decode(t.tokens)
     assert "tool\n3" in text and "fail failed: RuntimeError: the service is down" in text
-    assert (t.tool_calls, t.tool_errors) == (2, 1)
+    assert (t.tool_calls, t.tool_errors, t.tool_rewards) == (2, 1, [0.0, 0.0])
 
 
 def test_function_tools_sit_beside_the_tool_config_and_bad_files_are_named(tmp_path, smol_tokenizer):

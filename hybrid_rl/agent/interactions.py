@@ -10,16 +10,16 @@ The config file is verl's (``actor_rollout_ref.rollout.multi_turn.interaction_co
         config: {}                    # keyword arguments of the class
 
 An interaction has verl's four methods, which may be plain or ``async`` (verl's are): a class
-written for verl's agent loop runs here unchanged once it subclasses ``Interaction``.
+written for verl's agent loop runs here unchanged, its ``from verl.interactions.base import
+BaseInteraction`` giving ``Interaction`` while the file loads.
 """
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 from typing import Any
 
-from hybrid_rl.agent.tools import ToolConfigError, config_entries, import_class
+from hybrid_rl.agent.tools import ToolConfigError, config_entries, import_class, run_coroutine
 
 KEY = "actor_rollout_ref.rollout.multi_turn.interaction_config_path"
 
@@ -49,9 +49,9 @@ class Interaction:
 
 
 def call(method, *args, **kwargs):
-    """Call an interaction's method, plain or ``async`` (run to completion in this thread)."""
+    """Call an interaction's method, plain or ``async`` (run to completion on the tools' event loop)."""
     result = method(*args, **kwargs)
-    return asyncio.run(result) if inspect.iscoroutine(result) else result
+    return run_coroutine(result) if inspect.iscoroutine(result) else result
 
 
 def last_assistant_text(messages: list[dict]) -> str:
@@ -108,7 +108,7 @@ def load_interactions(path: str) -> dict[str, Interaction]:
         name = entry.get("name") or default_name(entry["class_name"])
         if name in interactions:
             raise ToolConfigError(f"{where}: a second interaction named {name!r}; names must be unique")
-        cls = import_class(entry["class_name"], where, Interaction, INTERACTIONS, VERL_INTERACTIONS, "interaction")
+        cls = import_class(entry["class_name"], where, (Interaction,), INTERACTIONS, VERL_INTERACTIONS, "interaction")
         interactions[name] = cls({**(entry.get("config") or {}), "name": name})
     return interactions
 

@@ -138,7 +138,13 @@ class Trajectory:
     interaction_turns: int = 0
     interaction_errors: int = 0
     turn_scores: list[float] = field(default_factory=list)  # the interaction's score of each answer
-    messages: list[dict] = field(default_factory=list)  # the conversation, for the interaction
+    tool_rewards: list[float] = field(default_factory=list)  # each tool call's own reward
+    messages: list[dict] = field(default_factory=list)  # the conversation (given the rows), for agents and tools
+    # What verl's tools read of their trajectory (``agent_data``): the row's tools_kwargs, and
+    # extra_fields, where a tool keeps what the reward function should see in extra_info.
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    tools_kwargs: dict = field(default_factory=dict)
+    extra_fields: dict = field(default_factory=dict)
 
     @property
     def user_turns(self) -> int:
@@ -169,11 +175,15 @@ class MultiTurnRollout:
     def run(self, engine: TokenEngine, prompts: list[list[int]], settings: dict,
             rows: list[dict] | None = None) -> list[Trajectory]:
         """``rows``: per prompt its ``raw_prompt`` (chat messages), ``extra_info``, ``data_source``
-        and ``ground_truth``, which interactions need."""
+        and ``ground_truth``, which interactions need and tools may read (verl's
+        ``extra_info.tools_kwargs``)."""
         trajectories = [Trajectory() for _ in prompts]
+        for trajectory, row in zip(trajectories, rows or []):
+            trajectory.messages = [dict(m) for m in row.get("raw_prompt") or []]
+            trajectory.tools_kwargs = dict((row.get("extra_info") or {}).get("tools_kwargs") or {})
         talks = self.start_interactions(rows, trajectories) if self.interactions else {}
         try:
-            self._turns(engine, prompts, settings, trajectories, talks)
+            self._turns(engine, prompts, settings, trajectories, talks, conversations=rows is not None)
         finally:
             for i, (interaction, instance_id, _) in talks.items():
                 try:
@@ -183,7 +193,7 @@ class MultiTurnRollout:
         return trajectories
 
     def _turns(self, engine: TokenEngine, prompts: list[list[int]], settings: dict,
-               trajectories: list[Trajectory], talks: dict) -> None:
+               trajectories: list[Trajectory], talks: dict, conversations: bool) -> None:
         cfg = self.cfg
         active = list(range(len(prompts)))
         # A turn ends at the model's end-of-turn token or, when it may make one call only, right
@@ -201,7 +211,7 @@ class MultiTurnRollout:
                 trajectory.add(new, lps, trained=True)
                 trajectory.assistant_turns += 1
                 text = self.tokenizer.decode(new, skip_special_tokens=False)
-                if talks:
+                if conversations:
                     trajectory.messages.append({"role": "assistant", "content": self.format.answer(new)})
                 ended = bool(new) and new[-1] in self.eos
                 if not (ended or self.format.ends_with_call(text)):
@@ -217,13 +227,14 @@ class MultiTurnRollout:
                 elif i in talks:
                     replies.append((i, stop_text))
                 # else an answer: the trajectory is complete
-            outputs = iter(self.call_tools([call for _, calls, _, _, _ in pending for call in calls]))
+            outputs = iter(self.call_tools([(call, trajectories[i]) for i, calls, _, _, _ in pending for call in calls]))
             active = []
             for i, calls, errors, stop_text, call_message in pending:
                 trajectory = trajectories[i]
                 answers = [next(outputs) for _ in calls]
                 trajectory.tool_calls += len(calls)
                 trajectory.tool_errors += len(errors) + sum(a.error for a in answers)
+                trajectory.tool_rewards += [a.reward for a in answers]
                 texts = [truncate_text(a.text, cfg.max_tool_response_length, cfg.tool_response_truncate_side)
                          for a in answers] + errors
                 if self._insert(trajectory, [{"role": "tool", "content": text} for text in texts], stop_text,
@@ -269,7 +280,6 @@ class MultiTurnRollout:
             except Exception:  # noqa: BLE001  the environment's bug costs this row its agent, not the step
                 trajectories[i].interaction_errors += 1
                 continue
-            trajectories[i].messages = [dict(m) for m in row.get("raw_prompt") or []]
             talks[i] = (interaction, instance_id, kwargs)
         return talks
 
@@ -285,13 +295,13 @@ class MultiTurnRollout:
 
         return self._concurrently([functools.partial(reply, talk, trajectory) for talk, trajectory in turns])
 
-    def call_tools(self, calls: list[ToolCall]) -> list[ToolOutput]:
-        """Every call at once (threads; a sandboxed tool's work is another process); a call that
-        raises or has not answered ``tool_timeout_s`` after the calls started is answered with an
-        error."""
+    def call_tools(self, calls: list[tuple[ToolCall, Trajectory]]) -> list[ToolOutput]:
+        """Every call at once (threads; a sandboxed tool's work is another process; verl's
+        coroutines on one event loop); a call that raises or has not answered ``tool_timeout_s``
+        after the calls started is answered with an error."""
         timeout = float(self.cfg.tool_timeout_s)
         return [output or ToolOutput(f"Error: the tool did not answer within {timeout:g} s", error=True)
-                for output in self._concurrently([functools.partial(self._call, call) for call in calls])]
+                for output in self._concurrently([functools.partial(self._call, *call) for call in calls])]
 
     def _concurrently(self, functions: list) -> list:
         """Run ``functions`` in threads; the result of each, or None where it raised or had not
@@ -306,13 +316,13 @@ class MultiTurnRollout:
         pool.shutdown(wait=False, cancel_futures=True)  # a hung call keeps its thread, not the step
         return [f.result() if f.done() and f.exception() is None else None for f in futures]
 
-    def _call(self, call: ToolCall) -> ToolOutput:
+    def _call(self, call: ToolCall, trajectory: Trajectory) -> ToolOutput:
         tool = self.tools.get(call.name)
         if tool is None:
             return ToolOutput(f"Error: there is no tool named {call.name!r}; the tools are: "
                               f"{', '.join(self.tools)}", error=True)
         try:
-            return tool.execute(call.arguments)
+            return tool.call(call.arguments, trajectory, float(self.cfg.tool_timeout_s))
         except Exception as exc:  # a tool's bug is the model's observation, not the run's end
             return ToolOutput(f"Error: {call.name} failed: {type(exc).__name__}: {exc}", error=True)
 

@@ -16,6 +16,7 @@ Plain Python functions are tools too (verl's ``multi_turn.function_tool_path``):
 functions carry ``@function_tool`` (``hybrid_rl.agent.function_tool``, or verl's
 ``from verl.tools.function_tool import function_tool``, which resolves to ours while the file
 loads), each with type hints and a Google-style docstring from which transformers infers the schema.
+So are classes written for verl's agent loop (subclasses of verl's ``BaseTool``): ``verl_tools.py``.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ import math
 import operator
 import os
 import sys
+import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Coroutine
 
 import yaml
 
@@ -45,10 +47,12 @@ class ToolConfigError(ValueError):
 @dataclass
 class ToolOutput:
     """``text`` goes back to the model; ``error`` marks a call that failed (bad arguments, a
-    crash, a timeout)."""
+    crash, a timeout); ``reward`` is the call's own reward, which the reward function receives in
+    ``extra_info["tool_rewards"]`` (verl's tools and function tools give one)."""
 
     text: str
     error: bool = False
+    reward: float = 0.0
 
 
 class Tool:
@@ -67,8 +71,35 @@ class Tool:
     def execute(self, arguments: dict) -> ToolOutput:
         raise NotImplementedError
 
+    def call(self, arguments: dict, trajectory: Any, timeout_s: float | None = None) -> ToolOutput:
+        """One call in ``trajectory`` (the rollout's ``loop.Trajectory``), which tools with
+        per-row state read; ``timeout_s``: when an asynchronous call is cancelled."""
+        return self.execute(arguments)
+
     def close(self) -> None:
         """Release what the tool holds (processes, pools)."""
+
+
+_event_loop: asyncio.AbstractEventLoop | None = None
+_event_loop_lock = threading.Lock()
+
+
+def run_coroutine(coroutine: Coroutine, timeout_s: float | None = None) -> Any:
+    """Run an asynchronous tool's or interaction's coroutine to its end on the one event loop that
+    all of this process's tools share (a thread of its own), as verl runs them: objects a tool
+    made on that loop (locks, client sessions) stay usable from call to call. Cancelled (and
+    TimeoutError raised) after ``timeout_s``."""
+    global _event_loop
+    with _event_loop_lock:
+        if _event_loop is None or _event_loop.is_closed():
+            _event_loop = asyncio.new_event_loop()
+            threading.Thread(target=_event_loop.run_forever, name="tool-event-loop", daemon=True).start()
+    if timeout_s is None:
+        return asyncio.run_coroutine_threadsafe(coroutine, _event_loop).result()
+    try:
+        return asyncio.run_coroutine_threadsafe(asyncio.wait_for(coroutine, timeout_s), _event_loop).result()
+    except TimeoutError:
+        raise TimeoutError(f"no answer within {timeout_s:g} s; the call was cancelled") from None
 
 
 # --------------------------------------------------------------------------- calculator
@@ -179,8 +210,6 @@ class SandboxFusionTool(PythonTool):
 
 
 TOOLS: dict[str, type[Tool]] = {"calculator": Calculator, "python": PythonTool}
-# verl's tool classes that have a local equivalent here.
-VERL_TOOLS: dict[str, type[Tool]] = {"verl.tools.sandbox_fusion_tools.SandboxFusionTool": SandboxFusionTool}
 
 
 # --------------------------------------------------------------------------- Python functions
@@ -204,8 +233,8 @@ def function_tool(name: str | Callable | None = None, *, schema: dict | None = N
 class FunctionTool(Tool):
     """A ``@function_tool`` function called with the model's arguments. What it returns becomes
     the tool's text as in verl: a string as it is, a dict as JSON, verl's ``ToolResponse`` by its
-    text, a tuple ``(response, reward, metrics)`` by its response (the reward function sees the
-    whole trajectory here, so a tool's own reward is not used), anything else by ``str``."""
+    text, a tuple ``(response, reward, metrics)`` by its response and its reward (0 when None or
+    not given), anything else by ``str``."""
 
     def __init__(self, fn: Callable, name: str | None = None, schema: dict | None = None):
         name = name or fn.__name__
@@ -223,25 +252,30 @@ class FunctionTool(Tool):
         super().__init__(schema)
         self.fn = fn
 
-    def execute(self, arguments: dict) -> ToolOutput:
+    def call(self, arguments: dict, trajectory: Any, timeout_s: float | None = None) -> ToolOutput:
         result = self.fn(**arguments)
         if inspect.isawaitable(result):
-            result = asyncio.run(result)
-        return ToolOutput(function_tool_text(result))
+            result = run_coroutine(result, timeout_s)
+        return function_tool_output(result)
+
+    def execute(self, arguments: dict) -> ToolOutput:
+        return self.call(arguments, None)
 
 
-def function_tool_text(result: Any) -> str:
+def function_tool_output(result: Any) -> ToolOutput:
+    reward = None
     if isinstance(result, tuple):
         if not 1 <= len(result) <= 3:
             raise TypeError(f"a function tool returned a tuple of {len(result)}; return (response,), "
                             "(response, reward) or (response, reward, metrics)")
-        result = result[0]
+        result, reward = result[0], (result[1] if len(result) > 1 else None)
+    reward = 0.0 if reward is None else float(reward)
     if isinstance(result, str):
-        return result
+        return ToolOutput(result, reward=reward)
     if isinstance(result, dict):
-        return json.dumps(result, ensure_ascii=False)
+        return ToolOutput(json.dumps(result, ensure_ascii=False), reward=reward)
     text = getattr(result, "text", None)  # verl's ToolResponse
-    return text if isinstance(text, str) else str(result)
+    return ToolOutput(text if isinstance(text, str) else str(result), reward=reward)
 
 
 def load_function_tools(path: str) -> dict[str, FunctionTool]:
@@ -297,40 +331,53 @@ def config_entries(path: str, key: str, section: str) -> list[tuple[str, dict]]:
     return [(f"{path}: {section}[{i}]", entry) for i, entry in enumerate(entries)]
 
 
-def import_class(class_name: str, where: str, base: type, built_in: dict[str, type], from_verl: dict[str, type],
-                 kind: str) -> type:
+def import_class(class_name: str, where: str, bases: tuple[type, ...], built_in: dict[str, type],
+                 from_verl: dict[str, type], kind: str) -> type:
     """A config entry's class: a built-in name, one of verl's classes with a local equivalent, or
-    the dotted path of a subclass of ``base`` (``kind`` names it in errors: tool, interaction)."""
+    the dotted path of a subclass of one of ``bases`` (``kind`` names it in errors: tool,
+    interaction). The class's module imports verl's tool and interaction interfaces as ours
+    (``verl_tools.VERL_TOOL_API``), so a file written for verl loads unchanged."""
+    from hybrid_rl.agent.verl_tools import VERL_TOOL_API
+
     if class_name in built_in or class_name in from_verl:
         return built_in.get(class_name) or from_verl[class_name]
     module_name, _, attr = class_name.rpartition(".")
-    hint = (f"Use a built-in {kind} ({', '.join(built_in)}) or the dotted path of a subclass of "
-            f"{base.__module__}.{base.__name__}.")
+    names = " or ".join(f"{base.__module__}.{base.__name__}" for base in bases)
+    hint = f"Use a built-in {kind} ({', '.join(built_in)}) or the dotted path of a subclass of {names}."
     if not module_name:
         raise ToolConfigError(f"{where}: unknown {kind} {class_name!r}. {hint}")
     if module_name.split(".")[0] == "verl":
-        raise ToolConfigError(f"{where}: {class_name!r} is one of verl's {kind} classes, which need verl's own "
-                              f"runtime (of verl's, {', '.join(from_verl)} runs here). {hint}")
+        raise ToolConfigError(f"{where}: {class_name!r} is one of verl's own {kind} classes, which has no "
+                              f"equivalent here (of verl's, {', '.join(from_verl)} run here). {hint}")
     try:
-        cls = getattr(importlib.import_module(module_name), attr)
+        with verl_stand_ins(VERL_TOOL_API):
+            cls = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise ToolConfigError(f"{where}: cannot import {class_name!r} ({exc}). {hint}") from exc
-    if not (isinstance(cls, type) and issubclass(cls, base)):
-        raise ToolConfigError(f"{where}: {class_name!r} is not a subclass of {base.__module__}.{base.__name__}. {hint}")
+    if not (isinstance(cls, type) and issubclass(cls, bases)):
+        raise ToolConfigError(f"{where}: {class_name!r} is not a subclass of {names}. {hint}")
     return cls
 
 
 def load_tools(path: str) -> dict[str, Tool]:
     """The tools of a tool config file, by the function name the model calls them with."""
+    from hybrid_rl.agent.verl_tools import VERL_TOOLS, BaseTool, build_verl_tool
+
     tools: dict[str, Tool] = {}
     for where, entry in config_entries(path, "actor_rollout_ref.rollout.multi_turn.tool_config_path", "tools"):
         options = dict(entry.get("config") or {})
-        options.pop("type", None)  # verl's "native" marker: every tool here runs in this process
-        cls = import_class(entry["class_name"], where, Tool, TOOLS, VERL_TOOLS, "tool")
-        try:
-            tool = cls(entry.get("tool_schema"), **options)
-        except TypeError as exc:
-            raise ToolConfigError(f"{where}: {entry['class_name']} does not take the config {options}: {exc}") from exc
+        if options.get("type", "native") != "native":
+            raise ToolConfigError(f"{where}: config.type={options['type']!r}: only native tools run here (verl's "
+                                  "MCP tools need an MCP server's client, which is not built); use type: native")
+        cls = import_class(entry["class_name"], where, (Tool, BaseTool), TOOLS, VERL_TOOLS, "tool")
+        if issubclass(cls, BaseTool):  # verl's interface: its config entry as it is
+            tool = build_verl_tool(cls, entry, options, where)
+        else:
+            options.pop("type", None)  # verl's "native" marker: every tool here runs in this process
+            try:
+                tool = cls(entry.get("tool_schema"), **options)
+            except TypeError as exc:
+                raise ToolConfigError(f"{where}: {entry['class_name']} does not take the config {options}: {exc}") from exc
         if tool.name in tools:
             raise ToolConfigError(f"{where}: a second tool named {tool.name!r}; function names must be unique")
         tools[tool.name] = tool

@@ -146,16 +146,17 @@ def generate_batch(engine, multi_turn, cfg: Any, prompts: Batch, pad_token_id: i
     if multi_turn is not None:
         from hybrid_rl.agent import trajectory_tensors
 
-        rows = conversation_rows(prompts) if multi_turn.interactions else None
+        rows = conversation_rows(prompts)
         trajectories = multi_turn.run(engine, prompt_token_lists(prompts), settings, rows)
         out = assemble_rollout(prompts, [t.tokens for t in trajectories], [t.log_probs for t in trajectories],
                                rollout_cfg.response_length, pad_token_id, eos_token_ids,
                                loss_masks=[t.loss_mask for t in trajectories])
-        for key, counts in trajectory_tensors(trajectories, interactions=rows is not None).items():
+        for key, counts in trajectory_tensors(trajectories, interactions=bool(multi_turn.interactions)).items():
             out[key] = counts
-        if rows is not None:  # the interaction's scores, for the reward function
-            out["extra_info"] = [{**row["extra_info"], "turn_scores": t.turn_scores}
-                                 for row, t in zip(rows, trajectories)]
+        # What the reward function reads of the trajectory, as verl gives it: the tools' extra
+        # fields, the interaction's scores and each tool call's reward.
+        out["extra_info"] = [{**row["extra_info"], **t.extra_fields, "turn_scores": t.turn_scores,
+                              "tool_rewards": t.tool_rewards} for row, t in zip(rows, trajectories)]
         return out
     if sampling is Sampling.TRAIN and rollout_cfg.get("use_fire_sampling", False):
         tokens, log_probs = fire_generate(engine, prompts, settings, rollout_cfg.response_length,
@@ -209,8 +210,8 @@ def fire_generate(engine, prompts: Batch, settings: dict, response_length: int,
 
 
 def conversation_rows(prompts: Batch) -> list[dict]:
-    """What an interaction agent reads of each prompt: its chat messages, ``extra_info`` (with
-    ``interaction_kwargs``), data source and ground truth."""
+    """What interaction agents and tools read of each prompt: its chat messages, ``extra_info``
+    (with ``interaction_kwargs`` and ``tools_kwargs``), data source and ground truth."""
     def column(key):
         return prompts[key] if key in prompts.non_tensors else [None] * len(prompts)
 
