@@ -34,6 +34,7 @@ from hybrid_rl.engines.routing import MODES as REPLAY_MODES
 from hybrid_rl.engines.routing import check_transformers_routers, replay_mode
 from hybrid_rl.hardware import TORCH_DTYPES, resolve_dtype
 from hybrid_rl.profiler import ROLE_PROFILER_KEYS, TORCH_CONTENTS
+from hybrid_rl.rollout_trace import BACKENDS as TRACE_BACKENDS
 from hybrid_rl.tracking import LOGGERS, OPTIONAL_LOGGERS, VERL_ONLY_LOGGERS
 from hybrid_rl.workers.rollout import RENAMED_ENGINE_ARGS, context_length, current_engine_args, resolve_enforce_eager
 
@@ -77,6 +78,22 @@ def _check_logger(name: str) -> None:
     if name in OPTIONAL_LOGGERS and importlib.util.find_spec(name) is None:
         raise ConfigError(f"trainer.logger={name} needs the {name} package, which is not installed: "
                           f"pip install 'hybrid-rl[{name}]' (or bash tools/install.sh --{name}).")
+
+
+def check_rollout_trace(trace: DictConfig) -> None:
+    """verl's rollout traces (actor_rollout_ref.rollout.trace.*; hybrid_rl/rollout_trace.py)."""
+    key = "actor_rollout_ref.rollout.trace"
+    _choice(trace.backend, (None, *TRACE_BACKENDS), f"{key}.backend",
+            {name: "rollout traces go to MLflow here: set it to mlflow" for name in ("weave", "trackio")})
+    if trace.backend is None:
+        return
+    if importlib.util.find_spec("mlflow") is None:
+        raise ConfigError(f"{key}.backend=mlflow needs the mlflow package, which is not installed: "
+                          "pip install 'hybrid-rl[mlflow]' (or bash tools/install.sh --mlflow).")
+    most = trace.max_samples_per_step_per_worker
+    if most is not None and (isinstance(most, bool) or not isinstance(most, int) or most < 1):
+        raise ConfigError(f"{key}.max_samples_per_step_per_worker={most!r} must be a whole number >= 1 (the prompts "
+                          "each rank traces per step, with all their responses), or null to trace every response.")
 
 
 def resolve_device(cfg: DictConfig) -> str:
@@ -178,6 +195,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     loggers = [trainer.logger] if isinstance(trainer.logger, str) else list(trainer.logger)
     for name in loggers:
         _check_logger(name)
+    check_rollout_trace(rollout.trace)
     algo = cfg.algorithm
     if algo.adv_estimator == "gae" and cfg.critic.enable is False:
         raise ConfigError("algorithm.adv_estimator=gae needs a critic, but critic.enable=false. Set "

@@ -489,7 +489,7 @@ RULES: tuple[Rule, ...] = tuple([
             "actor_rollout_ref.rollout.router_config_path",
             "actor_rollout_ref.rollout.quantization",
             "actor_rollout_ref.rollout.quantization_config_file", "actor_rollout_ref.rollout.disaggregation.enabled",
-            "actor_rollout_ref.rollout.prometheus.enable", "actor_rollout_ref.rollout.trace.backend",
+            "actor_rollout_ref.rollout.prometheus.enable",
             "actor_rollout_ref.rollout.checkpoint_engine.backend",
             "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module"),
     *_rules(NO_EFFECT, "the colocated rollout uses all of trainer.n_gpus_per_node; a rollout pool of its own "
@@ -522,8 +522,15 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NO_EFFECT, "the prompts show the tools of actor_rollout_ref.rollout.multi_turn.tool_config_path "
             "(verl's default for this key)", "data.tool_config_path"),
     *_rules(NO_EFFECT, "the tool loop runs in each rank's worker, over the rank's rows", "actor_rollout_ref.rollout.agent.*"),
-    *_rules(NO_EFFECT, "read only with a tracing backend, which is not supported yet",
-            "actor_rollout_ref.rollout.trace.*"),
+    *_rules(WORKS, "rollout traces: mlflow writes each traced response (its engine calls and, multi-turn, its tool "
+            "calls, as spans) to MLflow's store (MLFLOW_TRACKING_URI, else the run folder's mlflow.db); verl's weave "
+            "and trackio are refused", "actor_rollout_ref.rollout.trace.backend"),
+    *_rules(WORKS, "with trace.backend: the MLflow experiment the traces go to", "actor_rollout_ref.rollout.trace.project_name"),
+    *_rules(WORKS, "with trace.backend: each trace's experiment_name tag", "actor_rollout_ref.rollout.trace.experiment_name"),
+    *_rules(WORKS, "with trace.backend: the decoded text beside every token list of a trace",
+            "actor_rollout_ref.rollout.trace.token2text"),
+    *_rules(WORKS, "with trace.backend: each rank traces the responses of this many of its prompts per call (null: all)",
+            "actor_rollout_ref.rollout.trace.max_samples_per_step_per_worker"),
     *_rules(NO_EFFECT, "read only with the feature above it enabled, which is not supported yet",
             "actor_rollout_ref.rollout.prometheus.*", "actor_rollout_ref.rollout.disaggregation.*"),
     # --- data

@@ -144,7 +144,7 @@ def _reachable(url: str, timeout_s: float = 3.0) -> bool:
 def _start_mlflow(project: str, experiment: str, run_dir: str, config: dict | None):
     import mlflow
 
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.abspath(run_dir)}/mlflow.db"
+    uri = mlflow_tracking_uri(run_dir)
     mlflow.set_tracking_uri(uri)
     mlflow.set_experiment(project)
     mlflow.start_run(run_name=experiment)
@@ -152,6 +152,12 @@ def _start_mlflow(project: str, experiment: str, run_dir: str, config: dict | No
         mlflow.log_params({mlflow_name(k): v for k, v in leaves(config).items()})
     logger.info("mlflow logs to %s (experiment %s, run %s)", uri, project, experiment)
     return mlflow
+
+
+def mlflow_tracking_uri(run_dir: str) -> str:
+    """Where MLflow writes (the metrics and the rollout traces): ``MLFLOW_TRACKING_URI``, else a
+    SQLite store in the run folder."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.abspath(run_dir)}/mlflow.db"
 
 
 def mlflow_name(key: str) -> str:

@@ -603,10 +603,11 @@ CALCULATOR_HINT = (' Use the calculator: write <tool_call>{{"name": "calculator"
 
 
 @pytest.mark.slow
-def test_default_model_calls_the_calculator_through_the_driver(ray_session, tmp_path):
+def test_default_model_calls_the_calculator_through_the_driver(ray_session, tmp_path, monkeypatch):
     """The default model, told how, calls the calculator in most greedy validation answers; the
     engine's log-probs of the trained tokens match the trainer's, so the tool turns sit where the
-    engine saw them."""
+    engine saw them; the rollout traces hold each engine and tool call."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     from hybrid_rl.config_keys import compose_config
     from hybrid_rl.data.arithmetic import make_arithmetic_rows, write_rows
     from hybrid_rl.main import build_trainer
@@ -628,6 +629,9 @@ def test_default_model_calls_the_calculator_through_the_driver(ray_session, tmp_
         "actor_rollout_ref.rollout.multi_turn.enable=true", f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
         "actor_rollout_ref.rollout.multi_turn.describe_tools=system",
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
+        "actor_rollout_ref.rollout.trace.backend=mlflow", "actor_rollout_ref.rollout.trace.project_name=proj",
+        "actor_rollout_ref.rollout.trace.token2text=true",
+        "actor_rollout_ref.rollout.trace.max_samples_per_step_per_worker=4",
     ])
     trainer = build_trainer(cfg)
     try:
@@ -649,3 +653,13 @@ def test_default_model_calls_the_calculator_through_the_driver(ray_session, tmp_
             assert f"tool\n{calculator.execute(calls[0].arguments).text}\n" in output, output
             checked += 1
     assert checked >= len(answers) // 2
+    # The rollout traces (trace.*): four validation prompts, then both responses of the step's two.
+    from tests.test_rollout_trace import traces
+
+    written = traces(tmp_path)
+    assert [(tags["step"], tags["validate"]) for tags, _, _ in written] == [("0", "True")] * 4 + [("1", "False")] * 4
+    tool_spans = [span for _, _, children in written for span in children if span.name == "tool calculator"]
+    assert tool_spans and all(span.outputs["text"] == calculator.execute(span.inputs).text for span in tool_spans)
+    for _, root, children in written:  # the spans cover the response: sampled turns and the tool turns between
+        sampled = [token for span in children if span.name == "generate" for token in span.outputs["token_ids"]]
+        assert len(sampled) <= len(root.outputs["response_ids"]) and set(sampled) <= set(root.outputs["response_ids"])

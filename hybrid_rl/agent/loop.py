@@ -32,6 +32,7 @@ from hybrid_rl.agent import interactions as interaction_agents
 from hybrid_rl.agent.formats import Hermes, ToolCall, get_format
 from hybrid_rl.agent.interactions import Interaction
 from hybrid_rl.agent.tools import Tool, ToolOutput
+from hybrid_rl.rollout_trace import Span, now_ns
 
 _MARK = "\x00assistant-turn\x00"  # stands for an assistant turn's text when rendering the template
 _PROBE = "tool-output-probe-91c2"  # plain text: some templates JSON-encode tool outputs
@@ -145,6 +146,7 @@ class Trajectory:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     tools_kwargs: dict = field(default_factory=dict)
     extra_fields: dict = field(default_factory=dict)
+    spans: list[Span] = field(default_factory=list)  # its engine and tool calls, for rollout traces
 
     @property
     def user_turns(self) -> int:
@@ -203,11 +205,15 @@ class MultiTurnRollout:
         while active:
             contexts = [prompts[i] + trajectories[i].tokens for i in active]
             budgets = [self.response_length - len(trajectories[i].tokens) for i in active]
+            start = now_ns()
             tokens, log_probs = engine.generate_ids(contexts, settings, budgets, stop=stop, stop_token_ids=stop_token_ids)
+            end = now_ns()
             pending = []  # (row, calls, errors, stop text)
             replies = []  # (row, stop text): answers the row's interaction reads
             for i, new, lps in zip(active, tokens, log_probs):
                 trajectory = trajectories[i]
+                trajectory.spans.append(Span("generate", start, end, tokens=(len(trajectory.tokens),
+                                                                            len(trajectory.tokens) + len(new))))
                 trajectory.add(new, lps, trained=True)
                 trajectory.assistant_turns += 1
                 text = self.tokenizer.decode(new, skip_special_tokens=False)
@@ -300,8 +306,17 @@ class MultiTurnRollout:
         coroutines on one event loop); a call that raises or has not answered ``tool_timeout_s``
         after the calls started is answered with an error."""
         timeout = float(self.cfg.tool_timeout_s)
-        return [output or ToolOutput(f"Error: the tool did not answer within {timeout:g} s", error=True)
-                for output in self._concurrently([functools.partial(self._call, *call) for call in calls])]
+        start = now_ns()
+        results = self._concurrently([functools.partial(self._timed_call, *call) for call in calls])
+        end = now_ns()
+        outputs = []
+        for (call, trajectory), result in zip(calls, results):
+            output, call_start, call_end = result or (
+                ToolOutput(f"Error: the tool did not answer within {timeout:g} s", error=True), start, end)
+            trajectory.spans.append(Span(f"tool {call.name}", call_start, call_end, inputs=call.arguments, outputs={
+                "text": output.text, "reward": output.reward, "error": output.error}))
+            outputs.append(output)
+        return outputs
 
     def _concurrently(self, functions: list) -> list:
         """Run ``functions`` in threads; the result of each, or None where it raised or had not
@@ -315,6 +330,10 @@ class MultiTurnRollout:
         wait(futures, timeout=timeout * -(-len(functions) // TOOL_THREADS))
         pool.shutdown(wait=False, cancel_futures=True)  # a hung call keeps its thread, not the step
         return [f.result() if f.done() and f.exception() is None else None for f in futures]
+
+    def _timed_call(self, call: ToolCall, trajectory: Trajectory) -> tuple[ToolOutput, int, int]:
+        start = now_ns()
+        return self._call(call, trajectory), start, now_ns()
 
     def _call(self, call: ToolCall, trajectory: Trajectory) -> ToolOutput:
         tool = self.tools.get(call.name)

@@ -71,8 +71,8 @@ class ToolResponse(BaseModel):
 
 
 def rollout_trace_op(fn):
-    """verl's tracing decorator; rollouts are not traced here (``rollout.trace.backend`` is not
-    built), so the method is left as it is."""
+    """verl's tracing decorator. The turn loop itself gives every tool call a span when
+    ``rollout.trace.backend`` is set (``rollout_trace.py``), so the method is left as it is."""
     return fn
 
 

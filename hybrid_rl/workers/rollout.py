@@ -24,6 +24,7 @@ from hybrid_rl.engines.routing import route_table
 from hybrid_rl.hardware import host_memory_bytes
 from hybrid_rl.models import checkpoint_layout
 from hybrid_rl.protocol import Batch, Sampling
+from hybrid_rl.rollout_trace import RolloutTracer, Span, now_ns
 from hybrid_rl.workers.vllm_cpu import (expert_layers, in_place_sync, keep_loadable_weights, kept_weight_bytes,
                                         load_weights_in_place, norm_priority, register_norm_kernels,
                                         unlink_shared_memory_names)
@@ -129,9 +130,10 @@ def tool_loop(cfg: Any, tokenizer, eos_token_ids: list[int]):
                                   rollout_cfg.response_length, tools.chat_template_kwargs, tools.interactions)
 
 
-def generate_batch(engine, multi_turn, cfg: Any, prompts: Batch, pad_token_id: int, eos_token_ids: list[int]) -> Batch:
+def generate_batch(engine, multi_turn, cfg: Any, prompts: Batch, pad_token_id: int, eos_token_ids: list[int],
+                   tracer: RolloutTracer | None = None) -> Batch:
     """One response (or tool-using trajectory) per row, sampled as `prompts.meta.sampling` says:
-    the rollout's settings, `rollout.val_kwargs`, or greedy."""
+    the rollout's settings, `rollout.val_kwargs`, or greedy; `tracer` writes the rows' traces."""
     rollout_cfg = cfg.actor_rollout_ref.rollout
     sampling = prompts.meta.sampling
     if sampling is Sampling.GREEDY:
@@ -146,8 +148,12 @@ def generate_batch(engine, multi_turn, cfg: Any, prompts: Batch, pad_token_id: i
     if multi_turn is not None:
         from hybrid_rl.agent import trajectory_tensors
 
-        rows = conversation_rows(prompts)
-        trajectories = multi_turn.run(engine, prompt_token_lists(prompts), settings, rows)
+        rows, prompt_ids = conversation_rows(prompts), prompt_token_lists(prompts)
+        trajectories = multi_turn.run(engine, prompt_ids, settings, rows)
+        if tracer is not None:
+            tracer.log(prompts, prompt_ids, [t.tokens for t in trajectories],
+                       [t.log_probs for t in trajectories], [t.spans for t in trajectories],
+                       validate=sampling is not Sampling.TRAIN)
         out = assemble_rollout(prompts, [t.tokens for t in trajectories], [t.log_probs for t in trajectories],
                                rollout_cfg.response_length, pad_token_id, eos_token_ids,
                                loss_masks=[t.loss_mask for t in trajectories])
@@ -158,11 +164,17 @@ def generate_batch(engine, multi_turn, cfg: Any, prompts: Batch, pad_token_id: i
         out["extra_info"] = [{**row["extra_info"], **t.extra_fields, "turn_scores": t.turn_scores,
                               "tool_rewards": t.tool_rewards} for row, t in zip(rows, trajectories)]
         return out
+    start = now_ns()
     if sampling is Sampling.TRAIN and rollout_cfg.get("use_fire_sampling", False):
         tokens, log_probs = fire_generate(engine, prompts, settings, rollout_cfg.response_length,
                                           raw_log_probs=rollout_cfg.logprobs_mode == "raw_logprobs")
     else:
         tokens, log_probs = engine.generate(prompts, settings, rollout_cfg.response_length)
+    if tracer is not None:
+        end = now_ns()
+        tracer.log(prompts, prompt_token_lists(prompts), tokens, log_probs,
+                   [[Span("generate", start, end, tokens=(0, len(t)))] for t in tokens],
+                   validate=sampling is not Sampling.TRAIN)
     out = assemble_rollout(prompts, tokens, log_probs, rollout_cfg.response_length, pad_token_id,
                            () if settings["ignore_eos"] else eos_token_ids)
     if sampling is Sampling.TRAIN and engine.routes is not None:  # for router replay R3

@@ -10,6 +10,7 @@ import time
 from hybrid_rl.controller import Dispatch, register
 from hybrid_rl.models import load_tokenizer
 from hybrid_rl.protocol import Batch
+from hybrid_rl.rollout_trace import rollout_tracer
 from hybrid_rl.workers.actor_rollout_ref import eos_ids
 from hybrid_rl.workers.base import ModelWorker
 from hybrid_rl.workers.rollout import VLLMRollout, generate_batch, tool_loop
@@ -29,6 +30,7 @@ class RolloutWorker(ModelWorker):
         self.rollout = VLLMRollout(self.model_path, self.cfg.actor_rollout_ref.rollout, self.device,
                                    self.eos_token_ids, self.cfg.actor_rollout_ref.model)
         self.multi_turn = tool_loop(self.cfg, tok, self.eos_token_ids)
+        self.tracer = rollout_tracer(self.cfg, tok, self.rollout)
         return self.rollout.settings()
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
@@ -47,4 +49,5 @@ class RolloutWorker(ModelWorker):
     @register(dispatch=Dispatch.DP_COMPUTE, mesh="rollout")
     def generate_sequences(self, prompts: Batch) -> Batch:
         """As `ActorRolloutRefWorker.generate_sequences`, with the weights of the last push."""
-        return generate_batch(self.rollout, self.multi_turn, self.cfg, prompts, self.pad_token_id, self.eos_token_ids)
+        return generate_batch(self.rollout, self.multi_turn, self.cfg, prompts, self.pad_token_id, self.eos_token_ids,
+                              self.tracer)
