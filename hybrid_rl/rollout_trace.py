@@ -51,12 +51,11 @@ class RolloutTracer:
     def __init__(self, cfg: Any, tokenizer, rank: int):
         import mlflow
 
-        from hybrid_rl.tracking import mlflow_tracking_uri
+        from hybrid_rl.tracking import mlflow_experiment
 
         trace = cfg.actor_rollout_ref.rollout.trace
         self.mlflow = mlflow
-        mlflow.set_tracking_uri(mlflow_tracking_uri(cfg.trainer.default_local_dir))
-        self.experiment_id = mlflow.set_experiment(trace.project_name or "hybrid_rl").experiment_id
+        self.experiment_id = mlflow_experiment(trace.project_name or "hybrid_rl", cfg.trainer.default_local_dir)
         self.experiment_name = str(trace.experiment_name)
         self.token2text = bool(trace.token2text)
         self.max_prompts = trace.max_samples_per_step_per_worker

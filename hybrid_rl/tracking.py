@@ -145,8 +145,7 @@ def _start_mlflow(project: str, experiment: str, run_dir: str, config: dict | No
     import mlflow
 
     uri = mlflow_tracking_uri(run_dir)
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_experiment(project)
+    mlflow.set_experiment(experiment_id=mlflow_experiment(project, run_dir))
     mlflow.start_run(run_name=experiment)
     if config:
         mlflow.log_params({mlflow_name(k): v for k, v in leaves(config).items()})
@@ -157,7 +156,31 @@ def _start_mlflow(project: str, experiment: str, run_dir: str, config: dict | No
 def mlflow_tracking_uri(run_dir: str) -> str:
     """Where MLflow writes (the metrics and the rollout traces): ``MLFLOW_TRACKING_URI``, else a
     SQLite store in the run folder."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.abspath(run_dir)}/mlflow.db"
+    return os.environ.get("MLFLOW_TRACKING_URI") or _run_folder_store(run_dir)
+
+
+def _run_folder_store(run_dir: str) -> str:
+    return f"sqlite:///{os.path.abspath(run_dir)}/mlflow.db"
+
+
+def mlflow_experiment(name: str, run_dir: str) -> str:
+    """The id of the MLflow experiment ``name`` in the store of ``mlflow_tracking_uri(run_dir)``,
+    made the current store; created if missing, in the run folder's own store with its artifacts
+    (the traces' spans) in the run folder too, where MLflow would put them in ./mlruns of the
+    working directory. The driver and the workers may both create it: the second takes the first's."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    uri = mlflow_tracking_uri(run_dir)
+    mlflow.set_tracking_uri(uri)
+    found = mlflow.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    artifacts = os.path.join(os.path.abspath(run_dir), "mlartifacts") if uri == _run_folder_store(run_dir) else None
+    try:
+        return mlflow.create_experiment(name, artifact_location=artifacts)
+    except MlflowException:  # created meanwhile by another process
+        return mlflow.get_experiment_by_name(name).experiment_id
 
 
 def mlflow_name(key: str) -> str:

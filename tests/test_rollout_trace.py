@@ -18,10 +18,12 @@ END = "<|im_end|>"
 
 
 @pytest.fixture(autouse=True)
-def own_store(monkeypatch):
+def own_store(monkeypatch, tmp_path):
     """mlflow.set_tracking_uri also sets MLFLOW_TRACKING_URI, which would send the next test's
-    traces to this one's store."""
+    traces to this one's store; the working directory is the test's, to see what is written there."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
 
 
 def trace_cfg(tmp_path, **trace):
@@ -68,6 +70,8 @@ def test_each_response_is_a_trace_with_verls_tags_and_its_engine_call(tmp_path, 
     tracer.log(prompts, prompt_ids, tokens, log_probs, spans, validate=False)
     written = traces(tmp_path)
     assert len(written) == 4
+    # The spans are the experiment's artifacts: in the run folder, not in the working directory.
+    assert (tmp_path / "run" / "mlartifacts").is_dir() and not any((tmp_path / "cwd").iterdir())
     for k, (tags, root, (generate,)) in enumerate(written):
         assert {key: tags[key] for key in ("step", "sample_index", "rollout_n", "validate", "experiment_name")} == {
             "step": "3", "sample_index": ["17", "17", "4", "4"][k], "rollout_n": str(k % 2), "validate": "False",
