@@ -109,7 +109,9 @@ def test_strict_spread_gives_every_node_group_a_ray_node_of_its_own(two_node_clu
 @needs_dashboard
 def test_a_job_submitted_to_two_nodes_trains_with_one_rank_on_each(two_node_cluster, tiny_model_dir,
                                                                    arithmetic_files, tmp_path):
-    env = {**two_node_cluster["env"], "RAY_ADDRESS": two_node_cluster["dashboard"], "RAY_JOB_PYTHON": sys.executable}
+    # The head's job agent can take minutes to come up on a loaded 2-core machine: wait longer for it.
+    env = {**two_node_cluster["env"], "RAY_ADDRESS": two_node_cluster["dashboard"], "RAY_JOB_PYTHON": sys.executable,
+           "RAY_JOB_AGENT_WAIT_S": "300"}
     overrides = run_overrides(tiny_model_dir, arithmetic_files, tmp_path, 64, 8) + [
         "trainer.nnodes=2", "trainer.n_gpus_per_node=1", "trainer.placement_strategy=STRICT_SPREAD",
         "trainer.cpus_per_worker=1", "trainer.total_training_steps=2", "trainer.test_freq=-1",
