@@ -1318,7 +1318,6 @@ def adopt_global_micro_batch_sizes(cfg: DictConfig) -> None:
 def adopt_renamed_keys(cfg: DictConfig) -> None:
     """The keys of older verl releases that are set away from verl's default, copied (converted)
     into the keys they are now (config_keys.RENAMED_KEYS)."""
-    absent = object()
     defaults = verl_defaults()
     for old, renamed in RENAMED_KEYS.items():
         section, _, leaf = old.rpartition(".")

@@ -8,7 +8,6 @@ object that dispatches the call over the ranks and collects the results.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import logging
 import time

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any
 
 import torch
 from omegaconf import OmegaConf

@@ -13,7 +13,7 @@ import contextlib
 import gc
 import logging
 import os
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import torch
 
