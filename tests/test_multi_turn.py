@@ -607,7 +607,8 @@ def test_default_model_calls_the_calculator_through_the_driver(ray_session, tmp_
     """The default model, told how, calls the calculator in most greedy validation answers; the
     engine's log-probs of the trained tokens match the trainer's, so the tool turns sit where the
     engine saw them; the rollout traces hold each engine and tool call."""
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "")  # recorded, so that teardown unsets what mlflow sets
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
     from hybrid_rl.config_keys import compose_config
     from hybrid_rl.data.arithmetic import make_arithmetic_rows, write_rows
     from hybrid_rl.main import build_trainer

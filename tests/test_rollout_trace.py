@@ -19,9 +19,11 @@ END = "<|im_end|>"
 
 @pytest.fixture(autouse=True)
 def own_store(monkeypatch, tmp_path):
-    """mlflow.set_tracking_uri also sets MLFLOW_TRACKING_URI, which would send the next test's
-    traces to this one's store; the working directory is the test's, to see what is written there."""
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    """mlflow.set_tracking_uri also sets MLFLOW_TRACKING_URI, which would send later tests' traces
+    (and a Ray started later, its workers') to this one's store: unset before and after. The
+    working directory is the test's, to see what is written there."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "")  # recorded, so that teardown restores the state before
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
     (tmp_path / "cwd").mkdir()
     monkeypatch.chdir(tmp_path / "cwd")
 

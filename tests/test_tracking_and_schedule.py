@@ -47,7 +47,8 @@ def test_wandb_offline_run_in_the_run_folder(tmp_path, monkeypatch):
 def test_mlflow_logs_to_a_store_in_the_run_folder(tmp_path, monkeypatch):
     import mlflow
 
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "")  # recorded, so that teardown unsets what mlflow sets
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
     tracker = Tracker(["mlflow"], str(tmp_path), total_steps=2, progress_bar=False, project="p", experiment="e",
                       config={"actor_rollout_ref": {"actor": {"ppo_epochs": 1}}})
     run_id = mlflow.active_run().info.run_id
