@@ -44,8 +44,12 @@ def two_node_cluster():
     nodes = []
 
     def start(name: str, *args: str) -> None:
+        # Each node's agents on free ports: another Ray on the machine (a parallel test process's)
+        # may hold the default ones, and a head whose job agent cannot bind takes no jobs.
+        ports = [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+                 f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}"]
         with open(temp / f"{name}.log", "w") as log:  # read back when the node does not come up
-            nodes.append((subprocess.Popen([ray_bin, "start", *args, *common], env=env, stdout=log,
+            nodes.append((subprocess.Popen([ray_bin, "start", *args, *ports, *common], env=env, stdout=log,
                                            stderr=subprocess.STDOUT), log.name))
 
     try:
