@@ -73,11 +73,17 @@ def _choice(value, valid, key: str, verl_only: dict | None = None) -> None:
         raise ConfigError(f"{key}={value!r} is not valid. Valid choices: {', '.join(names)}.")
 
 
+def _needs_optional_package(name: str, setting: str) -> None:
+    """`setting` needs hybrid-rl's optional extra `name` (a package of that name)."""
+    if importlib.util.find_spec(name) is None:
+        raise ConfigError(f"{setting} needs the {name} package, which is not installed: "
+                          f"pip install 'hybrid-rl[{name}]' (or bash tools/install.sh --{name}).")
+
+
 def _check_logger(name: str) -> None:
     _choice(name, LOGGERS, "trainer.logger", {n: f"use any of {', '.join(LOGGERS)}" for n in VERL_ONLY_LOGGERS})
-    if name in OPTIONAL_LOGGERS and importlib.util.find_spec(name) is None:
-        raise ConfigError(f"trainer.logger={name} needs the {name} package, which is not installed: "
-                          f"pip install 'hybrid-rl[{name}]' (or bash tools/install.sh --{name}).")
+    if name in OPTIONAL_LOGGERS:
+        _needs_optional_package(name, f"trainer.logger={name}")
 
 
 def check_rollout_trace(trace: DictConfig) -> None:
@@ -87,9 +93,7 @@ def check_rollout_trace(trace: DictConfig) -> None:
             {name: "rollout traces go to MLflow here: set it to mlflow" for name in ("weave", "trackio")})
     if trace.backend is None:
         return
-    if importlib.util.find_spec("mlflow") is None:
-        raise ConfigError(f"{key}.backend=mlflow needs the mlflow package, which is not installed: "
-                          "pip install 'hybrid-rl[mlflow]' (or bash tools/install.sh --mlflow).")
+    _needs_optional_package("mlflow", f"{key}.backend=mlflow")
     most = trace.max_samples_per_step_per_worker
     if most is not None and (isinstance(most, bool) or not isinstance(most, int) or most < 1):
         raise ConfigError(f"{key}.max_samples_per_step_per_worker={most!r} must be a whole number >= 1 (the prompts "
