@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from hybrid_rl.agent import AGENT_KEY, AGENT_LOOPS, TOOL_AGENT
 from hybrid_rl.agent.formats import FORMATS
 from hybrid_rl.algorithms.distillation import LOSS_MODES as DISTILLATION_LOSS_MODES
 from hybrid_rl.algorithms.distillation import TOP_K_MODE as DISTILLATION_TOP_K_MODE
@@ -384,6 +385,11 @@ def validate_config(cfg: DictConfig) -> DictConfig:
             raise ConfigError(f"actor_rollout_ref.rollout.beam_search=true needs whole groups on every rank: "
                               f"data.train_batch_size ({data.train_batch_size}) must be a multiple of the {world} "
                               "ranks, so that no prompt's beams are split between two of them.")
+    if rollout.agent.agent_loop_config_path is None:  # else the driver checks it against that file's loops
+        _choice(rollout.agent.default_agent_loop, AGENT_LOOPS, AGENT_KEY)
+    elif rollout.name != "vllm" or rollout.beam_search:
+        raise ConfigError("actor_rollout_ref.rollout.agent.agent_loop_config_path (agent loops of your own) needs "
+                          "rollout.name=vllm and beam_search=false: the loops send token ids to the vLLM engine.")
     if rollout.multi_turn.enable:
         _check_multi_turn(rollout)
     if cfg.algorithm.adv_estimator == "grpo_passk" and rollout.n < 2:
@@ -1383,10 +1389,19 @@ def adopt_prefix_grouper(cfg: DictConfig) -> None:
     model.share_prompt_prefix = True
 
 
+def adopt_default_agent_loop(cfg: DictConfig) -> None:
+    """verl's `rollout.agent.default_agent_loop=tool_agent` (the agent loop of rows without an
+    `agent_name`) is the tool loop, which `multi_turn.enable` turns on here."""
+    rollout = cfg.actor_rollout_ref.rollout
+    if OmegaConf.select(rollout, "agent.default_agent_loop") == TOOL_AGENT:
+        rollout.multi_turn.enable = True
+
+
 def resolve_config(cfg: DictConfig) -> DictConfig:
     """The composed config with older verl's names, global micro-batch sizes and verl's prefix
-    grouper adopted, then resolved in place."""
+    grouper and agent loop adopted, then resolved in place."""
     adopt_renamed_keys(cfg)
+    adopt_default_agent_loop(cfg)
     adopt_verl07_rejection_sampling(cfg)
     adopt_prefix_grouper(cfg)
     adopt_global_micro_batch_sizes(cfg)

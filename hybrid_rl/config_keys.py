@@ -504,8 +504,13 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NO_EFFECT, "the rollout engine's expert-load metrics are not collected", "actor_rollout_ref.rollout.moe_load_balance_metrics_interval"),
     *_rules(NOT_YET, "only engine_kwargs.vllm is passed on (name=vllm)", "actor_rollout_ref.rollout.engine_kwargs.sglang",
             "actor_rollout_ref.rollout.engine_kwargs.trtllm"),
-    *_rules(NOT_YET, "agent loops other than the tool loop of multi_turn.enable are not built yet",
-            "actor_rollout_ref.rollout.agent.default_agent_loop", "actor_rollout_ref.rollout.agent.agent_loop_config_path",
+    *_rules(WORKS, "the agent loop of rows without an agent_name column: single_turn_agent, tool_agent (the tool "
+            "loop, as multi_turn.enable=true) or one of agent_loop_config_path's; a row's agent_name picks its own",
+            "actor_rollout_ref.rollout.agent.default_agent_loop"),
+    *_rules(WORKS, "verl agent loops of your own (subclasses of verl's AgentLoopBase, run unchanged), named by "
+            "the rows' agent_name or default_agent_loop; docs/multi_turn.md",
+            "actor_rollout_ref.rollout.agent.agent_loop_config_path"),
+    *_rules(NOT_YET, "the agent loops call the in-process engine; a server class of your own is not built",
             "actor_rollout_ref.rollout.agent.custom_async_server.*"),
     *_rules(WORKS, "a Python file of @function_tool functions, beside (or instead of) tool_config_path's tools; "
             "the schema is inferred from type hints and docstring as in verl",

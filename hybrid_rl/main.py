@@ -16,6 +16,7 @@ import hydra
 from hydra.core.plugins import Plugins
 from omegaconf import DictConfig, OmegaConf
 
+from hybrid_rl import agent
 from hybrid_rl.algorithms.distillation import TOP_K_MODE as DISTILLATION_TOP_K_MODE
 from hybrid_rl.config import (PRIME_PROCESSES, PRIME_TIMEOUT_S, REF_MODEL_KEY, ConfigError, adopt_served_reward_model,
                               check_model_limits, custom_reward_function, custom_reward_manager, distillation_teachers,
@@ -99,8 +100,6 @@ def prepare(cfg: DictConfig):
                        truncation=cfg.data.truncation, filter_overlong_prompts=cfg.data.filter_overlong_prompts,
                        seed=cfg.data.seed, apply_chat_template_kwargs=cfg.data.apply_chat_template_kwargs)
     if cfg.actor_rollout_ref.rollout.multi_turn.enable:
-        from hybrid_rl import agent
-
         # The tools are built once here so a bad tool config stops the run before any worker starts.
         tools = agent.setup(cfg.actor_rollout_ref.rollout, tokenizer, cfg.data.apply_chat_template_kwargs)
         tools.close()
@@ -113,10 +112,20 @@ def prepare(cfg: DictConfig):
 
     train_dataset = load_dataset(train_files, cfg.data.train_max_samples)
     val_dataset = load_dataset(val_files, cfg.data.val_max_samples) if val_files else None
-    if cfg.actor_rollout_ref.rollout.multi_turn.enable and tools.interactions:
-        for files, dataset in ((train_files, train_dataset), (val_files, val_dataset)):
-            if dataset is not None:  # every row must name one of the interactions, or there must be one
-                agent.check_interaction_rows(dataset.extra_infos(), tools.interactions, files)
+    rollout = cfg.actor_rollout_ref.rollout
+    custom_loops = ()
+    if rollout.agent.agent_loop_config_path is not None:  # imported here too, so a bad file stops the run now
+        from hybrid_rl.agent.verl_agent_loops import load_agent_loops
+
+        custom_loops = tuple(load_agent_loops(rollout.agent.agent_loop_config_path))
+    for files, dataset in ((train_files, train_dataset), (val_files, val_dataset)):
+        if dataset is None:
+            continue
+        agent.check_agent_names(dataset.agent_names(), rollout, custom_loops, files)
+        if rollout.multi_turn.enable and tools.interactions:  # each tool-loop row names one, or there is one
+            names = agent.row_agent_names(dataset.agent_names(), rollout)
+            agent.check_interaction_rows([info for info, name in zip(dataset.extra_infos(), names)
+                                          if name == agent.TOOL_AGENT], tools.interactions, files)
 
     sources = sources_from_config(cfg.reward, ConfigError, reward_model=cfg.reward_model.enable,
                                   process=cfg.reward_model.process.enable, provided=SERVED_KWARGS)
@@ -393,9 +402,10 @@ def checked_trainer(cfg: DictConfig):
 def start_ray(cfg: DictConfig) -> None:
     from hybrid_rl.controller import init_ray
 
-    # Workers must import hybrid_rl even when it runs from a source checkout; inside a Ray job
-    # (`ray job submit`) the job's runtime env (its working_dir) already brings it to them.
-    pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+    # Workers must import hybrid_rl even when it runs from a source checkout, and the user's
+    # modules (agent loops, tools) as the driver does, from the working directory; inside a Ray job
+    # (`ray job submit`) the job's runtime env (its working_dir) already brings them.
+    pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.getcwd(), os.environ.get("PYTHONPATH")) if p)
     ray_init = cfg.ray_kwargs.ray_init
     in_ray_job = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
     runtime_env = {} if in_ray_job else {"env_vars": {"PYTHONPATH": pythonpath}}

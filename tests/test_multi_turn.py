@@ -424,6 +424,83 @@ def test_turn_limits_budget_and_failing_tools_end_or_continue_trajectories(smol_
     assert t.tool_calls == 2 and "abcdef...(truncated)" in text and "tool\nb<|im_end|>" in text and "tool\nc" not in text
 
 
+# ------------------------------------------------------------------------ verl's agent loops by row
+class ScriptedEngine(ScriptedModel):
+    """The scripted model behind the engine interface ``generate_batch`` uses."""
+
+    dp_rank, routes = 0, None
+
+    def generate(self, batch, settings, response_length):
+        from hybrid_rl.workers.rollout import prompt_token_lists
+
+        prompts = prompt_token_lists(batch)
+        return self.generate_ids(prompts, settings, [response_length] * len(prompts))
+
+
+def test_rows_pick_their_agent_loop_and_every_row_gets_the_tool_loops_columns(smol_tokenizer):
+    """verl's ``agent_name`` column: single_turn_agent rows generate once (a call they write is not
+    run), tool_agent rows and rows without a name run the tool loop; the batch keeps its order."""
+    from hybrid_rl.config_keys import compose_config
+    from hybrid_rl.data import collate_prompts
+    from hybrid_rl.protocol import BatchMeta, Sampling
+    from hybrid_rl.workers.rollout import generate_batch
+
+    tok, end = smol_tokenizer, "<|im_end|>"
+    cfg = compose_config(["actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
+                          "data.max_response_length=120"])
+    assert cfg.actor_rollout_ref.rollout.multi_turn.enable  # tool_agent is the tool loop
+    asks = f"{call('calculator', expression='2 * 21')}{end}"
+    scripts = {"A": [asks, f"42{end}"], "B": [asks, f"42{end}"], "C": [asks, f"42{end}"]}
+    names = ["single_turn_agent", "tool_agent", None]
+    rows = [{"prompt_ids": tok.encode(p), "raw_prompt": [{"role": "user", "content": p}],
+             "extra_info": {"index": i}, "agent_name": name, "index": i}
+            for i, (p, name) in enumerate(zip("ABC", names))]
+    for order in ([0, 1, 2], [1, 2, 0], [0]):
+        prompts = collate_prompts([rows[i] for i in order], tok.pad_token_id, 8)
+        prompts.meta = BatchMeta(sampling=Sampling.TRAIN, step=1)
+        engine = ScriptedEngine(tok, {k: list(v) for k, v in scripts.items()})
+        out = generate_batch(engine, make_loop(tok, {"calculator": agent.Calculator()}, 120), cfg, prompts,
+                             tok.pad_token_id, [tok.eos_token_id])
+        texts = [tok.decode(r[m.bool()]) for r, m in zip(out["responses"], out["attention_mask"][:, 8:])]
+        for i, text, calls, turns in zip(order, texts, out["multi_turn_tool_calls"].tolist(),
+                                         out["multi_turn_assistant_turns"].tolist()):
+            if names[i] == "single_turn_agent":
+                assert (text, calls, turns) == (asks, 0, 1)
+            else:
+                assert text.endswith(f"tool\n42{end}\n<|im_start|>assistant\n42{end}") and (calls, turns) == (1, 2)
+        assert [info["index"] for info in out["extra_info"]] == order
+        assert all(info["tool_rewards"] in ([], [0.0]) for info in out["extra_info"])
+
+
+def test_agent_names_of_the_data_are_checked_at_start(tmp_path, smol_tokenizer):
+    from hybrid_rl.config import ConfigError, validate_config
+    from hybrid_rl.config_keys import compose_config
+    from hybrid_rl.data import RLDataset
+    from hybrid_rl.data.arithmetic import make_arithmetic_rows, write_rows
+
+    rows = make_arithmetic_rows(3, seed=0)
+    for row, name in zip(rows, ["tool_agent", None, "single_turn_agent"]):
+        row["agent_name"] = name
+    dataset = RLDataset(write_rows(str(tmp_path / "a.parquet"), rows), smol_tokenizer)
+    assert dataset.agent_names() == ["tool_agent", None, "single_turn_agent"]
+    on = compose_config(["actor_rollout_ref.rollout.multi_turn.enable=true"]).actor_rollout_ref.rollout
+    off = compose_config([]).actor_rollout_ref.rollout
+    # multi_turn.enable makes the tool loop the default, as in verl before its agent loops.
+    assert agent.row_agent_names(dataset.agent_names(), on) == ["tool_agent", "tool_agent", "single_turn_agent"]
+    assert agent.row_agent_names(dataset.agent_names(), off) == ["tool_agent", "single_turn_agent", "single_turn_agent"]
+    agent.check_agent_names(dataset.agent_names(), on, (), files="a.parquet")
+    with pytest.raises(ToolConfigError, match="row 0: agent_name=tool_agent, but the tool loop is off"):
+        agent.check_agent_names(dataset.agent_names(), off, (), files="a.parquet")
+    with pytest.raises(ToolConfigError, match="row 1: agent_name='react_agent' is not an agent loop here"):
+        agent.check_agent_names([None, "react_agent"], on, (), files="a.parquet")
+    agent.check_agent_names([None, "react_agent"], on, ("react_agent",), files="a.parquet")
+    with pytest.raises(ConfigError, match="default_agent_loop='react_agent' is not valid"):
+        validate_config(compose_config(["actor_rollout_ref.rollout.agent.default_agent_loop=react_agent"]))
+    rows[0]["agent_name"] = 3
+    with pytest.raises(ValueError, match="row 0 of .*: agent_name is 3"):
+        RLDataset(write_rows(str(tmp_path / "b.parquet"), rows[:1]), smol_tokenizer)
+
+
 # ----------------------------------------------------------------------------------- gpt-oss format
 # A harmony chat template written here after the rules of gpt-oss's own: a call is rendered from
 # the assistant message's tool_calls and ends with <|call|>; a tool message is named after the

@@ -18,7 +18,39 @@ from hybrid_rl.agent.tools import (TOOLS, Calculator, FunctionTool, PythonTool, 
 __all__ = ["FORMATS", "TOOLS", "Calculator", "FunctionTool", "GptOss", "Hermes", "Interaction", "MultiTurnError",
            "MultiTurnRollout", "PythonTool", "Tool", "ToolCall", "ToolConfigError", "ToolOutput", "ToolSetup",
            "check_interaction_rows", "function_tool", "get_format", "load_function_tools", "load_interactions",
-           "load_tools", "setup", "trajectory_tensors"]
+           "load_tools", "setup", "trajectory_tensors", "AGENT_LOOPS", "SINGLE_TURN_AGENT", "TOOL_AGENT",
+           "check_agent_names", "row_agent_names"]
+
+# verl's agent loops, by the name a row's ``agent_name`` column (else
+# ``rollout.agent.default_agent_loop``) gives: one generation, or the tool loop of ``multi_turn``.
+SINGLE_TURN_AGENT, TOOL_AGENT = "single_turn_agent", "tool_agent"
+AGENT_LOOPS = (SINGLE_TURN_AGENT, TOOL_AGENT)
+AGENT_KEY = "actor_rollout_ref.rollout.agent.default_agent_loop"
+
+
+def row_agent_names(agent_names, rollout_cfg: Any) -> list[str]:
+    """Each row's agent loop: its ``agent_name``, else ``agent.default_agent_loop``, which
+    ``multi_turn.enable=true`` makes the tool loop (verl 0.4-0.7's meaning of that key)."""
+    default = rollout_cfg.agent.default_agent_loop
+    if default == SINGLE_TURN_AGENT and rollout_cfg.multi_turn.enable:
+        default = TOOL_AGENT
+    return [name or default for name in agent_names]
+
+
+def check_agent_names(agent_names: list, rollout_cfg: Any, custom: tuple | list, files) -> None:
+    """Every row's agent loop is built in or one of the user's (``custom``: the names in
+    agent_loop_config_path), and a row asking for the tool loop gets it."""
+    known = (*AGENT_LOOPS, *custom)
+    for i, name in enumerate(row_agent_names(agent_names, rollout_cfg)):
+        if name not in known:
+            raise ToolConfigError(f"{files}, row {i}: agent_name={name!r} is not an agent loop here; the agent loops "
+                                  f"are {', '.join(known)} (yours from actor_rollout_ref.rollout.agent."
+                                  "agent_loop_config_path). Fix the data's agent_name column or that file.")
+        if name == TOOL_AGENT and not rollout_cfg.multi_turn.enable:
+            raise ToolConfigError(
+                f"{files}, row {i}: agent_name=tool_agent, but the tool loop is off. Set {AGENT_KEY}=tool_agent "
+                "or actor_rollout_ref.rollout.multi_turn.enable=true, with the tools in "
+                "actor_rollout_ref.rollout.multi_turn.tool_config_path.")
 
 DESCRIBE_TOOLS = ("template", "system", "none")
 

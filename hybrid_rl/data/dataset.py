@@ -189,7 +189,7 @@ class RLDataset(Dataset):
 
     ``__getitem__`` returns a dict with ``prompt_ids`` (list[int]),
     ``raw_prompt`` (chat messages), ``data_source``, ``reward_model``,
-    ``extra_info`` and ``index``.
+    ``extra_info``, ``index`` and ``agent_name`` (verl's column; None where absent).
     """
 
     def __init__(
@@ -301,6 +301,10 @@ class RLDataset(Dataset):
             extra_info = row.get("extra_info")
             extra_info = dict(extra_info) if isinstance(extra_info, Mapping) else {}
             index = extra_info.get("index")
+            agent_name = row.get("agent_name")
+            if agent_name is not None and not isinstance(agent_name, str):
+                raise ValueError(f"row {p} of {self.files}: agent_name is {agent_name!r}; it names the row's agent "
+                                 "loop (single_turn_agent or tool_agent) or is left empty.")
             self._items.append(
                 {
                     "prompt_ids": prompt_ids[j],
@@ -309,6 +313,7 @@ class RLDataset(Dataset):
                     "reward_model": row.get("reward_model"),
                     "extra_info": extra_info,
                     "index": int(index) if index is not None else p,
+                    "agent_name": agent_name,
                 }
             )
 
@@ -339,6 +344,10 @@ class RLDataset(Dataset):
         """The extra_info of every row, in order (read-only: the dataset's own dicts)."""
         return [item["extra_info"] for item in self._items]
 
+    def agent_names(self) -> list[str | None]:
+        """Each row's agent loop (verl's ``agent_name`` column; None where the row names none)."""
+        return [item["agent_name"] for item in self._items]
+
     def __len__(self) -> int:
         return len(self._items)
 
@@ -349,30 +358,34 @@ class RLDataset(Dataset):
 
 
 # ------------------------------------------------------------------------ collate
+def left_padded(prompt_ids: list[list[int]], pad_token_id: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists of at most ``width`` tokens, left-padded: (input_ids, attention_mask)."""
+    input_ids = torch.full((len(prompt_ids), width), int(pad_token_id), dtype=torch.long)
+    attention_mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
+    for i, ids in enumerate(prompt_ids):
+        if ids:
+            input_ids[i, width - len(ids):] = torch.as_tensor(ids, dtype=torch.long)
+            attention_mask[i, width - len(ids):] = 1
+    return input_ids, attention_mask
+
+
 def collate_prompts(rows: list[dict], pad_token_id: int, max_prompt_length: int) -> Batch:
     """Left-pad ``prompt_ids`` to ``max_prompt_length`` and build a :class:`Batch`."""
     if not rows:
         raise ValueError("collate_prompts got an empty list of rows")
     if pad_token_id is None:
         raise ValueError("collate_prompts needs a pad_token_id (the tokenizer has no pad token?)")
-    bsz = len(rows)
-    input_ids = torch.full((bsz, max_prompt_length), int(pad_token_id), dtype=torch.long)
-    attention_mask = torch.zeros((bsz, max_prompt_length), dtype=torch.long)
     for i, row in enumerate(rows):
-        ids = row["prompt_ids"]
-        n = len(ids)
-        if n > max_prompt_length:
+        if len(row["prompt_ids"]) > max_prompt_length:
             raise ValueError(
-                f"row {i} (index {row.get('index')}) has {n} prompt tokens > max_prompt_length="
+                f"row {i} (index {row.get('index')}) has {len(row['prompt_ids'])} prompt tokens > max_prompt_length="
                 f"{max_prompt_length}; build the dataset with the same max_prompt_length"
             )
-        if n:
-            input_ids[i, max_prompt_length - n :] = torch.as_tensor(ids, dtype=torch.long)
-            attention_mask[i, max_prompt_length - n :] = 1
+    input_ids, attention_mask = left_padded([row["prompt_ids"] for row in rows], pad_token_id, max_prompt_length)
     position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
     non_tensors = {
         key: [row.get(key) for row in rows]
-        for key in ("prompt_ids", "raw_prompt", "data_source", "reward_model", "extra_info", "index")
+        for key in ("prompt_ids", "raw_prompt", "data_source", "reward_model", "extra_info", "index", "agent_name")
     }
     non_tensors["prompt_ids"] = [list(r["prompt_ids"]) for r in rows]
     return Batch(

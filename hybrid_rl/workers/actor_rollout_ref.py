@@ -30,7 +30,7 @@ from hybrid_rl.models import load_tokenizer, model_config
 from hybrid_rl.protocol import Batch
 from hybrid_rl.rollout_trace import rollout_tracer
 from hybrid_rl.workers.base import ModelWorker
-from hybrid_rl.workers.rollout import HFRollout, VLLMRollout, generate_batch, tool_loop
+from hybrid_rl.workers.rollout import HFRollout, VLLMRollout, generate_batch, tool_loop, verl_agent_loops
 from hybrid_rl.workers.weight_sync import WeightChannel, sync_weights
 
 
@@ -74,7 +74,7 @@ class ActorRolloutRefWorker(ModelWorker):
         rollout_cfg = cfg.actor_rollout_ref.rollout
         self.channel = None  # to a rollout pool of its own (hybrid_engine=false), from rank 0
         if not cfg.actor_rollout_ref.hybrid_engine:
-            self.rollout = self.multi_turn = self.tracer = None  # the rollout pool generates
+            self.rollout = self.multi_turn = self.agent_loops = self.tracer = None  # the rollout pool generates
             return {"rank": self.rank, "params": self.actor.num_params(), "rollout": {}}
         if rollout_cfg.name == "vllm":
             self.rollout = VLLMRollout(self.model_path, rollout_cfg, self.device, self.eos_token_ids,
@@ -84,6 +84,7 @@ class ActorRolloutRefWorker(ModelWorker):
             self.rollout = HFRollout(self.actor.hf_module(), self.pad_token_id, self.eos_token_ids,
                                      raw_log_probs=rollout_cfg.logprobs_mode == "raw_logprobs")
         self.multi_turn = tool_loop(cfg, tok, self.eos_token_ids)
+        self.agent_loops = verl_agent_loops(cfg, tok)
         self.tracer = rollout_tracer(cfg, tok, self.rollout)
         return {"rank": self.rank, "params": self.actor.num_params(),
                 "rollout": self.rollout.settings() if rollout_cfg.name == "vllm" else {}}
@@ -98,7 +99,7 @@ class ActorRolloutRefWorker(ModelWorker):
         weights_here = self.actor.resident() if isinstance(self.rollout, HFRollout) else contextlib.nullcontext()
         with weights_here:
             return generate_batch(self.rollout, self.multi_turn, self.cfg, prompts, self.pad_token_id,
-                                  self.eos_token_ids, self.tracer)
+                                  self.eos_token_ids, self.tracer, self.agent_loops)
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def sync_rollout_weights(self) -> dict:

@@ -15,6 +15,7 @@ import logging
 import os
 from typing import Any, Iterable
 
+import numpy as np
 import torch
 
 from hybrid_rl.config_keys import plain
@@ -130,10 +131,19 @@ def tool_loop(cfg: Any, tokenizer, eos_token_ids: list[int]):
                                   rollout_cfg.response_length, tools.chat_template_kwargs, tools.interactions)
 
 
-def generate_batch(engine, multi_turn, cfg: Any, prompts: Batch, pad_token_id: int, eos_token_ids: list[int],
-                   tracer: RolloutTracer | None = None) -> Batch:
-    """One response (or tool-using trajectory) per row, sampled as `prompts.meta.sampling` says:
-    the rollout's settings, `rollout.val_kwargs`, or greedy; `tracer` writes the rows' traces."""
+def verl_agent_loops(cfg: Any, tokenizer):
+    """The user's verl agent loops (`rollout.agent.agent_loop_config_path`), else None."""
+    path = cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path
+    if path is None:
+        return None
+    from hybrid_rl.agent.verl_agent_loops import VerlAgentLoops, load_agent_loops
+
+    return VerlAgentLoops(cfg, tokenizer, load_agent_loops(path))
+
+
+def call_settings(cfg: Any, prompts: Batch, engine) -> dict:
+    """The sampling settings of a generate call (`prompts.meta.sampling`: the rollout's settings,
+    `rollout.val_kwargs`, or greedy); seeds the sampler for it."""
     rollout_cfg = cfg.actor_rollout_ref.rollout
     sampling = prompts.meta.sampling
     if sampling is Sampling.GREEDY:
@@ -145,6 +155,26 @@ def generate_batch(engine, multi_turn, cfg: Any, prompts: Batch, pad_token_id: i
     # Sampling depends only on (seed, step, replica, kind of call), so a resumed run samples
     # exactly what an uninterrupted one would.
     torch.manual_seed(hash((cfg.trainer.seed, prompts.meta.step, engine.dp_rank, sampling.value)) % 2**62)
+    return settings
+
+
+def generate_batch(engine, multi_turn, cfg: Any, prompts: Batch, pad_token_id: int, eos_token_ids: list[int],
+                   tracer: RolloutTracer | None = None, agent_loops=None) -> Batch:
+    """One response (or agent trajectory) per row, sampled as `prompts.meta.sampling` says: the
+    rollout's settings, `rollout.val_kwargs`, or greedy; `tracer` writes the rows' traces. With the
+    tool loop (`multi_turn`) or verl agent loops of the user's (`agent_loops`), each row runs the
+    agent loop its `agent_name` names (`agent.row_agent_names`)."""
+    rollout_cfg = cfg.actor_rollout_ref.rollout
+    if multi_turn is not None or agent_loops is not None:
+        from hybrid_rl.agent import TOOL_AGENT, row_agent_names
+
+        names = row_agent_names(prompts["agent_name"] if "agent_name" in prompts else [None] * len(prompts),
+                                rollout_cfg)
+        if set(names) != {TOOL_AGENT}:
+            return by_agent_loop(engine, multi_turn, agent_loops, cfg, prompts, pad_token_id, eos_token_ids, tracer,
+                                 names)
+    settings = call_settings(cfg, prompts, engine)
+    sampling = prompts.meta.sampling
     if multi_turn is not None:
         from hybrid_rl.agent import trajectory_tensors
 
@@ -180,6 +210,72 @@ def generate_batch(engine, multi_turn, cfg: Any, prompts: Batch, pad_token_id: i
     if sampling is Sampling.TRAIN and engine.routes is not None:  # for router replay R3
         out[ROUTES_KEY] = route_table(out["attention_mask"], engine.routes)
     return out
+
+
+def by_agent_loop(engine, multi_turn, agent_loops, cfg: Any, prompts: Batch, pad_token_id: int,
+                  eos_token_ids: list[int], tracer: RolloutTracer | None, names: list[str]) -> Batch:
+    """Each row through the agent loop ``names`` gives it (single_turn_agent: one generation;
+    tool_agent: the tool loop; else one of the user's verl agent loops), in the rows' order. With
+    the tool loop on, every row carries its columns (single-turn rows one assistant turn, no tool
+    calls), so that every rank's part of the batch has the same keys."""
+    from hybrid_rl.agent import SINGLE_TURN_AGENT, TOOL_AGENT, trajectory_tensors
+    from hybrid_rl.agent.loop import Trajectory
+
+    # The user's loops run together, so that their requests share the engine's batches.
+    kinds = [n if n in (SINGLE_TURN_AGENT, TOOL_AGENT) else "" for n in names]
+    parts, order = [], []
+    for name in sorted(set(kinds)):
+        rows = np.flatnonzero(np.array([kind == name for kind in kinds]))
+        if name == TOOL_AGENT:
+            if multi_turn is None:  # the driver checked the rows: a bug if reached
+                raise ValueError("rows ask for the tool loop (agent_name=tool_agent), which is off")
+            part = generate_batch(engine, multi_turn, cfg, prompts[rows], pad_token_id, eos_token_ids, tracer)
+        elif name == SINGLE_TURN_AGENT:
+            part = generate_batch(engine, None, cfg, prompts[rows], pad_token_id, eos_token_ids, tracer)
+            turns = [Trajectory(assistant_turns=1) for _ in rows]
+        else:
+            part, turns = verl_agent_loop_part(engine, agent_loops, cfg, prompts[rows], [names[i] for i in rows],
+                                               pad_token_id, eos_token_ids, tracer)
+        if multi_turn is not None and name != TOOL_AGENT:
+            for key, counts in trajectory_tensors(turns, interactions=bool(multi_turn.interactions)).items():
+                part[key] = counts
+            part["extra_info"] = [{**(info or {}), "turn_scores": [], "tool_rewards": []} for info in part["extra_info"]]
+        parts.append(part)
+        order.append(rows)
+    return Batch.concat(parts)[np.argsort(np.concatenate(order))]
+
+
+def verl_agent_loop_part(engine, agent_loops, cfg: Any, prompts: Batch, names: list[str], pad_token_id: int,
+                         eos_token_ids: list[int], tracer: RolloutTracer | None) -> tuple[Batch, list]:
+    """Rows of the user's verl agent loops (``names``): each row's prompt is the one its loop
+    rendered; its trajectory's loss mask is the loop's response_mask; the loop's extra_fields and
+    num_turns reach the reward function's extra_info, as in verl. Also each row's engine calls, as
+    assistant turns."""
+    from hybrid_rl.agent.loop import Trajectory
+    from hybrid_rl.agent.verl_agent_loops import row_kwargs
+    from hybrid_rl.data.dataset import left_padded
+
+    settings = call_settings(cfg, prompts, engine)
+    rows = [row_kwargs({key: values[i] for key, values in prompts.non_tensors.items() if key != "prompt_ids"})
+            for i in range(len(prompts))]
+    start = now_ns()
+    results = agent_loops.run(engine, names, rows, settings)
+    end = now_ns()
+    prompt_ids = [r.prompt_ids for r in results]
+    input_ids, attention_mask = left_padded(prompt_ids, pad_token_id, prompts["input_ids"].shape[1])
+    rendered = Batch({"input_ids": input_ids, "attention_mask": attention_mask},
+                     {**prompts.non_tensors, "prompt_ids": prompt_ids}, prompts.meta)
+    if tracer is not None:
+        tracer.log(rendered, prompt_ids, [r.tokens for r in results], [r.log_probs for r in results],
+                   [[Span(f"agent loop {name}", start, end, tokens=(0, len(r.tokens)))]
+                    for name, r in zip(names, results)],
+                   validate=prompts.meta.sampling is not Sampling.TRAIN)
+    out = assemble_rollout(rendered, [r.tokens for r in results], [r.log_probs for r in results],
+                           cfg.actor_rollout_ref.rollout.response_length, pad_token_id, eos_token_ids,
+                           loss_masks=[r.loss_mask for r in results])
+    out["extra_info"] = [{**(info or {}), **r.extra_fields, "num_turns": r.num_turns}
+                         for info, r in zip(prompts["extra_info"], results)]
+    return out, [Trajectory(assistant_turns=r.generations) for r in results]
 
 
 # FIRE's first token: sampled this hot, among the 16 likeliest tokens unless rollout.top_k narrows it.

@@ -13,7 +13,7 @@ from hybrid_rl.protocol import Batch
 from hybrid_rl.rollout_trace import rollout_tracer
 from hybrid_rl.workers.actor_rollout_ref import eos_ids
 from hybrid_rl.workers.base import ModelWorker
-from hybrid_rl.workers.rollout import VLLMRollout, generate_batch, tool_loop
+from hybrid_rl.workers.rollout import VLLMRollout, generate_batch, tool_loop, verl_agent_loops
 from hybrid_rl.workers.weight_sync import WeightChannel
 
 
@@ -30,6 +30,7 @@ class RolloutWorker(ModelWorker):
         self.rollout = VLLMRollout(self.model_path, self.cfg.actor_rollout_ref.rollout, self.device,
                                    self.eos_token_ids, self.cfg.actor_rollout_ref.model)
         self.multi_turn = tool_loop(self.cfg, tok, self.eos_token_ids)
+        self.agent_loops = verl_agent_loops(self.cfg, tok)
         self.tracer = rollout_tracer(self.cfg, tok, self.rollout)
         return self.rollout.settings()
 
@@ -50,4 +51,4 @@ class RolloutWorker(ModelWorker):
     def generate_sequences(self, prompts: Batch) -> Batch:
         """As `ActorRolloutRefWorker.generate_sequences`, with the weights of the last push."""
         return generate_batch(self.rollout, self.multi_turn, self.cfg, prompts, self.pad_token_id, self.eos_token_ids,
-                              self.tracer)
+                              self.tracer, self.agent_loops)
