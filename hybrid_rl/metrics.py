@@ -47,13 +47,14 @@ def compute_data_metrics(batch: Batch) -> dict[str, float]:
 
 
 def multi_turn_metrics(batch: Batch, prefix: str = "") -> dict[str, float]:
-    """Turns, tool calls and tool errors per trajectory of a multi-turn rollout, and the share of
-    trajectories that called a tool (with interactions, their turns and errors too); nothing for a
-    single-turn batch."""
+    """verl's `num_turns/*` (chat messages per trajectory) where agent loops ran; turns, tool calls
+    and tool errors per trajectory of the tool loop, and the share of trajectories that called a
+    tool (with interactions, their turns and errors too); nothing for a single-turn batch."""
+    metrics = _stats(f"{prefix}num_turns", batch["num_turns"]) if "num_turns" in batch else {}
     if "multi_turn_tool_calls" not in batch:
-        return {}
+        return metrics
     calls = batch["multi_turn_tool_calls"].float()
-    metrics = {f"{prefix}multi_turn/assistant_turns/mean": float(batch["multi_turn_assistant_turns"].float().mean()),
+    metrics |= {f"{prefix}multi_turn/assistant_turns/mean": float(batch["multi_turn_assistant_turns"].float().mean()),
                f"{prefix}multi_turn/assistant_turns/max": float(batch["multi_turn_assistant_turns"].max()),
                f"{prefix}multi_turn/tool_calls/mean": float(calls.mean()),
                f"{prefix}multi_turn/tool_call_share": float((calls > 0).float().mean()),

@@ -468,6 +468,8 @@ def test_rows_pick_their_agent_loop_and_every_row_gets_the_tool_loops_columns(sm
                 assert (text, calls, turns) == (asks, 0, 1)
             else:
                 assert text.endswith(f"tool\n42{end}\n<|im_start|>assistant\n42{end}") and (calls, turns) == (1, 2)
+        # verl's num_turns: prompt and answer; prompt, call, tool answer, answer.
+        assert out["num_turns"].tolist() == [2 if names[i] == "single_turn_agent" else 4 for i in order]
         assert [info["index"] for info in out["extra_info"]] == order
         assert all(info["tool_rewards"] in ([], [0.0]) for info in out["extra_info"])
 

@@ -103,7 +103,7 @@ def test_verl_loops_run_unchanged_with_their_requests_batched(tok, tmp_path):
         assert out["extra_info"][i]["index"] == i
         assert tok.decode(out["prompts"][i][out["attention_mask"][i, :64].bool()]) == tok.decode(prompts["prompt_ids"][i])
         if name == "single_turn_agent":
-            assert text == f"1{END}" and "num_turns" not in out["extra_info"][i]
+            assert text == f"1{END}" and "num_turns" not in out["extra_info"][i] and out["num_turns"][i] == 2
             continue
         # The answer, the nudge (rendered without the template's default system prompt), the answer.
         assert text.startswith(f"1{END}") and text.endswith(f"2{END}")
@@ -112,7 +112,10 @@ def test_verl_loops_run_unchanged_with_their_requests_batched(tok, tmp_path):
         assert "Again?" in tok.decode(responses[:length][inserted]) and "system" not in text
         assert (out["rollout_log_probs"][i][:length][inserted] == 0).all()
         assert (out["rollout_log_probs"][i][:length][~inserted] == -0.5).all()
-        assert out["extra_info"][i]["first_answer"] == "1" and out["extra_info"][i]["num_turns"] == 4
+        assert out["extra_info"][i]["first_answer"] == "1" and out["extra_info"][i]["num_turns"] == out["num_turns"][i] == 4
+    from hybrid_rl.metrics import multi_turn_metrics
+
+    assert multi_turn_metrics(out) == {"num_turns/mean": 3.5, "num_turns/max": 4.0, "num_turns/min": 2.0}
 
 
 def test_loops_waiting_on_a_tool_are_waited_for_and_reach_tools_through_verls_registry(tok, tmp_path):

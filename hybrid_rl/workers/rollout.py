@@ -189,6 +189,8 @@ def generate_batch(engine, multi_turn, cfg: Any, prompts: Batch, pad_token_id: i
                                loss_masks=[t.loss_mask for t in trajectories])
         for key, counts in trajectory_tensors(trajectories, interactions=bool(multi_turn.interactions)).items():
             out[key] = counts
+        # verl's count: the prompt, then each assistant, tool and interaction turn.
+        out["num_turns"] = torch.tensor([t.assistant_turns + t.user_turns + 1 for t in trajectories])
         # What the reward function reads of the trajectory, as verl gives it: the tools' extra
         # fields, the interaction's scores and each tool call's reward.
         out["extra_info"] = [{**row["extra_info"], **t.extra_fields, "turn_scores": t.turn_scores,
@@ -215,9 +217,9 @@ def generate_batch(engine, multi_turn, cfg: Any, prompts: Batch, pad_token_id: i
 def by_agent_loop(engine, multi_turn, agent_loops, cfg: Any, prompts: Batch, pad_token_id: int,
                   eos_token_ids: list[int], tracer: RolloutTracer | None, names: list[str]) -> Batch:
     """Each row through the agent loop ``names`` gives it (single_turn_agent: one generation;
-    tool_agent: the tool loop; else one of the user's verl agent loops), in the rows' order. With
-    the tool loop on, every row carries its columns (single-turn rows one assistant turn, no tool
-    calls), so that every rank's part of the batch has the same keys."""
+    tool_agent: the tool loop; else one of the user's verl agent loops), in the rows' order. Every
+    row carries verl's `num_turns`, and with the tool loop on its columns too (single-turn rows
+    one assistant turn, no tool calls), so that every rank's part of the batch has the same keys."""
     from hybrid_rl.agent import SINGLE_TURN_AGENT, TOOL_AGENT, trajectory_tensors
     from hybrid_rl.agent.loop import Trajectory
 
@@ -232,6 +234,7 @@ def by_agent_loop(engine, multi_turn, agent_loops, cfg: Any, prompts: Batch, pad
             part = generate_batch(engine, multi_turn, cfg, prompts[rows], pad_token_id, eos_token_ids, tracer)
         elif name == SINGLE_TURN_AGENT:
             part = generate_batch(engine, None, cfg, prompts[rows], pad_token_id, eos_token_ids, tracer)
+            part["num_turns"] = torch.full((len(rows),), 2)  # the prompt and the answer, as verl counts
             turns = [Trajectory(assistant_turns=1) for _ in rows]
         else:
             part, turns = verl_agent_loop_part(engine, agent_loops, cfg, prompts[rows], [names[i] for i in rows],
@@ -275,6 +278,7 @@ def verl_agent_loop_part(engine, agent_loops, cfg: Any, prompts: Batch, names: l
                            loss_masks=[r.loss_mask for r in results])
     out["extra_info"] = [{**(info or {}), **r.extra_fields, "num_turns": r.num_turns}
                          for info, r in zip(prompts["extra_info"], results)]
+    out["num_turns"] = torch.tensor([r.num_turns for r in results])
     return out, [Trajectory(assistant_turns=r.generations) for r in results]
 
 
