@@ -67,7 +67,8 @@ def prompts_of(tok, questions, names, width=64, extra=None):
         messages = [{"role": "user", "content": question}]
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         rows.append({"prompt_ids": list(ids), "raw_prompt": messages, "agent_name": name, "index": i,
-                     "extra_info": {"index": i, **(extra or {})}, "data_source": "x", "reward_model": {}})
+                     "extra_info": {"index": i, **(extra or {})}, "data_source": "x",
+                     "reward_model": {"ground_truth": "1"}})
     batch = collate_prompts(rows, tok.pad_token_id, width)
     batch.meta = BatchMeta(sampling=Sampling.TRAIN, step=1)
     return batch
@@ -137,6 +138,23 @@ def test_loops_waiting_on_a_tool_are_waited_for_and_reach_tools_through_verls_re
     assert "<|im_start|>tool\n42<|im_end|>" in prompt  # the calculator's answer, rendered by the loop
     assert tok.decode(out["responses"][1][:2]) == f"2{END}" and out["extra_info"][1]["tool_reward"] == 0.0
     assert out["extra_info"][0]["first_answer"] == "1" and "first_answer" not in out["extra_info"][1]
+
+
+def test_a_loops_own_score_replaces_the_reward_functions_for_its_rows(tok, tmp_path):
+    from hybrid_rl.rewards.manager import RewardManager
+
+    path = loop_file(tmp_path, {"name": "scoring", "_target_": f"{MODULE}.SelfScoringAgentLoop"},
+                     {"name": "second_look", "_target_": f"{MODULE}.SecondLookAgentLoop"})
+    cfg = compose_config([f"actor_rollout_ref.rollout.agent.agent_loop_config_path={path}"])
+    loops = VerlAgentLoops(cfg, tok, load_agent_loops(path))
+    prompts = prompts_of(tok, ["Hi", "Hi", "Hi"], ["scoring", "second_look", "single_turn_agent"])
+    out = generate_batch(CountingEngine(tok), None, cfg, prompts, tok.pad_token_id, [tok.eos_token_id],
+                         agent_loops=loops)
+    reward, extra = RewardManager(tok, lambda data_source, solution_str, ground_truth, extra_info: 0.25)(out)
+    # The scoring loop's row: its 1.0 on its last token; the others: the function's 0.25.
+    assert extra["score"] == [1.0, 0.25, 0.25]
+    lengths = out.response_lengths()
+    assert reward[0, lengths[0] - 1] == 1.0 and reward[0].sum() == 1.0 and reward[2, lengths[2] - 1] == 0.25
 
 
 @pytest.mark.parametrize("target, message", [

@@ -86,3 +86,15 @@ class BeamAgentLoop(AgentLoopBase):
         prompt_ids = await self.apply_chat_template(list(kwargs["raw_prompt"]))
         await self.server_manager.generate(request_id="x", prompt_ids=prompt_ids,
                                            sampling_params={**sampling_params, "use_beam_search": True})
+
+
+class SelfScoringAgentLoop(AgentLoopBase):
+    """Scores its own answer, as verl's SWE-style loops do: 1.0 when it is "1", else 0.0."""
+
+    async def run(self, sampling_params, **kwargs):
+        prompt_ids = await self.apply_chat_template(list(kwargs["raw_prompt"]))
+        out = await self.server_manager.generate(request_id="x", prompt_ids=prompt_ids, sampling_params=sampling_params)
+        answer = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        return AgentLoopOutput(prompt_ids=prompt_ids, response_ids=out.token_ids, response_mask=[1] * len(out.token_ids),
+                               response_logprobs=out.log_probs, reward_score=1.0 if answer == "1" else 0.0,
+                               num_turns=2, metrics={})

@@ -338,6 +338,7 @@ class AgentResult:
     extra_fields: dict = field(default_factory=dict)
     num_turns: int = 0
     generations: int = 0
+    reward_score: float | None = None  # the loop's own score of the row, which replaces the reward function's
 
 
 class VerlAgentLoops:
@@ -393,14 +394,11 @@ class VerlAgentLoops:
         if output.response_logprobs is None or len(output.response_logprobs) != n:
             problems.append("no response_logprobs for each response token (the TokenOutput log_probs of the model's "
                             "tokens, 0.0 for the others): the trainer compares them with its own")
-        if output.reward_score is not None:
-            problems.append("a reward_score: scores come from the reward function here (extra_fields reach its "
-                            "extra_info)")
         if problems:
             raise ValueError(f"agent loop {name!r} returned " + "; ".join(problems))
         return AgentResult(list(output.prompt_ids), list(output.response_ids), list(output.response_logprobs),
                            [int(bool(m)) for m in output.response_mask], dict(output.extra_fields),
-                           output.num_turns, generations)
+                           output.num_turns, generations, output.reward_score)
 
 
 def row_kwargs(row: dict) -> dict:

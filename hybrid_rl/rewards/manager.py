@@ -34,6 +34,10 @@ logger = logging.getLogger(__name__)
 ON_ERROR_CHOICES: tuple[str, ...] = ("zero", "raise")
 
 
+# A batch's column of the scores that verl agent loops gave their rows (NaN where none did).
+AGENT_SCORE_KEY = "agent_reward_score"
+
+
 class RewardFunctionError(RuntimeError):
     """A reward function raised, timed out or returned a non-finite score for one sample."""
 
@@ -647,6 +651,19 @@ class RewardManager:
 
     # --------------------------------------------------------------------- call
     def __call__(self, batch) -> tuple[torch.Tensor, dict[str, list]]:
+        reward, extra = self._score(batch)
+        if AGENT_SCORE_KEY in batch:
+            scored = torch.isfinite(batch[AGENT_SCORE_KEY])
+            for i in scored.nonzero().flatten().tolist():  # as verl, the loop's score replaces the function's
+                score = float(batch[AGENT_SCORE_KEY][i])
+                reward[i] = 0.0
+                reward[i, max(int(batch.response_lengths()[i]) - 1, 0)] = score
+                extra["score"][i] = score
+            if "step_mask" in extra:
+                extra["step_mask"][scored] = False
+        return reward, extra
+
+    def _score(self, batch) -> tuple[torch.Tensor, dict[str, list]]:
         responses: torch.Tensor = batch["responses"]
         if responses.ndim != 2:
             raise ValueError(f"batch['responses'] must be (B, T), got shape {tuple(responses.shape)}")

@@ -25,6 +25,7 @@ from hybrid_rl.engines.routing import route_table
 from hybrid_rl.hardware import host_memory_bytes
 from hybrid_rl.models import checkpoint_layout
 from hybrid_rl.protocol import Batch, Sampling
+from hybrid_rl.rewards.manager import AGENT_SCORE_KEY
 from hybrid_rl.rollout_trace import RolloutTracer, Span, now_ns
 from hybrid_rl.workers.vllm_cpu import (expert_layers, in_place_sync, keep_loadable_weights, kept_weight_bytes,
                                         load_weights_in_place, norm_priority, register_norm_kernels,
@@ -170,7 +171,7 @@ def generate_batch(engine, multi_turn, cfg: Any, prompts: Batch, pad_token_id: i
 
         names = row_agent_names(prompts["agent_name"] if "agent_name" in prompts else [None] * len(prompts),
                                 rollout_cfg)
-        if set(names) != {TOOL_AGENT}:
+        if set(names) != {TOOL_AGENT} or agent_loops is not None:
             return by_agent_loop(engine, multi_turn, agent_loops, cfg, prompts, pad_token_id, eos_token_ids, tracer,
                                  names)
     settings = call_settings(cfg, prompts, engine)
@@ -239,6 +240,8 @@ def by_agent_loop(engine, multi_turn, agent_loops, cfg: Any, prompts: Batch, pad
         else:
             part, turns = verl_agent_loop_part(engine, agent_loops, cfg, prompts[rows], [names[i] for i in rows],
                                                pad_token_id, eos_token_ids, tracer)
+        if agent_loops is not None and AGENT_SCORE_KEY not in part:  # rows no loop of the user's scored
+            part[AGENT_SCORE_KEY] = torch.full((len(rows),), float("nan"))
         if multi_turn is not None and name != TOOL_AGENT:
             for key, counts in trajectory_tensors(turns, interactions=bool(multi_turn.interactions)).items():
                 part[key] = counts
@@ -279,6 +282,7 @@ def verl_agent_loop_part(engine, agent_loops, cfg: Any, prompts: Batch, names: l
     out["extra_info"] = [{**(info or {}), **r.extra_fields, "num_turns": r.num_turns}
                          for info, r in zip(prompts["extra_info"], results)]
     out["num_turns"] = torch.tensor([r.num_turns for r in results])
+    out[AGENT_SCORE_KEY] = torch.tensor([float("nan") if r.reward_score is None else r.reward_score for r in results])
     return out, [Trajectory(assistant_turns=r.generations) for r in results]
 
 
