@@ -140,6 +140,40 @@ def test_loops_waiting_on_a_tool_are_waited_for_and_reach_tools_through_verls_re
     assert out["extra_info"][0]["first_answer"] == "1" and "first_answer" not in out["extra_info"][1]
 
 
+class CallingEngine(CountingEngine):
+    """Calls the calculator first, then answers with the number of tool turns it has read."""
+
+    def generate_ids(self, prompts, settings, max_tokens, stop=None, stop_token_ids=None):
+        self.calls.append(len(prompts))
+        replies = []
+        for context in prompts:
+            text = self.tok.decode(context)
+            reply = (str(text.count("<|im_start|>tool")) if "<|im_start|>tool" in text else
+                     '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>')
+            replies.append(self.tok.encode(reply + END))
+        return replies, [[-0.5] * len(ids) for ids in replies]
+
+
+def test_a_react_loop_parses_calls_with_verls_parser_and_runs_our_tools(tok, tmp_path):
+    tools = tmp_path / "tools.yaml"
+    tools.write_text(json.dumps({"tools": [{"class_name": "calculator"}]}))
+    path = loop_file(tmp_path, {"name": "react", "_target_": f"{MODULE}.ReactAgentLoop"})
+    cfg = compose_config([f"actor_rollout_ref.rollout.agent.agent_loop_config_path={path}",
+                          f"data.tool_config_path={tools}", "data.max_prompt_length=400",
+                          "data.max_response_length=64"])
+    loops = VerlAgentLoops(cfg, tok, load_agent_loops(path))
+    prompts = prompts_of(tok, ["What is 6 * 7?", "And 2 * 3?"], ["react", "react"], width=400)
+    engine = CallingEngine(tok)
+    out = generate_batch(engine, None, cfg, prompts, tok.pad_token_id, [tok.eos_token_id], agent_loops=loops)
+    assert engine.calls == [2, 2]
+    length = int(out["attention_mask"][0, 400:].sum())
+    responses, mask = out["responses"][0][:length], out["response_mask"][0][:length].bool()
+    assert tok.decode(responses) == ('<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}'
+                                     f"</tool_call>{END}<|im_start|>tool\n42{END}\n<|im_start|>assistant\n1{END}")
+    assert tok.decode(responses[~mask]) == f"<|im_start|>tool\n42{END}\n<|im_start|>assistant\n"
+    assert out["extra_info"][0]["calls_made"] == 1 and out["num_turns"].tolist() == [4, 4]
+
+
 def test_a_loops_own_score_replaces_the_reward_functions_for_its_rows(tok, tmp_path):
     from hybrid_rl.rewards.manager import RewardManager
 

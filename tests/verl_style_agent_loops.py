@@ -2,9 +2,11 @@
 verl's modules, ``@register``, ``AgentLoopOutput``), for tests/test_verl_agent_loops.py. They load
 only through hybrid_rl's stand-ins for those modules."""
 
+import json
 from uuid import uuid4
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
+from verl.experimental.agent_loop.tool_parser import ToolParser
 from verl.tools.utils.tool_registry import initialize_tools_from_config
 from verl.utils.profiler import simple_timer
 
@@ -98,3 +100,43 @@ class SelfScoringAgentLoop(AgentLoopBase):
         return AgentLoopOutput(prompt_ids=prompt_ids, response_ids=out.token_ids, response_mask=[1] * len(out.token_ids),
                                response_logprobs=out.log_probs, reward_score=1.0 if answer == "1" else 0.0,
                                num_turns=2, metrics={})
+
+
+class ReactAgentLoop(AgentLoopBase):
+    """The usual tool loop of a verl user: parse the turn's calls with verl's hermes parser, run
+    them on the tools of data.tool_config_path, append the answers as tool messages, go on."""
+
+    def __init__(self, *args, max_turns=3, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tools = {tool.name: tool for tool in initialize_tools_from_config(self.config.data.tool_config_path)}
+        self.parser = ToolParser.get_tool_parser("hermes", self.tokenizer)
+        self.max_turns = max_turns
+
+    async def run(self, sampling_params, **kwargs):
+        schemas = [tool.tool_schema.model_dump(exclude_unset=True, exclude_none=True) for tool in self.tools.values()]
+        prompt_ids = await self.apply_chat_template(list(kwargs["raw_prompt"]), tools=schemas)
+        response_ids, response_mask, log_probs, calls_made = [], [], [], 0
+        for _ in range(self.max_turns):
+            out = await self.server_manager.generate(request_id=uuid4().hex, prompt_ids=prompt_ids + response_ids,
+                                                     sampling_params=sampling_params)
+            response_ids += out.token_ids
+            response_mask += [1] * len(out.token_ids)
+            log_probs += out.log_probs
+            _, calls = await self.parser.extract_tool_calls(out.token_ids)
+            if not calls:
+                break
+            answers = []
+            for call in calls:
+                tool = self.tools[call.name]
+                instance_id, _ = await tool.create()
+                response, _, _ = await tool.execute(instance_id, json.loads(call.arguments))
+                await tool.release(instance_id)
+                answers.append({"role": "tool", "content": response.text})
+                calls_made += 1
+            turn = await self.apply_chat_template(answers, remove_system_prompt=True)
+            response_ids += turn
+            response_mask += [0] * len(turn)
+            log_probs += [0.0] * len(turn)
+        return AgentLoopOutput(prompt_ids=prompt_ids, response_ids=response_ids, response_mask=response_mask,
+                               response_logprobs=log_probs, num_turns=2 + 2 * calls_made, metrics={},
+                               extra_fields={"calls_made": calls_made})

@@ -47,7 +47,7 @@ class Hermes:
     # With one call per turn the engine stops right after it: small models often write on past it.
     stop_texts = [call_end]
     end_tokens: list[str] = []
-    _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+    CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -55,7 +55,7 @@ class Hermes:
     def parse(self, text: str) -> tuple[list[ToolCall], list[str]]:
         """The calls in a turn's text, and an error text for each malformed one."""
         calls, errors = [], []
-        bodies = self._CALL.findall(text)
+        bodies = self.CALL.findall(text)
         if text.count("<tool_call>") > len(bodies):
             errors.append("Error: a <tool_call> is not closed with </tool_call>")
         for body in bodies:

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import contextvars
 import importlib
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -29,6 +30,7 @@ from typing import Any, Iterator
 from omegaconf import OmegaConf
 from pydantic import BaseModel, ConfigDict
 
+from hybrid_rl.agent.formats import FORMATS, Hermes, get_format
 from hybrid_rl.agent.tools import ToolConfigError, load_tools
 from hybrid_rl.agent.verl_tools import VERL_TOOL_API, BaseTool, OpenAIFunctionToolSchema, ToolResponse, VerlTool
 from hybrid_rl.user_code import verl_stand_ins
@@ -169,6 +171,47 @@ class OurToolAsVerl(BaseTool):
         return ToolResponse(text=output.text), output.reward, {}
 
 
+class FunctionCall(BaseModel):
+    """A parsed call: the function's name and its arguments as a JSON string."""
+
+    arguments: str
+    name: str
+
+
+class ToolParser:
+    """verl's tool-call parsers, on this package's formats (``formats.py``: ``hermes``,
+    ``gpt-oss``) and any a loop's file registers. Malformed calls are left out, as verl leaves them."""
+
+    _registry: dict[str, type] = {}
+
+    def __init__(self, tokenizer, call_format=None):
+        self.tokenizer = tokenizer
+        self.format = call_format
+
+    @classmethod
+    def get_tool_parser(cls, name: str, tokenizer):
+        if name in cls._registry:
+            return cls._registry[name](tokenizer)
+        if name not in FORMATS:
+            raise ValueError(f"Unknown tool parser: {name} (here: {', '.join([*FORMATS, *cls._registry])})")
+        return cls(tokenizer, get_format(name, tokenizer))
+
+    @classmethod
+    def register(cls, name: str):
+        def decorator(subclass: type) -> type:
+            cls._registry[name] = subclass
+            return subclass
+
+        return decorator
+
+    async def extract_tool_calls(self, responses_ids: list[int]) -> tuple[str, list[FunctionCall]]:
+        """The text without its calls (for gpt-oss: the final channel's message), and the calls."""
+        text = self.tokenizer.decode(responses_ids, skip_special_tokens=False)
+        calls, _ = self.format.parse(text)
+        content = self.format.answer(responses_ids) if self.format.name == "gpt-oss" else Hermes.CALL.sub("", text)
+        return content, [FunctionCall(name=c.name, arguments=json.dumps(c.arguments, ensure_ascii=False)) for c in calls]
+
+
 # ----------------------------------------------------------------------------- the loops' engine
 @dataclass
 class _Request:
@@ -287,6 +330,7 @@ VERL_AGENT_LOOP_API: dict[str, dict[str, object]] = {
     "verl.workers.rollout.replica": {"TokenOutput": TokenOutput},
     "verl.utils.profiler": {"simple_timer": simple_timer, "marked_timer": marked_timer},
     "verl.tools.utils.tool_registry": {"initialize_tools_from_config": initialize_tools_from_config},
+    "verl.experimental.agent_loop.tool_parser": {"FunctionCall": FunctionCall, "ToolParser": ToolParser},
 }
 
 
