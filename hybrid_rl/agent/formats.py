@@ -47,7 +47,7 @@ class Hermes:
     # With one call per turn the engine stops right after it: small models often write on past it.
     stop_texts = [call_end]
     end_tokens: list[str] = []
-    CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+    _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -55,7 +55,7 @@ class Hermes:
     def parse(self, text: str) -> tuple[list[ToolCall], list[str]]:
         """The calls in a turn's text, and an error text for each malformed one."""
         calls, errors = [], []
-        bodies = self.CALL.findall(text)
+        bodies = self._CALL.findall(text)
         if text.count("<tool_call>") > len(bodies):
             errors.append("Error: a <tool_call> is not closed with </tool_call>")
         for body in bodies:
@@ -90,6 +90,10 @@ class Hermes:
     def answer(self, ids: list[int]) -> str:
         """An assistant turn as the user (an interaction agent) reads it."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def content(self, ids: list[int]) -> str:
+        """An assistant turn without its calls (what verl's tool parsers return beside them)."""
+        return self._CALL.sub("", self.tokenizer.decode(ids, skip_special_tokens=False))
 
     def instructions(self, listing: str) -> str:
         return ("You can call the tools below. Each is described by a JSON function schema:\n"
@@ -162,6 +166,10 @@ class GptOss:
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
         finals = [body for header, body, _ in self.messages(text) if "<|channel|>final" in header]
         return finals[-1] if finals else self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def content(self, ids: list[int]) -> str:
+        """An assistant turn without its calls: its final message."""
+        return self.answer(ids)
 
     def instructions(self, listing: str) -> str:
         return ("You can call the tools below. Each is described by a JSON function schema:\n"

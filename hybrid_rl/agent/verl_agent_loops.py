@@ -30,7 +30,7 @@ from typing import Any, Iterator
 from omegaconf import OmegaConf
 from pydantic import BaseModel, ConfigDict
 
-from hybrid_rl.agent.formats import FORMATS, Hermes, get_format
+from hybrid_rl.agent.formats import FORMATS, get_format
 from hybrid_rl.agent.tools import ToolConfigError, load_tools
 from hybrid_rl.agent.verl_tools import VERL_TOOL_API, BaseTool, OpenAIFunctionToolSchema, ToolResponse, VerlTool
 from hybrid_rl.user_code import verl_stand_ins
@@ -125,16 +125,10 @@ def default_system_prompt(tokenizer, chat_template_kwargs: dict) -> list[int]:
     return one[:len(one) - (len(two) - len(one))]
 
 
-# Loops registered by name with verl's ``@register`` while their files load.
-REGISTERED: dict[str, type] = {}
-
-
 def register(agent_name: str):
-    def decorator(cls: type) -> type:
-        REGISTERED[agent_name] = cls
-        return cls
-
-    return decorator
+    """verl's ``@register``: here the loop file's ``_target_`` entries name the loops, so the
+    class is left as it is."""
+    return lambda cls: cls
 
 
 @contextlib.contextmanager
@@ -206,10 +200,9 @@ class ToolParser:
 
     async def extract_tool_calls(self, responses_ids: list[int]) -> tuple[str, list[FunctionCall]]:
         """The text without its calls (for gpt-oss: the final channel's message), and the calls."""
-        text = self.tokenizer.decode(responses_ids, skip_special_tokens=False)
-        calls, _ = self.format.parse(text)
-        content = self.format.answer(responses_ids) if self.format.name == "gpt-oss" else Hermes.CALL.sub("", text)
-        return content, [FunctionCall(name=c.name, arguments=json.dumps(c.arguments, ensure_ascii=False)) for c in calls]
+        calls, _ = self.format.parse(self.tokenizer.decode(responses_ids, skip_special_tokens=False))
+        return self.format.content(responses_ids), [
+            FunctionCall(name=call.name, arguments=json.dumps(call.arguments, ensure_ascii=False)) for call in calls]
 
 
 # ----------------------------------------------------------------------------- the loops' engine
