@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
@@ -229,13 +228,6 @@ def straight_run(tiny_model_dir, arithmetic_files, tmp_path_factory):
                           lambda folder: run(command(tiny_model_dir, arithmetic_files, folder, rollout, engine)))
 
     return get
-
-
-def free_port() -> int:
-    """A TCP port free now (another process may take it before it is bound)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_overrides(model_dir, files, run_dir, max_prompt=200, response=16) -> list[str]:

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from hybrid_rl.controller.worker import get_free_port
 from hybrid_rl.main import REPO_ROOT
-from tests.conftest import free_port, run_overrides
+from tests.conftest import run_overrides
 
 pytestmark = pytest.mark.slow
 needs_dashboard = pytest.mark.skipif(importlib.util.find_spec("aiohttp_cors") is None,
@@ -36,7 +37,7 @@ def two_node_cluster():
     # Ray's own folder, short: its socket paths must stay under AF_UNIX's 107 bytes, which a
     # pytest-xdist worker's temporary folder exceeds.
     temp = Path(tempfile.mkdtemp(prefix="ray-"))
-    port, dashboard = free_port(), free_port()
+    port, dashboard = get_free_port(), get_free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
     env.pop("RAY_ADDRESS", None)
@@ -46,8 +47,8 @@ def two_node_cluster():
     def start(name: str, *args: str) -> None:
         # Each node's agents on free ports: another Ray on the machine (a parallel test process's)
         # may hold the default ones, and a head whose job agent cannot bind takes no jobs.
-        ports = [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-                 f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}"]
+        ports = [f"--dashboard-agent-listen-port={get_free_port()}", f"--dashboard-agent-grpc-port={get_free_port()}",
+                 f"--runtime-env-agent-port={get_free_port()}", f"--metrics-export-port={get_free_port()}"]
         with open(temp / f"{name}.log", "w") as log:  # read back when the node does not come up
             nodes.append((subprocess.Popen([ray_bin, "start", *args, *ports, *common], env=env, stdout=log,
                                            stderr=subprocess.STDOUT), log.name))

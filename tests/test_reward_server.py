@@ -136,3 +136,48 @@ def test_a_generative_judge_scores_every_sample_through_the_server(ray_session, 
 
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(f"http://{address}/health", timeout=5)
+
+
+# A stand-in for the server's command line: an HTTP server on the given port whose /health answers 200,
+# failing as vLLM's does when the port is taken.
+HEALTH_SERVER = '''
+import sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+'''
+
+
+def test_a_server_that_loses_its_port_to_another_process_starts_again_on_another(tmp_path, monkeypatch):
+    """The port is picked before the server binds it; when another process takes it meanwhile, the
+    server exits with EADDRINUSE and is started again on a new port instead of failing the run."""
+    import socket
+    import sys
+
+    from hybrid_rl.controller.worker import get_free_port
+    from hybrid_rl.workers import reward_server
+
+    script = tmp_path / "health.py"
+    script.write_text(HEALTH_SERVER)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    taken_port = taken.getsockname()[1]
+    picks = iter([taken_port, get_free_port()])
+    monkeypatch.setattr(reward_server, "get_free_port", lambda: next(picks))
+    monkeypatch.setattr(reward_server, "server_command",
+                        lambda rm, model, port, device, seed: [sys.executable, str(script), str(port)])
+    log = tmp_path / "server.log"
+    server = reward_server.ServerProcess("model", {}, "cpu", 0, str(log), {})
+    try:
+        address = server.wait_ready(timeout_s=60)
+    finally:
+        server.stop()
+        taken.close()
+    assert server.port != taken_port and address.endswith(f":{server.port}")
+    assert "Address already in use" in log.read_text()

@@ -20,8 +20,9 @@ import time
 
 import pytest
 
+from hybrid_rl.controller.worker import get_free_port
 from hybrid_rl.main import REPO_ROOT
-from tests.conftest import free_port, run_overrides
+from tests.conftest import run_overrides
 
 DAEMONS = ("slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "munged")
 pytestmark = pytest.mark.slow
@@ -50,7 +51,7 @@ def slurm(tmp_path_factory):
     conf.write_text(f"""\
 ClusterName=hybridrltest
 SlurmctldHost={host}
-SlurmctldPort={free_port()}
+SlurmctldPort={get_free_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -67,8 +68,8 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=2
 MpiDefault=none
-NodeName=n1 NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} CPUs=1 State=UNKNOWN
-NodeName=n2 NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} CPUs=1 State=UNKNOWN
+NodeName=n1 NodeHostname={host} NodeAddr=127.0.0.1 Port={get_free_port()} CPUs=1 State=UNKNOWN
+NodeName=n2 NodeHostname={host} NodeAddr=127.0.0.1 Port={get_free_port()} CPUs=1 State=UNKNOWN
 PartitionName=test Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
 """)
     env = {**os.environ, "SLURM_CONF": str(conf)}
@@ -97,7 +98,7 @@ PartitionName=test Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
 def submit(env: dict, out, overrides: list[str]) -> str:
     # The driver and Ray of the job use this interpreter's environment and ports of their own.
     job_env = {**env, "HYBRID_RL_VENV": os.path.dirname(os.path.dirname(sys.executable)),
-               "RAY_PORT": str(free_port()), "RAY_DASHBOARD_PORT": str(free_port())}
+               "RAY_PORT": str(get_free_port()), "RAY_DASHBOARD_PORT": str(get_free_port())}
     done = subprocess.run(["sbatch", "--parsable", "--nodes=2", f"--output={out}", SCRIPT, *overrides], env=job_env,
                           capture_output=True, text=True, check=True)
     return done.stdout.strip().split(";")[0]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,8 @@ import urllib.request
 from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
+
+from hybrid_rl.controller.worker import get_free_port
 
 START_TIMEOUT_S = 900  # a large model on CPU loads and warms up for minutes
 SERVED_KWARGS = ("reward_router_address", "reward_model_tokenizer")
@@ -61,36 +62,51 @@ def server_command(rm: DictConfig, model_path: str, port: int, device: str, seed
     return args
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+# Another process can take the picked port before the server binds it; the server is then
+# started again on a new port, this many times in all.
+PORT_ATTEMPTS = 3
 
 
 class ServerProcess:
     """Runs as a Ray actor: starts the server, answers with its address once it serves, stops it."""
 
     def __init__(self, model_path: str, rm_cfg: dict, device: str, seed: int, log_path: str, env: dict[str, str]):
-        import ray
-
-        self.port = _free_port()
-        self.address = f"{ray.util.get_node_ip_address()}:{self.port}"
         self.log_path = log_path
         os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
-        command = server_command(OmegaConf.create(rm_cfg), model_path, self.port, device, seed)
-        with open(log_path, "ab") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                            env={**os.environ, **env}, start_new_session=True)
+        self._launch_args = (OmegaConf.create(rm_cfg), model_path, device, seed)
+        self._env = {**os.environ, **env}
+        self._launch()
+
+    def _launch(self) -> None:
+        import ray
+
+        self.port = get_free_port()
+        self.address = f"{ray.util.get_node_ip_address()}:{self.port}"
+        rm, model_path, device, seed = self._launch_args
+        with open(self.log_path, "ab") as log:
+            self._log_start = log.tell()
+            self.process = subprocess.Popen(server_command(rm, model_path, self.port, device, seed), stdout=log,
+                                            stderr=subprocess.STDOUT, env=self._env, start_new_session=True)
+
+    def _lost_port_race(self) -> bool:
+        with open(self.log_path, "rb") as f:
+            f.seek(self._log_start)
+            return b"Address already in use" in f.read()
 
     def wait_ready(self, timeout_s: float) -> str:
         """The server's "host:port" once /health answers; raises with the log's end if it exits or
         does not answer in time."""
         deadline = time.monotonic() + timeout_s
-        url = f"http://127.0.0.1:{self.port}/health"
+        attempts = 1
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                if attempts < PORT_ATTEMPTS and self._lost_port_race():
+                    attempts += 1
+                    self._launch()
+                    continue
                 raise RuntimeError(f"the reward model's vLLM server exited with code {self.process.returncode} "
                                    f"while starting; the end of {self.log_path}:\n{self._log_tail()}")
+            url = f"http://127.0.0.1:{self.port}/health"
             try:
                 with urllib.request.urlopen(url, timeout=5) as reply:
                     if reply.status == 200:
@@ -98,8 +114,8 @@ class ServerProcess:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(1.0)
-        raise RuntimeError(f"the reward model's vLLM server did not answer at {url} within {timeout_s:g} s; the "
-                           f"end of {self.log_path}:\n{self._log_tail()}")
+        raise RuntimeError(f"the reward model's vLLM server did not answer at http://127.0.0.1:{self.port}/health "
+                           f"within {timeout_s:g} s; the end of {self.log_path}:\n{self._log_tail()}")
 
     def _log_tail(self, lines: int = 30) -> str:
         with open(self.log_path, errors="replace") as f:
