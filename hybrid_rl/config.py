@@ -101,6 +101,24 @@ def check_rollout_trace(trace: DictConfig) -> None:
                           "each rank traces per step, with all their responses), or null to trace every response.")
 
 
+def _check_prometheus(rollout: DictConfig) -> None:
+    """verl's rollout.prometheus.* (hybrid_rl/prometheus.py)."""
+    key = "actor_rollout_ref.rollout.prometheus"
+    if not rollout.prometheus.enable:
+        return
+    if rollout.name != "vllm":
+        raise ConfigError(f"{key}.enable=true serves vLLM's metrics: set actor_rollout_ref.rollout.name=vllm "
+                          f"(got {rollout.name}).")
+    if rollout.disable_log_stats:
+        raise ConfigError(f"{key}.enable=true needs actor_rollout_ref.rollout.disable_log_stats=false: vLLM records "
+                          "no metrics while its statistics are off (verl's guide sets both).")
+    port = rollout.prometheus.port
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise ConfigError(f"{key}.port={port!r} must be the port Prometheus listens on (1-65535; its default is 9090).")
+    if not rollout.prometheus.file:
+        raise ConfigError(f"{key}.file must name the Prometheus configuration file to write the scrape targets to.")
+
+
 def resolve_device(cfg: DictConfig) -> str:
     if cfg.trainer.device != "auto":
         return cfg.trainer.device
@@ -201,6 +219,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     for name in loggers:
         _check_logger(name)
     check_rollout_trace(rollout.trace)
+    _check_prometheus(rollout)
     algo = cfg.algorithm
     if algo.adv_estimator == "gae" and cfg.critic.enable is False:
         raise ConfigError("algorithm.adv_estimator=gae needs a critic, but critic.enable=false. Set "

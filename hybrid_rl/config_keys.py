@@ -489,7 +489,6 @@ RULES: tuple[Rule, ...] = tuple([
             "actor_rollout_ref.rollout.router_config_path",
             "actor_rollout_ref.rollout.quantization",
             "actor_rollout_ref.rollout.quantization_config_file", "actor_rollout_ref.rollout.disaggregation.enabled",
-            "actor_rollout_ref.rollout.prometheus.enable",
             "actor_rollout_ref.rollout.checkpoint_engine.backend",
             "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module"),
     *_rules(NO_EFFECT, "the colocated rollout uses all of trainer.n_gpus_per_node; a rollout pool of its own "
@@ -498,8 +497,19 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NO_EFFECT, "the engine starts with dummy weights and receives the actor's in memory",
             "actor_rollout_ref.rollout.load_format", "actor_rollout_ref.rollout.layered_summon",
             "actor_rollout_ref.rollout.multi_stage_wake_up", "actor_rollout_ref.rollout.checkpoint_engine.*"),
-    *_rules(NO_EFFECT, "vLLM's statistics log and tokenizer are not used (token ids in, token ids out)",
-            "actor_rollout_ref.rollout.disable_log_stats", "actor_rollout_ref.rollout.skip_tokenizer_init"),
+    *_rules(WORKS, "false: vLLM's statistics, its periodic throughput log and the metrics prometheus.enable serves",
+            "actor_rollout_ref.rollout.disable_log_stats"),
+    *_rules(NO_EFFECT, "vLLM's tokenizer is not used (token ids in, token ids out)",
+            "actor_rollout_ref.rollout.skip_tokenizer_init"),
+    *_rules(WORKS, "each engine serves vLLM's metrics (needs disable_log_stats=false); the driver writes "
+            "prometheus.file, scraping them, on every Ray node and reloads the Prometheus at prometheus.port; "
+            "hybrid_rl/prometheus.py", "actor_rollout_ref.rollout.prometheus.enable"),
+    *_rules(WORKS, "with prometheus.enable: the port of the Prometheus the driver asks to reload its configuration",
+            "actor_rollout_ref.rollout.prometheus.port"),
+    *_rules(WORKS, "with prometheus.enable: the Prometheus configuration file written on every node",
+            "actor_rollout_ref.rollout.prometheus.file"),
+    *_rules(WORKS, "with prometheus.enable: the model_name label of the metrics (the last part of the path; "
+            "default: the model's folder)", "actor_rollout_ref.rollout.prometheus.served_model_name"),
     *_rules(NO_EFFECT, "the sampled tokens' log-probs are always returned", "actor_rollout_ref.rollout.calculate_log_probs"),
     *_rules(NO_EFFECT, "the rollout engine's expert-load metrics are not collected", "actor_rollout_ref.rollout.moe_load_balance_metrics_interval"),
     *_rules(NOT_YET, "only engine_kwargs.vllm is passed on (name=vllm)", "actor_rollout_ref.rollout.engine_kwargs.sglang",
@@ -537,7 +547,7 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(WORKS, "with trace.backend: each rank traces the responses of this many of its prompts per call (null: all)",
             "actor_rollout_ref.rollout.trace.max_samples_per_step_per_worker"),
     *_rules(NO_EFFECT, "read only with the feature above it enabled, which is not supported yet",
-            "actor_rollout_ref.rollout.prometheus.*", "actor_rollout_ref.rollout.disaggregation.*"),
+            "actor_rollout_ref.rollout.disaggregation.*"),
     # --- data
     *_rules(WORKS, "prompts per generation batch of dynamic sampling; refused without "
             "algorithm.filter_groups.enable unless equal to data.train_batch_size", "data.gen_batch_size"),

@@ -50,6 +50,7 @@ from hybrid_rl.iterative import IterationSamples, load_step_scorer
 from hybrid_rl.metrics import (Timer, compute_data_metrics, multi_turn_metrics, per_source_means,
                                reduce_worker_metrics, reward_source_metrics, throughput_metrics)
 from hybrid_rl.profiler import ROLE_PROFILER_KEYS, StepWindows, role_settings
+from hybrid_rl.prometheus import publish_targets
 from hybrid_rl.protocol import Batch, BatchMeta, Sampling
 from hybrid_rl.rewards import RewardManager
 from hybrid_rl.rollout_cache import RolloutCache, dump_folder
@@ -369,14 +370,17 @@ class Trainer:
                 logger.info("The reward model's tokenizer or chat template differs from the policy's: each response "
                             "is decoded and re-templated for it.")
         # Last: the rollout engine sizes its cache after the trainers.
-        self.engine_settings = self.workers.init_model()[0]["rollout"]
+        engines = [rank["rollout"] for rank in self.workers.init_model()]
         if cfg.reward.reward_model.enable:
             self.init_reward_server()
         self.generator = self.workers
         if self.async_rollout:
-            self.engine_settings = self.init_rollout_pool(config, cpus)
+            engines = self.init_rollout_pool(config, cpus)
+        self.engine_settings = engines[0]
         if self.engine_settings:
             logger.info("vLLM engine: %s", ", ".join(f"{k} {v}" for k, v in self.engine_settings.items()))
+        if cfg.actor_rollout_ref.rollout.prometheus.enable:
+            publish_targets(cfg.actor_rollout_ref.rollout.prometheus, [e["metrics"] for e in engines if "metrics" in e])
 
     def init_reward_model_pool(self, reward_model: ClassWithInitArgs, cpus: float) -> RayWorkerGroup:
         """reward_model.enable_resource_pool: the reward model's workers, in processes of their own."""
@@ -399,9 +403,10 @@ class Trainer:
         for reward_fn in (self.reward_fn, self.val_reward_fn):
             reward_fn.call_kwargs = self.reward_server.call_kwargs()
 
-    def init_rollout_pool(self, config: dict, cpus: float) -> dict:
+    def init_rollout_pool(self, config: dict, cpus: float) -> list[dict]:
         """Asynchronous training: the rollout pool's workers (`cpus` each), the weight channel from
-        the trainer's rank 0 to each of them, and the first push of the actor's weights."""
+        the trainer's rank 0 to each of them, and the first push of the actor's weights; returns
+        each rank's engine settings."""
         cfg = self.cfg
         self.rollout_pool = ResourcePool([cfg.rollout.n_gpus_per_node] * cfg.rollout.nnodes,
                                          use_gpu=cfg.trainer.device == "cuda", cpus_per_process=cpus,
@@ -409,7 +414,7 @@ class Trainer:
         self.rollout_group = RayWorkerGroup(
             self.rollout_pool, ClassWithInitArgs(RolloutWorker, config, self.model_path, self.total_steps),
             name_prefix="rollout_", env_vars=worker_env(cfg, cpus))
-        settings = self.rollout_group.init_model()[0]
+        settings = self.rollout_group.init_model()
         host, port = self.workers.weight_channel_address()
         world = 1 + self.rollout_group.world_size
         joining = self.rollout_group.join_weight_channel.submit(host, port, world)

