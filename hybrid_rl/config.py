@@ -265,6 +265,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
             raise ConfigError(f"{role}.fsdp_config.model_dtype={weights} sets the FSDP engine's weights; the Megatron "
                               f"engine ({role}.strategy=megatron) holds float32 main weights and takes its compute "
                               f"dtype from {role}.megatron.dtype. Leave model_dtype at fp32, or use strategy=fsdp2.")
+    check_load_weight(cfg)
     if cfg.actor_rollout_ref.model.compile_layers and cfg.actor_rollout_ref.actor.strategy == "megatron":
         raise ConfigError("actor_rollout_ref.model.compile_layers=true compiles the FSDP engine's decoder layers, "
                           "which the Megatron engine does not have; set it to false, or "
@@ -440,6 +441,25 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     refuse_unsupported_keys(cfg)
     check_profiler(cfg)  # after the key-level refusals, which name every such key at once
     return cfg
+
+
+def check_load_weight(cfg: DictConfig) -> None:
+    """verl <= 0.5's Megatron `load_weight` of each role (ppo_megatron_trainer's tree): false starts
+    the role from megatron's seeded random initialisation instead of model.path's weights (runs
+    that measure speed or memory)."""
+    for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model"):
+        load = OmegaConf.select(cfg, f"{role}.load_weight", default=True)
+        _choice(load, (True, False), f"{role}.load_weight")
+        strategy = OmegaConf.select(cfg, f"{role}.strategy")
+        if not load and strategy != "megatron":
+            raise ConfigError(f"{role}.load_weight=false is verl's Megatron switch (a randomly initialised model); "
+                              f"{role}.strategy={strategy} always loads the model's weights. Set {role}.strategy="
+                              "megatron, or load_weight=true.")
+    arr = cfg.actor_rollout_ref
+    if ((lora.enabled(arr.model) or megatron_lora.enabled(arr.model)) and reference_model_path(cfg) is None
+            and arr.ref.get("load_weight", True) != arr.actor.get("load_weight", True)):
+        raise ConfigError("actor_rollout_ref.ref.load_weight: with LoRA the reference is the actor's model with its "
+                          "adapter off, so it must equal actor_rollout_ref.actor.load_weight.")
 
 
 def check_router_replay(cfg: DictConfig) -> None:

@@ -657,7 +657,8 @@ RULES: tuple[Rule, ...] = tuple([
     # --- keys of verl 0.7-0.8 that 0.9.1 dropped (conf/verl/legacy.yaml)
     *_rules(NO_EFFECT, "verl's choice between its worker implementations; there is one here",
             "trainer.use_legacy_worker_impl"),
-    *_rules(NOT_YET, "weights are always loaded from model.path", "*.load_weight"),
+    *_rules(WORKS, "false (Megatron engine): the role starts from megatron's seeded random initialisation "
+            "instead of model.path's weights", "*.load_weight"),
     *_rules(WORKS, ROUTER_REPLAY, "actor_rollout_ref.actor.router_replay.mode", "actor_rollout_ref.ref.router_replay.mode"),
     *_rules(NO_EFFECT, ROUTE_FILES, "*.router_replay.*"),
     *_rules(NO_EFFECT, "Σπ² is computed in the no-gradient log-prob pass, one head chunk at a time: there is "

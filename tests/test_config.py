@@ -641,3 +641,24 @@ def test_adding_a_key_verl_has_since_added_sets_it():
                              cwd=REPO_ROOT, capture_output=True, text=True)
     assert printed.returncode == 0, printed.stderr
     assert "val_before_train: false" in printed.stdout
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["critic.strategy=fsdp2", "critic.load_weight=false"], "critic.load_weight=false is verl's Megatron switch"),
+    (["reward_model.load_weight=false"], "reward_model.strategy=megatron"),
+    (["actor_rollout_ref.actor.load_weight=no"], "actor_rollout_ref.actor.load_weight='no' is not valid"),
+    (["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.actor.load_weight=false"],
+     "must equal actor_rollout_ref.actor.load_weight"),
+])
+def test_load_weight_false_is_checked(overrides, message):
+    """verl <= 0.5's Megatron load_weight: false only where the role runs on the Megatron engine,
+    and under LoRA the reference (the actor with its adapter off) follows the actor."""
+    with pytest.raises(ConfigError, match=message):
+        validate_config(compose_config(overrides, config_name="ppo_megatron_trainer"))
+
+
+def test_load_weight_false_is_accepted_on_the_megatron_engine():
+    validate_config(compose_config(["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.actor.load_weight=false",
+                                    "actor_rollout_ref.ref.load_weight=false", "critic.load_weight=false",
+                                    "reward_model.strategy=megatron", "reward_model.load_weight=false"],
+                                   config_name="ppo_megatron_trainer"))

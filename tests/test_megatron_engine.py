@@ -880,3 +880,41 @@ def test_unbuilt_megatron_settings_are_refused():
                          config_name="ppo_megatron_trainer")
     with pytest.raises(Exception, match="use_megatron_fsdp=True is not supported yet"):
         validate_config(cfg)
+
+
+def _random_init_rank_main(rank, model_dir, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/init", rank=rank, world_size=1)
+    cfg = actor_config("megatron", extra=("actor_rollout_ref.actor.load_weight=false",))
+    first = make_engine(cfg, model_dir)
+    built = weights(first)
+    grad_norm = step(first, cfg, 1)["actor/grad_norm"]
+    trained = weights(first)
+    again = weights(make_engine(cfg, model_dir))
+    ref = build_engine(ModelSpec("ref", model_dir, cfg.actor_rollout_ref.model),
+                       OmegaConf.merge(cfg.actor_rollout_ref.ref, {"load_weight": False}), torch.device("cpu"))
+    torch.save({"built": built, "again": again, "ref": weights(ref), "grad_norm": grad_norm, "trained": trained},
+               os.path.join(out_dir, "random.pt"))
+    dist.destroy_process_group()
+
+
+def test_megatron_load_weight_false_starts_from_megatrons_seeded_initialisation(tiny_model_dir4, tmp_path):
+    """verl <= 0.5's `load_weight=false`: the engine reads no weights; it holds megatron's own
+    initialisation (normal with init_method_std 0.02, scaled for output projections, norms at one),
+    the same for every build with the same seed (the reference's too), and trains from there."""
+    cfg = actor_config("megatron", extra=("actor_rollout_ref.actor.load_weight=false",))
+    assert cfg.actor_rollout_ref.actor.megatron.seed == cfg.actor_rollout_ref.ref.megatron.seed
+    mp.start_processes(_random_init_rank_main, args=(tiny_model_dir4, str(tmp_path)), nprocs=1, start_method="spawn")
+    out = torch.load(tmp_path / "random.pt")
+    hf = {name: tensor for file in Path(tiny_model_dir4).glob("*.safetensors") for name, tensor in load_file(file).items()}
+    built = out["built"]
+    assert set(built) >= set(hf) - {"lm_head.weight"}
+    assert all(torch.equal(built[name], out["again"][name]) and torch.equal(built[name], out["ref"][name])
+               for name in built)
+    projection, norm = "model.layers.0.mlp.up_proj.weight", "model.layers.0.input_layernorm.weight"
+    assert not torch.allclose(built[projection], hf[projection])
+    assert built[projection].std().item() == pytest.approx(0.02, rel=0.1)
+    # A layer's output projections: megatron's scaled initialisation, 0.02 / sqrt(2 x layers).
+    layers = AutoConfig.from_pretrained(tiny_model_dir4).num_hidden_layers
+    assert built["model.layers.0.mlp.down_proj.weight"].std().item() == pytest.approx(0.02 / (2 * layers) ** 0.5, rel=0.1)
+    assert torch.equal(built[norm], torch.ones_like(built[norm]))
+    assert out["grad_norm"] > 0 and not torch.equal(out["trained"][projection], built[projection])

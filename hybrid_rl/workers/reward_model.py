@@ -44,6 +44,7 @@ class RewardModelWorker(ModelWorker):
                          tag_token_ids=tag_token_ids)
         role_cfg = OmegaConf.create({"strategy": rm_cfg.strategy, "fsdp_config": rm_cfg.model.fsdp_config,
                                      "ulysses_sequence_parallel_size": rm_cfg.ulysses_sequence_parallel_size,
+                                     "load_weight": rm_cfg.get("load_weight", True),
                                      **({"megatron": rm_cfg.megatron} if "megatron" in rm_cfg else {}),
                                      **({"grad_clip": iterative.reward_model.grad_clip} if iterative.enable else {})})
         self.reward_model = build_engine(spec, role_cfg, self.device)

@@ -157,7 +157,11 @@ class MegatronEngine(TrainEngine):
                                                                            te, seed)]
             # Trained half-precision weights' float32 main weights start from the checkpoint's values.
             float32_copies = trainable and dtype != torch.float32
-            if megatron_cfg.get("use_dist_checkpointing", False):  # a model converted once, resharded here
+            if not role_cfg.get("load_weight", True):
+                # verl <= 0.5's switch: megatron's own seeded initialisation (init_method_std), nothing read.
+                exact = [{name: value.float() for name, value in chunk.state_dict().items()
+                          if not name.endswith("_extra_state")} for chunk in self.models] if float32_copies else None
+            elif megatron_cfg.get("use_dist_checkpointing", False):  # a model converted once, resharded here
                 exact = mmodel.load_dist_weights(self.models, megatron_cfg.dist_checkpointing_path,
                                                  megatron_cfg.get("dist_checkpointing_prefix") or "",
                                                  self.layout.value_head, float32_copies)
