@@ -484,16 +484,16 @@ RULES: tuple[Rule, ...] = tuple([
             "CUDA graphs (not run on a GPU here)", "actor_rollout_ref.rollout.cudagraph_capture_sizes"),
     *_rules(WORKS, "vLLM's scheduling_policy (fcfs, or priority: every request has the same priority here, so the "
             "order is fcfs's)", "actor_rollout_ref.rollout.scheduling_policy"),
-    *_rules(NOT_YET, "not built yet", "actor_rollout_ref.rollout.nnodes",
-            "actor_rollout_ref.rollout.pipeline_model_parallel_size",
+    *_rules(NOT_YET, "not built yet", "actor_rollout_ref.rollout.pipeline_model_parallel_size",
             "actor_rollout_ref.rollout.router_config_path",
             "actor_rollout_ref.rollout.quantization",
             "actor_rollout_ref.rollout.quantization_config_file", "actor_rollout_ref.rollout.disaggregation.enabled",
             "actor_rollout_ref.rollout.checkpoint_engine.backend",
             "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module"),
-    *_rules(NO_EFFECT, "the colocated rollout uses all of trainer.n_gpus_per_node; a rollout pool of its own "
-            "(hybrid_engine=false) is sized by rollout.n_gpus_per_node, verl's one-step-off-policy key",
-            "actor_rollout_ref.rollout.n_gpus_per_node"),
+    *_rules(NO_EFFECT, "the colocated rollout runs on every trainer rank; a rollout pool of its own "
+            "(hybrid_engine=false) is sized by rollout.n_gpus_per_node and rollout.nnodes, verl's one-step-off-policy "
+            "keys (verl's fully asynchronous trainer copies those two here)",
+            "actor_rollout_ref.rollout.n_gpus_per_node", "actor_rollout_ref.rollout.nnodes"),
     *_rules(NO_EFFECT, "the engine starts with dummy weights and receives the actor's in memory",
             "actor_rollout_ref.rollout.load_format", "actor_rollout_ref.rollout.layered_summon",
             "actor_rollout_ref.rollout.multi_stage_wake_up", "actor_rollout_ref.rollout.checkpoint_engine.*"),
