@@ -895,11 +895,6 @@ def rollout_cache_settings(cfg: DictConfig) -> dict | None:
     if len(on) > 1:
         raise ConfigError(f"{' and '.join(on)} are verl's switches of the rollout cache in different releases; "
                           "set one.")
-    if not cfg.actor_rollout_ref.hybrid_engine:
-        raise ConfigError(f"{on[0]}=true caches the colocated rollout's batches; a rollout pool of its own "
-                          "(actor_rollout_ref.hybrid_engine=false) generates ahead of the steps and is not cached "
-                          "(verl's skip.async_rollout is not supported yet). Set hybrid_engine=true or drop the "
-                          "switch.")
     if on[0] == "skip.rollout.enable":
         skip = cfg.skip.rollout
         _choice(skip.action, ("cache", "repeat"), "skip.rollout.action")

@@ -652,7 +652,8 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NO_EFFECT, "read only with transfer_queue.enable, which is not supported yet", "transfer_queue.*"),
     *_rules(WORKS, ROLLOUT_CACHE, "skip.rollout.*"),
     *_rules(NOT_YET, "caching the batches of verl's fully asynchronous trainer or transfer queue is not built; "
-            "skip.rollout caches the colocated rollout's", "skip.*.enable"),
+            "skip.rollout caches the rollout's batches by training step, the rollout pool's too "
+            "(hybrid_engine=false)", "skip.*.enable"),
     *_rules(NO_EFFECT, "read only with the enable switch next to it, which is not supported yet", "skip.*"),
     # --- keys of verl 0.7-0.8 that 0.9.1 dropped (conf/verl/legacy.yaml)
     *_rules(NO_EFFECT, "verl's choice between its worker implementations; there is one here",

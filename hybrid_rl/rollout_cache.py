@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -57,11 +58,23 @@ def source_step(mode: str, step: int, dumped: list[int]) -> int | None:
     return dumped[-1]
 
 
+@dataclass
+class Lookup:
+    """What the cache has for one generation batch of `step`: `loaded` (the prompts, the generated
+    batch and the step they were dumped at), or None, and then `dump_to`, the (step, batch) that
+    `RolloutCache.save` writes what is generated instead to (None: it is not dumped)."""
+
+    step: int
+    loaded: tuple[Batch, Batch, int] | None = None
+    dump_to: tuple[int, int] | None = None
+
+
 class RolloutCache:
     """Serves training steps from dumped rollouts and dumps the steps it could not serve.
 
     `steps`: the steps it serves (verl 0.9's form), or None for the first `max_dump_step` steps
-    and a rule for the later ones (verl 0.7's form); `action` as in verl (module docstring)."""
+    and a rule for the later ones (verl 0.7's form); `action` as in verl (module docstring).
+    Lookups come in step order; a rollout pool that generates ahead holds several unsaved ones."""
 
     def __init__(self, folder: Path, action: str, steps: list[int] | None = None, max_dump_step: int = 1):
         self.folder = folder
@@ -69,7 +82,6 @@ class RolloutCache:
         self.steps = None if steps is None else frozenset(steps)
         self.max_dump_step = max_dump_step
         self._generation = (0, 0)  # (step, generation batches of it so far)
-        self._to_dump: tuple[int, int] | None = None  # (step, batch) that load() found nothing for
 
     def mode(self, step: int) -> str | None:
         """How `step` is served; None: it is generated and not dumped."""
@@ -89,40 +101,34 @@ class RolloutCache:
     def _path(self, step: int, batch: int) -> Path:
         return self.folder / str(step) / f"generation_{batch}.pt"
 
-    def load(self, step: int) -> tuple[Batch, Batch, int] | None:
-        """The prompts and generated batch serving this generation of `step`, and the step they
-        were dumped at; None when it is to be generated (and `save` then dumps it if the cache
-        serves this step)."""
+    def load(self, step: int) -> Lookup:
+        """The next generation batch of `step`: loaded from a dump where one serves it, else where
+        `save` is to dump what is generated for it."""
         batch = self._generation[1] if self._generation[0] == step else 0
         self._generation = (step, batch + 1)
-        self._to_dump = None
         mode = self.mode(step)
         if mode is None:
-            return None
+            return Lookup(step)
         source = source_step(mode, step, self.dumped_steps())
         path = None if source is None else self._path(source, batch)
         if path is not None and path.is_file():
             saved = torch.load(path, weights_only=False)
             logger.info("Rollout cache: step %d generation %d loaded from %s", step, batch, path)
-            return _batch(saved["prompts"]), _batch(saved["generated"]), source
+            return Lookup(step, loaded=(_batch(saved["prompts"]), _batch(saved["generated"]), source))
         # A later generation batch that another step's dump lacks is generated, not dumped there.
-        if source in (None, step):
-            self._to_dump = (step, batch)
-        return None
+        return Lookup(step, dump_to=(step, batch) if source in (None, step) else None)
 
-    def save(self, step: int, prompts: Batch, generated: Batch) -> None:
-        """Dump what was generated for the generation `load` just found nothing for, when the
-        cache serves that step. Written to a temporary file and renamed, so a run stopped
-        mid-write leaves no partial dump."""
-        if self._to_dump is None or self._to_dump[0] != step:
+    def save(self, lookup: Lookup, prompts: Batch, generated: Batch) -> None:
+        """Dump what was generated for a lookup that found nothing, when the cache serves its step.
+        Written to a temporary file and renamed, so a run stopped mid-write leaves no partial dump."""
+        if lookup.dump_to is None:
             return
-        path = self._path(*self._to_dump)
+        path = self._path(*lookup.dump_to)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".partial")
         torch.save({"prompts": _plain(prompts), "generated": _plain(generated)}, partial)
         os.replace(partial, path)
-        self._to_dump = None
-        logger.info("Rollout cache: step %d dumped to %s", step, path)
+        logger.info("Rollout cache: step %d dumped to %s", lookup.step, path)
 
 
 def _plain(batch: Batch) -> dict:

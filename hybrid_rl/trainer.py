@@ -53,7 +53,7 @@ from hybrid_rl.profiler import ROLE_PROFILER_KEYS, StepWindows, role_settings
 from hybrid_rl.prometheus import publish_targets
 from hybrid_rl.protocol import Batch, BatchMeta, Sampling
 from hybrid_rl.rewards import RewardManager
-from hybrid_rl.rollout_cache import RolloutCache, dump_folder
+from hybrid_rl.rollout_cache import Lookup, RolloutCache, dump_folder
 from hybrid_rl.tracking import Tracker
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
 from hybrid_rl.workers.critic import CriticWorker
@@ -219,7 +219,9 @@ class InFlight:
     step: int  # the step that trains on it
     version: int  # the actor update count of the weights that sample it
     call: PendingCall | None
-    batch: Batch | None = None  # once collected (or restored from a checkpoint)
+    batch: Batch | None = None  # once collected (or restored from a checkpoint, or loaded from the rollout cache)
+    prompts: Batch | None = None  # what it was generated for, and the rollout cache's lookup of its step
+    cache_lookup: Lookup | None = None
 
     def result(self) -> Batch:
         if self.batch is None:
@@ -441,8 +443,13 @@ class Trainer:
         current weights."""
         metrics.update(self.push_rollout_weights())
         step = self.launched_step + 1
-        batch = self.rollout_batch(self.prompt_batch(next(self.batches)), step)
-        self.in_flight.append(InFlight(step, self.weights_version, self.rollout_group.generate_sequences.submit(batch)))
+        prompts = self.prompt_batch(next(self.batches))
+        lookup = self.rollout_cache.load(step) if self.rollout_cache is not None else None
+        if lookup is not None and lookup.loaded is not None:
+            self.in_flight.append(InFlight(step, self.weights_version, None, lookup.loaded[1], cache_lookup=lookup))
+        else:
+            call = self.rollout_group.generate_sequences.submit(self.rollout_batch(prompts, step))
+            self.in_flight.append(InFlight(step, self.weights_version, call, prompts=prompts, cache_lookup=lookup))
         self.launched_step = step
 
     def next_generated(self, metrics: dict) -> Batch:
@@ -451,7 +458,12 @@ class Trainer:
         if not self.in_flight:
             self.launch_generation(metrics)
         head = self.in_flight.popleft()
-        batch = head.result()
+        if head.cache_lookup is not None and head.cache_lookup.loaded is not None:
+            batch = self.cached_batch(head.cache_lookup, metrics)[1]
+        else:
+            batch = head.result()
+            if head.cache_lookup is not None:
+                self.rollout_cache.save(head.cache_lookup, head.prompts, batch)
         while len(self.in_flight) < self.cfg.rollout.max_staleness and self.launched_step < self.total_steps:
             self.launch_generation(metrics)
         metrics["async/staleness"] = float(self.weights_version - head.version)
@@ -863,18 +875,22 @@ class Trainer:
         prompts at `indices`, or, where the rollout cache serves the step, the prompts and responses
         it dumped (the sampler has still drawn `indices`, so later steps draw what they would have)."""
         step = self.global_step
-        cached = self.rollout_cache.load(step) if self.rollout_cache is not None else None
-        if cached is not None:
-            prompts, batch, source = cached
-            prompts.meta = batch.meta = BatchMeta(step=step, temperature=training_temperature(
-                self.cfg.actor_rollout_ref.rollout))
-            metrics["rollout_cache/loaded_batches"] = metrics.get("rollout_cache/loaded_batches", 0.0) + 1
-            metrics["rollout_cache/source_step"] = float(source)
-            return prompts, batch
+        lookup = self.rollout_cache.load(step) if self.rollout_cache is not None else None
+        if lookup is not None and lookup.loaded is not None:
+            return self.cached_batch(lookup, metrics)
         prompts = self.prompt_batch(indices)
         batch = self.workers.generate_sequences(self.rollout_batch(prompts, step))
-        if self.rollout_cache is not None:
-            self.rollout_cache.save(step, prompts, batch)
+        if lookup is not None:
+            self.rollout_cache.save(lookup, prompts, batch)
+        return prompts, batch
+
+    def cached_batch(self, lookup: Lookup, metrics: dict) -> tuple[Batch, Batch]:
+        """The prompts and generated batch the rollout cache loaded for `lookup.step`, as the step's own."""
+        prompts, batch, source = lookup.loaded
+        prompts.meta = batch.meta = BatchMeta(step=lookup.step, temperature=training_temperature(
+            self.cfg.actor_rollout_ref.rollout))
+        metrics["rollout_cache/loaded_batches"] = metrics.get("rollout_cache/loaded_batches", 0.0) + 1
+        metrics["rollout_cache/source_step"] = float(source)
         return prompts, batch
 
     def add_overlong_penalty(self, batch: Batch, scores: torch.Tensor, reward_extra: dict, metrics: dict) -> torch.Tensor:

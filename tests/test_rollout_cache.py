@@ -51,32 +51,48 @@ def test_a_dump_round_trips_and_later_steps_repeat_it(tmp_path):
     """verl 0.6's form: step 1 generates and dumps; every later step loads that dump, each
     generation batch of a step (dynamic sampling) its own file."""
     cache = RolloutCache(tmp_path / "run", action="repeat_last", max_dump_step=1)
-    assert cache.load(1) is None
+    first = cache.load(1)
+    assert first.loaded is None
     prompts, generated = _rows(1.0)
-    cache.save(1, prompts, generated)
-    assert cache.load(1) is None  # the step's second generation batch: not dumped yet
-    cache.save(1, *_rows(2.0))
+    cache.save(first, prompts, generated)
+    second = cache.load(1)
+    assert second.loaded is None  # the step's second generation batch: not dumped yet
+    cache.save(second, *_rows(2.0))
     assert cache.dumped_steps() == [1] and not list((tmp_path / "run").rglob("*.partial"))
 
-    loaded_prompts, loaded, source = cache.load(2)
+    loaded_prompts, loaded, source = cache.load(2).loaded
     assert source == 1 and loaded.keys() == generated.keys()
     assert torch.equal(loaded["responses"], generated["responses"])
     assert torch.equal(loaded["rollout_log_probs"], generated["rollout_log_probs"])
     assert list(loaded_prompts["reward_model"]) == list(prompts["reward_model"])
     assert list(loaded["uid"]) == ["a", "a", "b", "b"]
-    assert torch.equal(cache.load(2)[1]["responses"], torch.full((4, 3), 2.0))
-    assert cache.load(2) is None  # a third batch that step 1 never drew is generated...
-    cache.save(2, *_rows(3.0))
+    assert torch.equal(cache.load(2).loaded[1]["responses"], torch.full((4, 3), 2.0))
+    third = cache.load(2)
+    assert third.loaded is None  # a third batch that step 1 never drew is generated...
+    cache.save(third, *_rows(3.0))
     assert cache.dumped_steps() == [1]  # ...and not dumped under another step's name
 
 
 def test_a_step_the_cache_does_not_serve_is_neither_loaded_nor_dumped(tmp_path):
     cache = RolloutCache(tmp_path, action="cache", steps=[1])
-    assert cache.load(1) is None
-    cache.save(1, *_rows(1.0))
-    assert cache.load(2) is None
-    cache.save(2, *_rows(2.0))
+    one = cache.load(1)
+    assert one.loaded is None
+    cache.save(one, *_rows(1.0))
+    two = cache.load(2)
+    assert two.loaded is None
+    cache.save(two, *_rows(2.0))
     assert cache.dumped_steps() == [1]
+
+
+def test_lookups_of_steps_generated_ahead_are_saved_later_each_under_its_own_step(tmp_path):
+    """A rollout pool launches the next steps before the current one's batch is collected: every
+    lookup carries where its batch goes, whatever was looked up since."""
+    cache = RolloutCache(tmp_path, action="cache", steps=[1, 2, 3])
+    lookups = [cache.load(step) for step in (1, 2, 3)]
+    for lookup, value in zip(lookups, (1.0, 2.0, 3.0)):
+        cache.save(lookup, *_rows(value))
+    assert cache.dumped_steps() == [1, 2, 3]
+    assert [float(cache.load(step).loaded[1]["responses"][0, 0]) for step in (1, 2, 3)] == [1.0, 2.0, 3.0]
 
 
 def test_verls_three_switches_give_one_cache():
@@ -102,8 +118,6 @@ def test_verls_three_switches_give_one_cache():
      "max_dump_step=0 must be a whole number >= 1"),
     (["actor_rollout_ref.rollout.skip.enable=true", "actor_rollout_ref.rollout.skip_rollout=true"],
      "in different releases; set one"),
-    (["actor_rollout_ref.rollout.skip_rollout=true", "actor_rollout_ref.hybrid_engine=false"],
-     "is not cached"),
     (["skip.async_rollout.enable=true"], "skip.async_rollout.enable=True is not supported yet"),
 ])
 def test_bad_cache_settings_are_refused(overrides, fragment):
@@ -112,8 +126,16 @@ def test_bad_cache_settings_are_refused(overrides, fragment):
     assert fragment in str(error.value)
 
 
+# A rollout pool of its own (asynchronous training): step 2's batch is looked up and launched
+# before step 1 trains.
+ROLLOUT_POOL = ["actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.name=vllm",
+                "trainer.cpus_per_worker=1", "rollout.max_staleness=1"]
+
+
 @pytest.mark.slow
-def test_a_run_trains_on_the_rollouts_another_run_dumped(ray_session, tiny_model_dir, arithmetic_files, tmp_path):
+@pytest.mark.parametrize("pool", [False, True], ids=["colocated", "rollout_pool"])
+def test_a_run_trains_on_the_rollouts_another_run_dumped(ray_session, tiny_model_dir, arithmetic_files, tmp_path,
+                                                         pool):
     """Run 1 generates and dumps steps 1-2; run 2, from the same weights, loads them: the same
     responses, rewards, losses and gradient norms, step by step."""
     from tests.conftest import run_overrides
@@ -123,7 +145,8 @@ def test_a_run_trains_on_the_rollouts_another_run_dumped(ray_session, tiny_model
         out = tmp_path / name
         overrides = run_overrides(tiny_model_dir, arithmetic_files, out, response=12) + [
             *ONE_STEP, "trainer.total_training_steps=2", f"trainer.rollout_data_dir={out / 'generations'}",
-            "skip.rollout.enable=true", "skip.rollout.steps=[1,2]", f"skip.rollout.dump_dir={tmp_path / 'dump'}"]
+            "skip.rollout.enable=true", "skip.rollout.steps=[1,2]", f"skip.rollout.dump_dir={tmp_path / 'dump'}",
+            *(ROLLOUT_POOL if pool else [])]
         metrics = train(overrides, out)
         outputs = [[json.loads(line)["output"] for line in open(out / "generations" / f"{step}.jsonl")]
                    for step in (1, 2)]
