@@ -497,7 +497,8 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NO_EFFECT, "the engine starts with dummy weights and receives the actor's in memory",
             "actor_rollout_ref.rollout.load_format", "actor_rollout_ref.rollout.layered_summon",
             "actor_rollout_ref.rollout.multi_stage_wake_up", "actor_rollout_ref.rollout.checkpoint_engine.*"),
-    *_rules(WORKS, "false: vLLM's statistics, its periodic throughput log and the metrics prometheus.enable serves",
+    *_rules(WORKS, "false: vLLM keeps its statistics: the metrics prometheus.enable serves, and each engine's "
+            "throughput line every few seconds in the log when VLLM_LOGGING_LEVEL=INFO",
             "actor_rollout_ref.rollout.disable_log_stats"),
     *_rules(NO_EFFECT, "vLLM's tokenizer is not used (token ids in, token ids out)",
             "actor_rollout_ref.rollout.skip_tokenizer_init"),
