@@ -80,8 +80,14 @@ def scraped(target: str) -> dict[str, float]:
 
 
 @pytest.mark.slow
-def test_each_engine_serves_vllms_metrics_of_the_step(ray_session, tmp_path, tiny_model_dir, arithmetic_files):
-    """One step through the driver: every rank's engine serves vLLM's counters at the address the
+@pytest.mark.parametrize("layout, per_engine", [
+    (["trainer.n_gpus_per_node=2"], [4, 4]),  # colocated: each rank's engine generates half the rows
+    # a rollout pool of its own (one rank beside the trainer's): its engine generates them all
+    (["actor_rollout_ref.hybrid_engine=false", "trainer.cpus_per_worker=1", "rollout.n_gpus_per_node=1"], [8]),
+], ids=["colocated", "rollout_pool"])
+def test_each_engine_serves_vllms_metrics_of_the_step(ray_session, tmp_path, tiny_model_dir, arithmetic_files, layout,
+                                                      per_engine):
+    """One step through the driver: every engine serves vLLM's counters at the address the
     written configuration lists, and they count the step's requests and tokens."""
     from hybrid_rl.main import build_trainer
 
@@ -89,8 +95,7 @@ def test_each_engine_serves_vllms_metrics_of_the_step(ray_session, tmp_path, tin
     cfg = compose_config(run_overrides(tiny_model_dir, arithmetic_files, tmp_path / "run") + ON + [
         f"actor_rollout_ref.rollout.prometheus.file={path}", "actor_rollout_ref.rollout.prometheus.served_model_name=tiny",
         "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "trainer.n_gpus_per_node=2", "trainer.total_training_steps=1", "data.val_files=null",
-        "trainer.final_model_dir=null"])
+        "trainer.total_training_steps=1", "data.val_files=null", "trainer.final_model_dir=null", *layout])
     trainer = build_trainer(cfg)
     try:
         trainer.fit()
@@ -98,15 +103,12 @@ def test_each_engine_serves_vllms_metrics_of_the_step(ray_session, tmp_path, tin
         pages = [scraped(target) for target in targets]
     finally:
         trainer.shutdown()
-    assert len(set(targets)) == 2  # one engine per rank (rollout tensor parallel 1)
+    assert len(set(targets)) == len(per_engine)  # one engine per rank (rollout tensor parallel 1)
 
     def counts(name: str) -> list[float]:
         return [sum(value for key, value in page.items() if key.startswith(name + "{") and 'model_name="tiny"' in key)
                 for page in pages]
 
-    def total(name: str) -> float:
-        return sum(counts(name))
-
     step = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")][-1]
-    assert counts("vllm:request_success_total") == [4, 4]  # 4 prompts x 2 responses, half on each rank
-    assert total("vllm:generation_tokens_total") == pytest.approx(8 * step["response_length/mean"])
+    assert counts("vllm:request_success_total") == per_engine  # 4 prompts x 2 responses
+    assert sum(counts("vllm:generation_tokens_total")) == pytest.approx(8 * step["response_length/mean"])
