@@ -220,8 +220,8 @@ class InFlight:
     version: int  # the actor update count of the weights that sample it
     call: PendingCall | None
     batch: Batch | None = None  # once collected (or restored from a checkpoint, or loaded from the rollout cache)
-    prompts: Batch | None = None  # what it was generated for, and the rollout cache's lookup of its step
-    cache_lookup: Lookup | None = None
+    prompts: Batch | None = None  # what it was generated for (dumped with it by the rollout cache)
+    cache_lookup: Lookup | None = None  # the rollout cache's lookup of its step
 
     def result(self) -> Batch:
         if self.batch is None:
@@ -443,11 +443,12 @@ class Trainer:
         current weights."""
         metrics.update(self.push_rollout_weights())
         step = self.launched_step + 1
-        prompts = self.prompt_batch(next(self.batches))
+        indices = next(self.batches)  # drawn even where the cache serves the step, as in `generate`
         lookup = self.rollout_cache.load(step) if self.rollout_cache is not None else None
         if lookup is not None and lookup.loaded is not None:
             self.in_flight.append(InFlight(step, self.weights_version, None, lookup.loaded[1], cache_lookup=lookup))
         else:
+            prompts = self.prompt_batch(indices)
             call = self.rollout_group.generate_sequences.submit(self.rollout_batch(prompts, step))
             self.in_flight.append(InFlight(step, self.weights_version, call, prompts=prompts, cache_lookup=lookup))
         self.launched_step = step

@@ -12,6 +12,7 @@ scorings; on CPU it runs beside the workers. Its log goes to ``<trainer.default_
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
-from hybrid_rl.controller.worker import get_free_port
+from hybrid_rl.controller.worker import get_free_port, get_node_ip
 
 START_TIMEOUT_S = 900  # a large model on CPU loads and warms up for minutes
 SERVED_KWARGS = ("reward_router_address", "reward_model_tokenizer")
@@ -84,19 +85,17 @@ class ServerProcess:
     def __init__(self, model_path: str, rm_cfg: dict, device: str, seed: int, log_path: str, env: dict[str, str]):
         self.log_path = log_path
         os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
-        self._launch_args = (OmegaConf.create(rm_cfg), model_path, device, seed)
+        self._command = functools.partial(server_command, OmegaConf.create(rm_cfg), model_path, device=device,
+                                          seed=seed)
         self._env = {**os.environ, **env}
         self._launch()
 
     def _launch(self) -> None:
-        import ray
-
         self.port = get_free_port()
-        self.address = f"{ray.util.get_node_ip_address()}:{self.port}"
-        rm, model_path, device, seed = self._launch_args
+        self.address = f"{get_node_ip()}:{self.port}"
         with open(self.log_path, "ab") as log:
             self._log_start = log.tell()
-            self.process = subprocess.Popen(server_command(rm, model_path, self.port, device, seed), stdout=log,
+            self.process = subprocess.Popen(self._command(port=self.port), stdout=log,
                                             stderr=subprocess.STDOUT, env=self._env, start_new_session=True)
 
     def _lost_port_race(self) -> bool:

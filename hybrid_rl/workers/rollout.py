@@ -472,7 +472,7 @@ class VLLMRollout:
         # (vLLM-CPU has no sleep mode: there, trainer and engine memory coexist).
         self.sleep_between_rollouts = device.type == "cuda" and bool(cfg.free_cache_engine)
         self.asleep = False
-        self.prometheus = bool(cfg.prometheus.enable)
+        prometheus = bool(cfg.prometheus.enable)
         eager = resolve_enforce_eager(cfg.enforce_eager, device.type)
         self.eager_helpers = eager and device.type == "cpu"
         # vLLM collects garbage five times while it starts (and freezes the heap after): with all
@@ -507,7 +507,7 @@ class VLLMRollout:
                 enable_return_routed_experts=self.return_routes,
                 # vLLM's statistics: its periodic throughput log and the metrics Prometheus scrapes.
                 disable_log_stats=bool(cfg.disable_log_stats),
-                **({"served_model_name": served_model_name(cfg.prometheus, model_path)} if self.prometheus else {}),
+                **({"served_model_name": served_model_name(cfg.prometheus, model_path)} if prometheus else {}),
                 **same_model_config(model_cfg),
                 **engine_kwargs(cfg, device.type, latent_attention=uses_latent_attention(model_path), eager=eager),
             )
@@ -547,7 +547,7 @@ class VLLMRollout:
         # Chat models often end a turn with a token other than the tokenizer's EOS.
         self.stop_token_ids = list(eos_token_ids)
         # The ranks of a tensor-parallel group run the same scheduler: one of them serves the metrics.
-        self.metrics_address = serve_engine_metrics() if self.prometheus and self.is_output_rank else None
+        self.metrics_address = serve_engine_metrics() if prometheus and self.is_output_rank else None
 
     def settings(self) -> dict:
         """The engine's settings as vLLM resolved them (logged by the driver at start)."""
