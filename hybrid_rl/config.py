@@ -1510,6 +1510,7 @@ def check_profiler(cfg: DictConfig) -> None:
     roles = _role_processes(cfg)
     enabled = {role: key for role, key in ROLE_PROFILER_KEYS.items()
                if role in roles and OmegaConf.select(cfg, f"{key}.enable")}
+    _check_update_profile(cfg, roles["actor_rollout_ref"], "actor_rollout_ref" in enabled)
     toolless = [key for key in enabled.values() if OmegaConf.select(cfg, f"{key}.tool") is None]
     if toolless:
         raise ConfigError(f"{toolless[0]}.enable=true records nothing without a profiler tool: set "
@@ -1541,6 +1542,33 @@ def check_profiler(cfg: DictConfig) -> None:
             if not node.get(all_key) and bad:
                 raise ConfigError(f"{key}.{ranks_key}={list(ranks)}: {bad} are not ranks of its {roles[role]} "
                                   f"processes (0 to {roles[role] - 1}).")
+
+
+def _check_update_profile(cfg: DictConfig, processes: int, step_profiler: bool) -> None:
+    """verl 0.4-0.5's `actor_rollout_ref.actor.profile.*` (hybrid_rl.profiler.FirstUpdateProfiler)."""
+    key = "actor_rollout_ref.actor.profile"
+    profile = OmegaConf.select(cfg, key)
+    if profile is None or not profile.use_profile:
+        return
+    if step_profiler:
+        raise ConfigError(f"{key}.use_profile=true and actor_rollout_ref.actor.profiler.enable=true both profile the "
+                          "actor's processes, and torch.profiler runs one at a time per process: keep one of them.")
+    start, end = profile.step_start, profile.step_end
+    if not (isinstance(start, int) and isinstance(end, int) and 0 <= start < end):
+        raise ConfigError(f"{key}.step_start={start} and step_end={end} choose the optimizer steps of the actor's "
+                          "first update to profile, from step_start to step_end - 1 (the first is 0): set "
+                          "0 <= step_start < step_end, e.g. step_start=0 step_end=2.")
+    actor = cfg.actor_rollout_ref.actor
+    steps = actor.ppo_epochs * (cfg.data.train_batch_size // actor.ppo_mini_batch_size)
+    if start >= steps:
+        raise ConfigError(f"{key}.step_start={start}, but an update makes {steps} optimizer steps (ppo_epochs x "
+                          "train_batch_size / ppo_mini_batch_size), so nothing would be recorded: set step_start "
+                          f"below {steps}.")
+    ranks = profile.profile_ranks or [0]
+    bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < processes)]
+    if bad:
+        raise ConfigError(f"{key}.profile_ranks={list(ranks)}: {bad} are not ranks of the actor's {processes} "
+                          f"processes (0 to {processes - 1}).")
 
 
 def check_lengths(cfg: DictConfig) -> None:

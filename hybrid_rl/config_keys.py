@@ -216,9 +216,12 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(NO_EFFECT, "options of the Nsight profiler, which is not supported yet", "trainer.controller_nsight_options.*",
             "trainer.worker_nsight_options.*"),
     *_rules(NO_EFFECT, "options of Ascend NPU profiling; NPUs are not supported", "trainer.npu_profile.*"),
-    *_rules(NOT_YET, "verl 0.4-0.5's Megatron profiler; set global_profiler.tool=torch, global_profiler.steps and "
-            "actor_rollout_ref.actor.profiler.enable=true", "*.profile.use_profile"),
-    *_rules(NO_EFFECT, "read only with profile.use_profile, which is not supported yet", "*.profile.*"),
+    *_rules(WORKS, "verl 0.4-0.5's Megatron actor profiler (either engine here): on the profile_ranks (else rank 0), "
+            "the first update's optimizer steps step_start to step_end - 1 (the first is 0) as one Chrome trace, "
+            "<save_path>/prof_start_<s>_end_<e>_rank_<r>.json (save_path null: global_profiler.save_path); "
+            "refused beside actor_rollout_ref.actor.profiler.enable", "actor_rollout_ref.actor.profile.*"),
+    *_rules(NO_EFFECT, "verl 0.4-0.5 profiles an update, and the reference is never updated",
+            "actor_rollout_ref.ref.profile.*"),
     *_rules(NO_EFFECT, "the torch profiler records whole steps", "actor_rollout_ref.profiler.discrete"),
     *_rules(WORKS, "verl 0.6's reference model of its own, +actor_rollout_ref.ref.model.path=<folder or .gguf> "
             "(e.g. a teacher that the KL loss pulls the policy toward; its tokenizer must be the actor's); null: the "

@@ -16,6 +16,12 @@ Chrome trace for Perfetto or chrome://tracing; `steps<A>-<B>/` when
 table, most self time first. In discrete mode each worker call gets its own pair of files,
 `<roles>_rank<r>_<method>[_<k>]` (the k-th call of that method in the window), written as the
 call returns, so all of a window's go under its first step's folder.
+
+verl 0.4-0.5's Megatron actor profiler (`actor_rollout_ref.actor.profile.*`, in the
+`ppo_megatron_trainer` tree) is `FirstUpdateProfiler`: on the ranks `profile_ranks` lists (else
+rank 0), the actor's first update, its optimizer steps `step_start` to `step_end` - 1 (the first is
+0), as one Chrome trace with shapes and stacks, `<save_path>/prof_start_<s>_end_<e>_rank_<r>.json`
+(verl's name; save_path null: global_profiler.save_path, where verl fails).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import functools
 import inspect
 import logging
 import os
+import warnings
 from collections import Counter
 
 logger = logging.getLogger(__name__)
@@ -95,17 +102,72 @@ class StepWindows:
         return step in self.steps and not (self.continuous and step + 1 in self.steps)
 
 
-def _torch_profile(contents: frozenset[str]):
+def _activities(contents: frozenset[str]) -> list:
+    """What tool_config.torch.contents asks torch.profiler to record (nothing listed: all there is)."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
     activities = [ProfilerActivity.CPU] if not contents or "cpu" in contents else []
     if (not contents or "cuda" in contents) and torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
-    if not activities:  # contents=[cuda] in a process without a GPU
-        activities = [ProfilerActivity.CPU]
-    return profile(activities=activities, record_shapes="shapes" in contents, profile_memory="memory" in contents,
-                   with_stack="stack" in contents)
+    return activities or [ProfilerActivity.CPU]  # contents=[cuda] in a process without a GPU
+
+
+def _torch_profile(contents: frozenset[str]):
+    from torch.profiler import profile
+
+    return profile(activities=_activities(contents), record_shapes="shapes" in contents,
+                   profile_memory="memory" in contents, with_stack="stack" in contents)
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateWindow:
+    """The optimizer steps `start` to `end` - 1 of the actor's first update (verl 0.4-0.5's profile.*)."""
+    start: int
+    end: int
+    save_path: str
+
+
+def update_window(cfg, rank: int) -> UpdateWindow | None:
+    """The window `actor_rollout_ref.actor.profile` gives this rank, or None (`cfg` is checked)."""
+    from omegaconf import OmegaConf
+
+    profile = OmegaConf.select(cfg, "actor_rollout_ref.actor.profile")
+    if profile is None or not profile.use_profile or rank not in (profile.profile_ranks or [0]):
+        return None
+    return UpdateWindow(profile.step_start, profile.step_end, profile.save_path or cfg.global_profiler.save_path)
+
+
+class FirstUpdateProfiler:
+    """verl 0.4-0.5's Megatron actor profiler: a torch.profiler schedule over the optimizer steps of
+    the first update it is given (later updates are not recorded, as in verl)."""
+
+    def __init__(self, window: UpdateWindow | None, rank: int):
+        self.window = window
+        self.rank = rank
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Around an update: yields what to call after each optimizer step (None: nothing is
+        recorded), and writes the trace when the update returns."""
+        window, self.window = self.window, None
+        if window is None:
+            yield None
+            return
+        from torch.profiler import profile, schedule
+
+        # verl's schedule: the step before the window warms the profiler up (none before step 0).
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Profiler won't be using warmup")
+            steps = schedule(wait=max(window.start - 1, 0), warmup=int(window.start > 0),
+                             active=window.end - window.start, repeat=1)
+        with profile(activities=_activities(frozenset()), schedule=steps, record_shapes=True, with_stack=True) as prof:
+            yield prof.step
+        os.makedirs(window.save_path, exist_ok=True)
+        path = os.path.join(window.save_path, f"prof_start_{window.start}_end_{window.end}_rank_{self.rank}.json")
+        prof.export_chrome_trace(path)
+        logger.info("rank %d: the actor's update profile (optimizer steps %d to %d) written to %s", self.rank,
+                    window.start, window.end - 1, path)
 
 
 class ProcessProfiler:

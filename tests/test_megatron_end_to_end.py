@@ -31,14 +31,21 @@ PPO = ["algorithm.adv_estimator=gae", "critic.megatron.pipeline_model_parallel_s
        "critic.ppo_mini_batch_size=4", "critic.ppo_micro_batch_size_per_gpu=4"]
 
 
+# verl 0.4-0.5's Megatron actor profiler, on rank 1: the first update's one optimizer step.
+UPDATE_PROFILE = ["actor_rollout_ref.actor.profile.use_profile=true", "actor_rollout_ref.actor.profile.profile_ranks=[1]",
+                  "actor_rollout_ref.actor.profile.step_start=0", "actor_rollout_ref.actor.profile.step_end=1"]
+
+
 # The rollout's own tensor parallelism differs from training's in each case (verl's diff_tp): TP=2
 # training into one vLLM engine per rank, PP=2 training into one engine split over both ranks.
 @pytest.mark.parametrize("tp, pp, rollout_tp, algorithm", [(2, 1, 1, []), (1, 2, 2, []), (1, 2, 1, PPO)],
                          ids=["tp2", "pp2_rollout_tp2", "ppo_pp2"])
 def test_megatron_syncs_exact_weights_into_vllm(tp, pp, rollout_tp, algorithm, ray_session, tiny_model_dir,
                                                      tiny_tokenizer, arithmetic_files, tmp_path):
+    profile = tmp_path / "update_profile"
     cfg = compose_config(run_overrides(tiny_model_dir, arithmetic_files, tmp_path, MAX_PROMPT, RESPONSE) + [
         *megatron_overrides(tp, pp), *algorithm, "trainer.n_gpus_per_node=2", "trainer.cpus_per_worker=1",
+        *UPDATE_PROFILE, f"actor_rollout_ref.actor.profile.save_path={profile}",
         f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp}",
         "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1",
         "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
@@ -72,3 +79,9 @@ def test_megatron_syncs_exact_weights_into_vllm(tp, pp, rollout_tp, algorithm, r
     assert mask.sum() > 0
     assert (rollout["rollout_log_probs"] - recomputed)[mask].abs().max() <= 1e-4
     trainer.shutdown()
+    # The profile: rank 1's first update (of two), its optimizer step inside the trace.
+    (trace,) = profile.iterdir()
+    assert trace.name == "prof_start_0_end_1_rank_1.json"
+    with open(trace) as f:
+        names = {event.get("name") for event in json.load(f)["traceEvents"]}
+    assert {"ProfilerStep#0", "aten::mm"} <= names and "ProfilerStep#1" not in names

@@ -12,7 +12,10 @@ import torch
 from hybrid_rl.config import ConfigError, validate_config
 from hybrid_rl.config_keys import compose_config
 from hybrid_rl.controller import Dispatch, register
-from hybrid_rl.profiler import ProcessProfiler, ProfileSettings, StepWindows, role_settings
+from hybrid_rl.engines import Output
+from hybrid_rl.profiler import (
+    FirstUpdateProfiler, ProcessProfiler, ProfileSettings, StepWindows, UpdateWindow, role_settings, update_window)
+from tests.engine_helpers import actor_config, loss_fn, make_engine, rollout_batch
 
 
 def trace_names(path) -> set[str]:
@@ -195,3 +198,78 @@ def test_the_reference_follows_the_actor_profiler():
                                                     "trainer.n_gpus_per_node=2",
                                                     "actor_rollout_ref.actor.profiler.ranks=[1]"]))
     assert role_settings(cfg, "actor_rollout_ref").ranks == frozenset({1})
+
+
+UPDATE_PROFILE = "actor_rollout_ref.actor.profile"
+
+
+def profiler_steps(path) -> list[str]:
+    with open(path) as f:
+        return sorted({event["name"] for event in json.load(f)["traceEvents"]
+                       if event.get("name", "").startswith("ProfilerStep#")})
+
+
+def test_verls_update_profile_records_the_chosen_optimizer_steps_of_the_first_update(tiny_model_dir, tmp_path):
+    """verl 0.4-0.5's actor.profile: optimizer steps 1 and 2 of the first update's four (step 0
+    warms the profiler up), on rank 0 only when profile_ranks is null; later updates add nothing."""
+    cfg = actor_config("fsdp2", extra=["actor_rollout_ref.actor.ppo_epochs=4", f"{UPDATE_PROFILE}.use_profile=true",
+                                       f"{UPDATE_PROFILE}.step_start=1", f"{UPDATE_PROFILE}.step_end=3",
+                                       f"{UPDATE_PROFILE}.save_path={tmp_path}"])
+    assert update_window(cfg, rank=1) is None
+    profiler = FirstUpdateProfiler(update_window(cfg, rank=0), rank=0)
+    engine = make_engine(cfg, tiny_model_dir)
+    for seed in (1, 2):
+        with profiler.recording() as after_step:
+            metrics = engine.update(rollout_batch(seed), cfg.actor_rollout_ref.actor, rollout_n=2, seed=seed,
+                                    output=Output.LOG_PROBS_ENTROPY, temperature=0.7, loss_fn=loss_fn,
+                                    after_step=after_step)
+        assert (after_step is None) == (seed == 2) and torch.isfinite(torch.tensor(metrics["actor/grad_norm"]))
+    (trace,) = tmp_path.iterdir()
+    assert trace.name == "prof_start_1_end_3_rank_0.json"
+    assert profiler_steps(trace) == ["ProfilerStep#1", "ProfilerStep#2"]
+    with open(trace) as f:
+        names = {event.get("name") for event in json.load(f)["traceEvents"]}
+    assert {"aten::mm", "Optimizer.step#AdamW.step"} <= names  # the forward-backward and the optimizer step
+
+
+def test_an_update_profile_past_the_last_optimizer_step_keeps_what_it_recorded(tmp_path):
+    profiler = FirstUpdateProfiler(UpdateWindow(start=0, end=5, save_path=str(tmp_path / "p")), rank=3)
+    with profiler.recording() as after_step:
+        for _ in range(2):
+            torch.randn(32, 32) @ torch.randn(32, 32)
+            after_step()
+    # The update's rest after its last optimizer step is the third step of the trace.
+    assert profiler_steps(tmp_path / "p" / "prof_start_0_end_5_rank_3.json") == [
+        "ProfilerStep#0", "ProfilerStep#1", "ProfilerStep#2"]
+    failing = FirstUpdateProfiler(UpdateWindow(start=0, end=1, save_path=str(tmp_path / "q")), rank=0)
+    with pytest.raises(RuntimeError), failing.recording():
+        raise RuntimeError("the update failed")
+    assert not (tmp_path / "q").exists()  # no trace of a failed update
+
+
+def test_verls_update_profile_keys():
+    megatron = ["trainer.n_gpus_per_node=2", f"{UPDATE_PROFILE}.use_profile=true", f"{UPDATE_PROFILE}.step_start=0",
+                f"{UPDATE_PROFILE}.step_end=1"]
+    cfg = validate_config(compose_config(megatron + [f"{UPDATE_PROFILE}.profile_ranks=[0,1]"],
+                                         config_name="ppo_megatron_trainer"))
+    assert update_window(cfg, rank=1) == UpdateWindow(0, 1, cfg.global_profiler.save_path)  # save_path null
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["step_start=2", "step_end=2"], r"step_start=2 and step_end=2 choose.*set 0 <= step_start < step_end"),
+    (["step_end=1"], r"step_start=-1 and step_end=1"),
+    (["step_start=0", "step_end=1", "profile_ranks=[2]"], r"profile_ranks=\[2\]: \[2\] are not ranks of the actor's 2"),
+    (["step_start=4", "step_end=5"], r"step_start=4, but an update makes 4 optimizer steps"),
+], ids=["empty-window", "verls-default-start", "ranks", "past-the-update"])
+def test_bad_update_profile_settings_fail_at_start(overrides, expected):
+    base = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ppo_epochs=2", "data.train_batch_size=8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4", f"{UPDATE_PROFILE}.use_profile=true"]
+    with pytest.raises(ConfigError, match=expected):
+        validate_config(compose_config(base + [f"{UPDATE_PROFILE}.{o}" for o in overrides],
+                                       config_name="ppo_megatron_trainer"))
+
+
+def test_the_update_profile_and_the_step_profiler_are_one_at_a_time():
+    with pytest.raises(ConfigError, match="both profile the actor's processes"):
+        validate_config(compose_config(PROFILE + [f"{UPDATE_PROFILE}.use_profile=true", f"{UPDATE_PROFILE}.step_start=0",
+                                                  f"{UPDATE_PROFILE}.step_end=1"], config_name="ppo_megatron_trainer"))

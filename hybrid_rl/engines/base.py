@@ -274,7 +274,7 @@ class TrainEngine(ABC):
         return out
 
     def update(self, batch: Batch, role_cfg: Any, *, rollout_n: int, seed: int, output: Output,
-               temperature: float, loss_fn: LossFn) -> dict[str, float]:
+               temperature: float, loss_fn: LossFn, after_step: Callable[[], Any] | None = None) -> dict[str, float]:
         """One training step's update: `role_cfg.ppo_epochs` passes over mini-batches of
         `ppo_mini_batch_size` prompts x `rollout_n` responses (split over the data-parallel
         ranks), each an optimizer step with gradients accumulated over micro-batches
@@ -287,7 +287,8 @@ class TrainEngine(ABC):
         `terms` are floats weighted the same way: their sum over micro-batches, averaged over
         ranks, is the exact mini-batch value. Returns `<role>/<metric>` means over mini-batches
         (max for *_max, the total for the token count), plus grad_norm, lr, skipped_steps and what
-        the engine measures of each pass itself (`pass_metrics`).
+        the engine measures of each pass itself (`pass_metrics`). `after_step` is called after
+        each optimizer step (a profiler's schedule counts them).
         """
         role = self.spec.role
         mini_rows = role_cfg.ppo_mini_batch_size * rollout_n // self.dp_size
@@ -316,6 +317,8 @@ class TrainEngine(ABC):
                             sums[key] = combine_metric(key, sums.get(key), value)
                     sums.update(self.pass_metrics())
                     sums["grad_norm"] = self.optimizer_step(role_cfg.grad_clip)
+                    if after_step is not None:
+                        after_step()
                     sums[FORWARD_TOKENS] = sum(sum(seqlen_balancing.cost_units(part, self.share_prompts)[1])
                                                for part in parts)
                     for key, value in sums.items():

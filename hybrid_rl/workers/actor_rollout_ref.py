@@ -27,6 +27,7 @@ from hybrid_rl.engines.base import CHECKPOINT_PARTS, FORWARD_KEYS, ROUTES_KEY, t
 from hybrid_rl.engines.routing import replay_mode
 from hybrid_rl.hardware import peak_memory_gb
 from hybrid_rl.models import load_tokenizer, model_config
+from hybrid_rl.profiler import FirstUpdateProfiler, update_window
 from hybrid_rl.protocol import Batch
 from hybrid_rl.rollout_trace import rollout_tracer
 from hybrid_rl.workers.base import ModelWorker
@@ -58,6 +59,7 @@ class ActorRolloutRefWorker(ModelWorker):
         actor_cfg = cfg.actor_rollout_ref.actor
         self.actor = build_engine(ModelSpec("actor", self.model_path, model_cfg, optim_cfg=actor_cfg.optim,
                                             total_steps=self.total_steps), actor_cfg, self.device)
+        self.update_profiler = FirstUpdateProfiler(update_window(cfg, self.rank), self.rank)
         self.ref = None
         if needs_reference(cfg):
             # Under LoRA the base model, the actor's adapter switched off: no second copy.
@@ -274,10 +276,11 @@ class ActorRolloutRefWorker(ModelWorker):
 
         # The full KL is the only loss that needs whole next-token distributions, the reference's
         # among them (its weights on the GPU throughout).
-        with self.ref.resident() if full_kl else contextlib.nullcontext():
+        with (self.ref.resident() if full_kl else contextlib.nullcontext(),
+              self.update_profiler.recording() as after_step):
             metrics = self.actor.update(batch, cfg, rollout_n=n, seed=self.cfg.trainer.seed + batch.meta.step,
                                         output=Output.LOGITS if whole else Output.LOG_PROBS_ENTROPY,
-                                        temperature=temperature, loss_fn=loss_fn)
+                                        temperature=temperature, loss_fn=loss_fn, after_step=after_step)
         metrics["perf/max_memory_gb"] = peak_memory_gb(self.device)
         return metrics
 
