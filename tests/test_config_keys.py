@@ -149,12 +149,12 @@ def test_each_unsupported_key_refuses_any_other_value():
 
 def test_unsupported_keys_at_verls_default_pass_and_the_run_says_why_it_stops(caplog):
     assert check_verl_keys(compose_config([]), "cpu") == []
-    cfg = compose_config(["actor_rollout_ref.rollout.quantization=fp8",
+    cfg = compose_config(["actor_rollout_ref.rollout.disaggregation.enabled=true",
                           "actor_rollout_ref.model.lora.a2a_experimental=true"])
     with pytest.raises(ConfigError) as info:
         validate_config(cfg)
     lines = f"error: {info.value}".splitlines()
-    assert lines == ["error: actor_rollout_ref.rollout.quantization='fp8' is not supported yet (not built yet)",
+    assert lines == ["error: actor_rollout_ref.rollout.disaggregation.enabled=True is not supported yet (not built yet)",
                      "error: actor_rollout_ref.model.lora.a2a_experimental=True is not supported yet (megatron-bridge's "
                      "all-to-all expert adapters are not built)"]
 

