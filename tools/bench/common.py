@@ -53,6 +53,11 @@ def reset_peak_resident_gb() -> float:
     """Reset this process's peak resident set (Linux's VmHWM) to the current one, and return it."""
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")
+    return resident_gb()
+
+
+def resident_gb() -> float:
+    """This process's resident set now (Linux's VmRSS)."""
     return _status_gb("VmRSS:")
 
 

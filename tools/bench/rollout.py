@@ -13,9 +13,9 @@ overrides change them, e.g. `actor_rollout_ref.rollout.n=8`. The two engines sam
 sequences, so their lengths differ: only generated tokens up to and including the first EOS
 count, and tokens/s is the figure to compare. Each engine runs in its own process: one warm-up
 call, then the median of `--repeats` timed calls, each after `torch.manual_seed`. On GPU our calls
-include the engine's wake-up and sleep around each rollout, as in training. On CPU the peak
-resident memory the engine's start adds (its weights, with the KV cache it reserves) is reported
-too, e.g. to compare `actor_rollout_ref.rollout.quantization=torchao` runs with unquantized ones.
+include the engine's wake-up and sleep around each rollout, as in training. On CPU the resident
+memory the engine adds (its weights, with the KV cache it reserves) and the peak of its start are
+reported too, e.g. to compare `actor_rollout_ref.rollout.quantization=torchao` with unquantized runs.
 """
 
 from __future__ import annotations
@@ -79,7 +79,9 @@ def measure_ours(cfg_dict: dict, model_path: str, batch, eos_ids: list[int], dev
     start = time.perf_counter()
     before_gb = common.reset_peak_resident_gb()
     rollout = VLLMRollout(model_path, rollout_cfg, device, eos_ids)
-    engine_gb = common.peak_resident_gb() - before_gb  # its weights and KV cache (on CPU)
+    # What the engine holds (its weights and KV cache, on CPU) and the peak of its start.
+    engine_gb = common.resident_gb() - before_gb
+    engine_peak_gb = common.peak_resident_gb() - before_gb
     # As ActorRolloutRefWorker: the engine starts with random weights and gets the model's pushed.
     reference = build_engine(ModelSpec("ref", model_path, cfg.actor_rollout_ref.model), cfg.actor_rollout_ref.ref,
                              device)
@@ -89,7 +91,7 @@ def measure_ours(cfg_dict: dict, model_path: str, batch, eos_ids: list[int], dev
     result = time_calls(lambda: rollout.generate(batch, settings, rollout_cfg.response_length)[0],
                         repeats, eos_ids, rollout_cfg.response_length)
     return {**result, "build_seconds": build_s, "engine_dtype": str(rollout.dtype),
-            "engine_start_peak_rss_gb": engine_gb}
+            "engine_rss_gb": engine_gb, "engine_start_peak_rss_gb": engine_peak_gb}
 
 
 def measure_hf(model_path: str, dtype: str, batch, settings: dict, max_new_tokens: int,
@@ -199,8 +201,8 @@ def main(argv=None) -> int:
             tokens = "/".join(str(t) for t in m["tokens"])
             print(f"{dtype:<10}{name:<8}{m['tokens_per_second']:>9.0f}{m['best_tokens_per_second']:>9.0f}"
                   f"{m['median_seconds']:>9.3f}  {tokens}")
-        print(f"{dtype:<10}{'ours/hf':<8}{r['ratio']:>8.2f}x   (our engine's start: +{r['ours']['engine_start_peak_rss_gb']:.2f} "
-              "GB peak resident)")
+        print(f"{dtype:<10}{'ours/hf':<8}{r['ratio']:>8.2f}x   (our engine holds {r['ours']['engine_rss_gb']:.2f} GB "
+              f"resident; its start peaked {r['ours']['engine_start_peak_rss_gb']:.2f} GB above the process before it)")
     common.write_json(args.json, result)
     return 0
 
