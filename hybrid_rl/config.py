@@ -1539,11 +1539,16 @@ def check_profiler(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}.tool_config.torch.contents lists {unknown}; it may list "
                               f"{', '.join(TORCH_CONTENTS)}.")
         for ranks_key, all_key in (("ranks", "all_ranks"), ("finish_hook_ranks", "finish_hook_all_ranks")):
-            ranks = node.get(ranks_key) or ()
-            bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < roles[role])]
-            if not node.get(all_key) and bad:
-                raise ConfigError(f"{key}.{ranks_key}={list(ranks)}: {bad} are not ranks of its {roles[role]} "
-                                  f"processes (0 to {roles[role] - 1}).")
+            if not node.get(all_key):
+                _check_ranks(f"{key}.{ranks_key}", node.get(ranks_key) or (), roles[role])
+
+
+def _check_ranks(setting: str, ranks, processes: int, whose: str = "its") -> None:
+    """Each of `ranks` (the value of `setting`) must be a rank of the role's `processes`."""
+    bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < processes)]
+    if bad:
+        raise ConfigError(f"{setting}={list(ranks)}: {bad} are not ranks of {whose} {processes} processes "
+                          f"(0 to {processes - 1}).")
 
 
 def _check_update_profile(cfg: DictConfig, processes: int, step_profiler: bool) -> None:
@@ -1566,11 +1571,7 @@ def _check_update_profile(cfg: DictConfig, processes: int, step_profiler: bool) 
         raise ConfigError(f"{key}.step_start={start}, but an update makes {steps} optimizer steps (ppo_epochs x "
                           "train_batch_size / ppo_mini_batch_size), so nothing would be recorded: set step_start "
                           f"below {steps}.")
-    ranks = profile.profile_ranks or [0]
-    bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < processes)]
-    if bad:
-        raise ConfigError(f"{key}.profile_ranks={list(ranks)}: {bad} are not ranks of the actor's {processes} "
-                          f"processes (0 to {processes - 1}).")
+    _check_ranks(f"{key}.profile_ranks", profile.profile_ranks or [0], processes, "the actor's")
 
 
 def check_lengths(cfg: DictConfig) -> None:
