@@ -29,7 +29,8 @@ LORA_TENSORS = (f".lora_A.{ADAPTER}.", f".lora_B.{ADAPTER}.")
 BASE_LAYER = ".base_layer."
 ADAPTER_CONFIG = "adapter_config.json"  # peft's file name, written next to an engine's checkpoint
 VALUE_HEAD = "score"  # the critic's head in transformers' token classifiers
-HEAD_MODULES = ("classifier", VALUE_HEAD)  # what peft trains whole in a token classifier
+# What peft adds to a classifier's modules_to_save and trains whole (pre_classifier, DistilBERT's, since peft 0.22).
+HEAD_MODULES = ("classifier", VALUE_HEAD, "pre_classifier")
 # peft's two copies of a module it trains whole: the trained one and the original, kept frozen.
 TRAINED_COPY, FROZEN_COPY = f".modules_to_save.{ADAPTER}.", ".original_module."
 
