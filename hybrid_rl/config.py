@@ -34,7 +34,7 @@ from hybrid_rl.engines.megatron.checks import parallel_sizes as megatron_paralle
 from hybrid_rl.engines.megatron import schedule as megatron_schedule
 from hybrid_rl.engines.routing import MODES as REPLAY_MODES
 from hybrid_rl.engines.routing import check_transformers_routers, replay_mode
-from hybrid_rl.hardware import TORCH_DTYPES, resolve_dtype
+from hybrid_rl.hardware import CANONICAL, TORCH_DTYPES, resolve_dtype
 from hybrid_rl.profiler import ROLE_PROFILER_KEYS, TORCH_CONTENTS
 from hybrid_rl.rollout_trace import BACKENDS as TRACE_BACKENDS
 from hybrid_rl.tracking import LOGGERS, OPTIONAL_LOGGERS, VERL_ONLY_LOGGERS
@@ -1120,7 +1120,8 @@ def check_lora(cfg: DictConfig) -> None:
     if needs_critic(cfg):
         roles.append(("critic", "critic.strategy", cfg.critic.strategy))
     for role, strategy_key, strategy in roles:
-        if _check_role_lora(f"{role}.model", cfg[role].model, strategy_key, strategy) and \
+        megatron_key = "actor_rollout_ref.actor.megatron" if role == "actor_rollout_ref" else "critic.megatron"
+        if _check_role_lora(f"{role}.model", cfg[role].model, strategy_key, strategy, megatron_key, cfg) and \
                 role == "actor_rollout_ref" and cfg.trainer.iterative.enable and \
                 cfg.trainer.iterative.reset_reference and needs_reference(cfg):
             raise ConfigError("trainer.iterative.reset_reference=true with LoRA: the reference policy is the base "
@@ -1128,8 +1129,10 @@ def check_lora(cfg: DictConfig) -> None:
                               "trainer.iterative.reset_reference=false or actor_rollout_ref.model.lora_rank=0.")
 
 
-def _check_role_lora(key: str, model: DictConfig, strategy_key: str, strategy: str) -> bool:
-    """One role's LoRA keys (`key` is its model section); whether LoRA is on."""
+def _check_role_lora(key: str, model: DictConfig, strategy_key: str, strategy: str, megatron_key: str,
+                     cfg: DictConfig) -> bool:
+    """One role's LoRA keys (`key` is its model section, `megatron_key` its Megatron engine's);
+    whether LoRA is on."""
     section = model.get("lora") or {}
     for name, rank in ((f"{key}.lora_rank", model.lora_rank), (f"{key}.lora.rank", section.get("rank", 0))):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
@@ -1147,7 +1150,7 @@ def _check_role_lora(key: str, model: DictConfig, strategy_key: str, strategy: s
         if strategy != "megatron":
             raise ConfigError(f"{key}.lora.rank is the Megatron engine's LoRA key; with {strategy_key}={strategy} "
                               f"set {key}.lora_rank (and lora_alpha, target_modules) instead, as in verl.")
-        _check_megatron_lora(f"{key}.lora", section)
+        _check_megatron_lora(f"{key}.lora", section, megatron_key, cfg)
         alpha, alpha_key, path, path_key = (section.get("alpha"), f"{key}.lora.alpha", section.get("adapter_path"),
                                             f"{key}.lora.adapter_path")
     else:
@@ -1161,9 +1164,9 @@ def _check_role_lora(key: str, model: DictConfig, strategy_key: str, strategy: s
     return True
 
 
-def _check_megatron_lora(key: str, section: DictConfig) -> None:
-    """What the Megatron engine's LoRA builds of verl's `model.lora` section (`key`); its dtype:
-    config_keys refuses what is not built."""
+def _check_megatron_lora(key: str, section: DictConfig, megatron_key: str, cfg: DictConfig) -> None:
+    """What the Megatron engine's LoRA builds of verl's `model.lora` section (`key`): its
+    `dtype` may not undercut the engine's (`megatron_key`.dtype as this machine resolves it)."""
     _choice(section.get("type", "lora"), ("lora", "canonical_lora"), f"{key}.type",
             {name: "LoRA adapters of the fused (type=lora) or separate (canonical_lora) projections"
              for name in ("dora", "vlm_lora")})
@@ -1176,6 +1179,15 @@ def _check_megatron_lora(key: str, section: DictConfig) -> None:
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
         raise ConfigError(f"{key}.dropout={dropout!r} must be a probability in [0, 1) (0: no dropout).")
     _choice(section.get("dropout_position", "pre"), ("pre", "post"), f"{key}.dropout_position")
+    if section.get("dtype") is not None:
+        _choice(section.dtype, tuple(TORCH_DTYPES), f"{key}.dtype")
+        model_dtype = OmegaConf.select(cfg, f"{megatron_key}.dtype", default=None) or "auto"
+        _choice(model_dtype, tuple(CANONICAL), f"{megatron_key}.dtype")
+        try:
+            megatron_lora.check_dtype(f"{key}.dtype", TORCH_DTYPES[section.dtype],
+                                      TORCH_DTYPES[resolve_dtype(model_dtype, cfg.trainer.device).dtype])
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 def _role_processes(cfg: DictConfig) -> dict[str, int]:

@@ -432,7 +432,8 @@ RULES: tuple[Rule, ...] = tuple([
     *_rules(WORKS, "dropout on the adapter's input (dropout_position=pre) or output (post) in training passes; "
             "log-prob passes (old, reference, values) run without it",
             *(f"{role}.model.lora.{k}" for role in LORA_ROLES for k in ("dropout", "dropout_position"))),
-    *_rules(NOT_YET, "adapters are kept in the model's dtype (float32 optimizer copies)",
+    *_rules(WORKS, "the adapters' dtype: null, the model's (megatron.dtype), or float32 beside a bf16/fp16 model "
+            "(stepped without rounding to it); half precision beside a float32 model is refused at start",
             *(f"{role}.model.lora.dtype" for role in LORA_ROLES)),
     *_rules(NOT_YET, "megatron-bridge's all-to-all expert adapters are not built",
             *(f"{role}.model.lora.a2a_experimental" for role in LORA_ROLES)),

@@ -206,8 +206,12 @@ def test_target_modules_that_match_nothing_name_the_key_and_the_layers(model_dir
      r"critic.model.lora.rank is the Megatron engine's LoRA key; with critic.strategy=fsdp2 set critic.model.lora_rank"),
     (["algorithm.adv_estimator=gae", "critic.model.lora_rank=8", "critic.model.lora_alpha=-1"],
      r"critic.model.lora_alpha=-1 must be a positive number"),
+    # Half-precision adapters beside a float32 model; a dtype of no name.
     (["algorithm.adv_estimator=gae", "critic.model.lora.rank=8", "critic.strategy=megatron",
-      "critic.model.lora.dtype=bf16"], r"critic.model.lora.dtype='bf16' is not supported yet"),
+      "critic.megatron.dtype=fp32", "critic.model.lora.dtype=bf16"],
+     r"critic.model.lora.dtype=bfloat16 is below the model's float32 \(megatron.dtype\)"),
+    (["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.actor.strategy=megatron",
+      "actor_rollout_ref.model.lora.dtype=int4"], r"actor_rollout_ref.model.lora.dtype='int4' is not valid"),
 ])
 def test_lora_settings_that_cannot_work_stop_at_start(overrides, message):
     # The Megatron engine's cases in verl's Megatron tree, as verl users run them.
@@ -216,9 +220,12 @@ def test_lora_settings_that_cannot_work_stop_at_start(overrides, message):
         validate_config(compose_config(overrides, config_name=name))
 
 
-def test_megatron_lora_keys_start_with_the_megatron_engine():
+@pytest.mark.parametrize("lora_dtype", ["null", "fp32", "float32"])
+def test_megatron_lora_keys_start_with_the_megatron_engine(lora_dtype):
     validate_config(compose_config(["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.alpha=16",
-                                    "actor_rollout_ref.model.lora.lora_A_init_method=kaiming"],
+                                    "actor_rollout_ref.model.lora.lora_A_init_method=kaiming",
+                                    "actor_rollout_ref.actor.megatron.dtype=bf16",
+                                    f"actor_rollout_ref.model.lora.dtype={lora_dtype}"],
                                    config_name="ppo_megatron_trainer"))
 
 

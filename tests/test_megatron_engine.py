@@ -492,6 +492,59 @@ def test_megatron_bf16_main_weights_start_from_the_checkpoints_values(tiny_model
         assert 0.8 * expected <= change <= 1.25 * expected, (name, change, expected)
 
 
+def _lora_dtype_rank_main(rank, model_dir, adapter, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/init", rank=rank, world_size=1)
+    runs = {}
+    for lora_dtype in ("null", "float32"):
+        cfg = actor_config("megatron", dtype="bf16", extra=SMALL_LR + (
+            f"actor_rollout_ref.model.lora.adapter_path={adapter}", f"actor_rollout_ref.model.lora.dtype={lora_dtype}"))
+        engine = make_engine(cfg, model_dir)
+
+        def adapters(engine=engine):
+            return {n: p.detach().clone() for m in engine.models for n, p in m.named_parameters() if "_adapter." in n}
+
+        before = adapters()
+        run = {"before": before, "infer": engine.infer(rollout_batch(1), Output.LOG_PROBS_ENTROPY, 0.7, 3, None),
+               "first": step(engine, cfg, 1), "after": adapters(),
+               "base_dtypes": {p.dtype for m in engine.models for n, p in m.named_parameters() if "_adapter." not in n}}
+        engine.save_checkpoint(os.path.join(out_dir, lora_dtype))
+        run["second"] = (step(engine, cfg, 2), adapters())
+        resumed = make_engine(cfg, model_dir)
+        resumed.load_checkpoint(os.path.join(out_dir, lora_dtype))
+        run["resumed"] = (step(resumed, cfg, 2), adapters(resumed))
+        runs[lora_dtype] = run
+    torch.save(runs, os.path.join(out_dir, "runs.pt"))
+    dist.destroy_process_group()
+
+
+def test_megatron_lora_dtype_float32_keeps_a_bf16_models_adapters_in_float32(tiny_model_dir4, fused_lora_adapter,
+                                                                            tmp_path):
+    """verl's model.lora.dtype=float32 beside a bf16 model: the adapters stay float32 (the base
+    weights bf16), log-probs and gradient norm are the hand-computed float32 adapter's within
+    bf16's resolution, an update of 1e-5 moves every adapter entry (in the model's bf16 almost
+    none moves: it is below half a rounding step), and a resumed run continues exactly."""
+    expected = fused_lora_reference(tiny_model_dir4, fused_lora_adapter)
+    mp.start_processes(_lora_dtype_rank_main, args=(tiny_model_dir4, fused_lora_adapter, str(tmp_path)), nprocs=1,
+                       start_method="spawn")
+    runs = torch.load(tmp_path / "runs.pt")
+    mask = rollout_batch(1)["response_mask"].bool()
+
+    def moved(run) -> float:
+        changed = [(run["after"][n] != run["before"][n]).float().mean() for n in run["before"]]
+        return float(sum(changed) / len(changed))
+
+    for lora_dtype, adapter_dtype in (("null", torch.bfloat16), ("float32", torch.float32)):
+        run = runs[lora_dtype]
+        assert run["base_dtypes"] == {torch.bfloat16}
+        assert {t.dtype for t in run["after"].values()} == {adapter_dtype}
+        assert 0 < (run["infer"]["log_probs"] - expected["log_probs"])[mask].abs().max() <= 0.1
+        assert run["first"]["actor/grad_norm"] == pytest.approx(expected["grad_norm"], rel=0.05)
+        assert run["resumed"][0] == run["second"][0]
+        assert all(torch.equal(run["resumed"][1][n], run["second"][1][n]) for n in run["second"][1])
+    assert moved(runs["float32"]) > 0.95
+    assert moved(runs["null"]) < 0.2
+
+
 def _role_overrides_rank_main(rank, model_dir, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/init", rank=rank, world_size=1)
     cfg = actor_config("megatron", extra=("+actor_rollout_ref.ref.megatron.override_transformer_config.attention_dropout=0.25",))

@@ -117,6 +117,7 @@ class MegatronEngine(TrainEngine):
         if trainable and spec.head in (Head.LM, Head.VALUE) and mlora.enabled(spec.model_cfg):
             lora = mlora.LoraSettings.from_config(spec.model_cfg.lora, f"{spec.model_key}.lora",
                                                   value_head=spec.head is Head.VALUE)
+            mlora.check_dtype(f"{lora.key}.dtype", lora.dtype, dtype)
         with self._megatron():
             mmodel.initialize_parallel(tp, pp, vpp, seed, ep, cp)
             if (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
@@ -183,6 +184,8 @@ class MegatronEngine(TrainEngine):
             self.head = mmodel.ResponsePositionsHead(self.models, self.config.sequence_parallel, chunk_size,
                                                      self.layout.vocab)
             self.chunks = [self._half(m) for m in self.models]
+            if self.adapters is not None:
+                self.adapters.restore_dtype()
             # verl's router_replay (mixture-of-experts models): routes recorded or imposed per token.
             if replay != "disabled":
                 self.route_replay = routing.RouteReplay(self.models, self.config, self.layout.num_layers,

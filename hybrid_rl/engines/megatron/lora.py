@@ -1,7 +1,7 @@
 """LoRA on the Megatron engine, with verl's Megatron keys (`actor_rollout_ref.model.lora.*`, and
 the critic's `critic.model.lora.*`: `type`, `rank`, `alpha`, `target_modules` or
 `exclude_modules`, `lora_A_init_method`, `lora_B_init_method`, `dropout`, `dropout_position`,
-`adapter_path`).
+`dtype`, `adapter_path`).
 
 Each adapted layer is one of megatron's linears (`linear_qkv`, `linear_proj`, `linear_fc1`,
 `linear_fc2`, an expert's too; of latent attention `linear_q_proj`, `linear_q_down_proj`,
@@ -22,7 +22,10 @@ The base model is frozen (only adapters are in megatron's DDP buffers and optimi
 value head, new, trains whole beside them), the reference policy is the model with its adapters
 switched off, the rollout and the exported model
 get merged weights W + scaling * B A (`merged_state`), and checkpoints hold the adapters alone
-(and a critic's head).
+(and a critic's head). `dtype: float32` keeps the adapters in float32 beside a bf16/fp16 model
+(they compute in float32 on the layer's input and add their output in the layer's dtype), as
+peft keeps a half-precision model's adapters on the FSDP engine: the optimizer then steps them
+directly, and an update smaller than a half-precision rounding step still moves the policy.
 (megatron-bridge's LoRA imports Transformer Engine at module level and pins transformers < 5,
 so it cannot run here; this is the same arithmetic on megatron-core's own layers.)
 """
@@ -45,6 +48,7 @@ import torch.nn.functional as F
 from hybrid_rl.engines.base import all_reduce_scalar
 from hybrid_rl.engines.lora import HEAD_MODULES, VALUE_HEAD
 from hybrid_rl.engines.megatron import convert
+from hybrid_rl.hardware import TORCH_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +69,15 @@ def enabled(model_cfg: Any) -> bool:
     return int(section.get("rank", 0) or 0) > 0 or bool(section.get("adapter_path"))
 
 
+def check_dtype(key: str, dtype: torch.dtype | None, model_dtype: torch.dtype) -> None:
+    """`lora.dtype` (at `key`) is null, the model's, or float32: half-precision adapters beside
+    a float32 model would be stepped in half precision, with no float32 copy to keep small updates."""
+    if dtype not in (None, model_dtype, torch.float32):
+        raise ValueError(f"{key}={str(dtype).removeprefix('torch.')} is below the model's "
+                         f"{str(model_dtype).removeprefix('torch.')} (megatron.dtype): the adapters would be trained "
+                         "in it without float32 copies. Leave it null (the model's dtype) or set float32.")
+
+
 @dataclass(frozen=True)
 class LoraSettings:
     rank: int
@@ -79,6 +92,7 @@ class LoraSettings:
     value_head: bool = False  # a critic: its head trains whole
     dropout: float = 0.0  # on the adapter's input (`pre`) or output (`post`), in training passes only
     dropout_position: str = "pre"
+    dtype: torch.dtype | None = None  # the adapters' (None: the model's)
 
     @classmethod
     def from_config(cls, section: Any, key: str, value_head: bool = False) -> "LoraSettings":
@@ -104,9 +118,11 @@ class LoraSettings:
                                 for index, part in enumerate(parts) if part in saved_leaves)
             else:
                 targets = tuple(fused for fused, parts in HF_PARTS.items() if set(parts) & saved_leaves)
+        dtype = section.get("dtype")
         return cls(rank, alpha, targets, excluded, str(section.get("lora_A_init_method") or "xavier"),
                    str(section.get("lora_B_init_method") or "zero"), str(path) if path else None, canonical, key,
-                   value_head, float(section.get("dropout") or 0.0), str(section.get("dropout_position") or "pre"))
+                   value_head, float(section.get("dropout") or 0.0), str(section.get("dropout_position") or "pre"),
+                   TORCH_DTYPES[str(dtype)] if dtype else None)
 
     @property
     def scaling(self) -> float:
@@ -214,7 +230,7 @@ class LoraAdapter(torch.nn.Module):
 
         if not self.dropout_after:  # the column adapter's input is the same on every TP rank (no SP)
             x = self._dropout(x, same_on_tp_ranks=self.column)
-        h = F.linear(x, self.lora_A)
+        h = F.linear(x.to(self.lora_A.dtype), self.lora_A)
         if self.exchange:
             if self.column:  # every rank needs A x of every token it computes outputs for
                 h = (mappings.gather_from_sequence_parallel_region(h, group=self.group) if self.sequence_parallel
@@ -245,7 +261,7 @@ class LoraAdapter(torch.nn.Module):
             return output
         out, bias = output
         if self.rows is None:
-            return out + self(args[0]), bias
+            return out + self(args[0]).to(out.dtype), bias
         return out.index_add(out.dim() - 1, self.rows, self(args[0]).to(out.dtype)), bias
 
     @torch.no_grad()
@@ -365,6 +381,12 @@ class Adapters:
             leaves = sorted({name.rsplit(".", 1)[-1] for name in layer_names})
             logger.warning("%s.target_modules: %s adapt nothing in this model; its linear layers are %s.",
                            settings.key, unmatched, leaves)
+
+    def restore_dtype(self) -> None:
+        """Back to `lora.dtype` after megatron's Float16Module cast the chunks to half precision."""
+        if self.settings.dtype is not None:
+            for adapter in self._all():
+                adapter.to(self.settings.dtype)
 
     @contextlib.contextmanager
     def disabled(self):
