@@ -344,7 +344,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     check_checkpoint_contents(cfg)
     check_checkpoint_mirror(cfg)
     check_engine_kwargs(rollout)
-    check_rollout_quantization(rollout)
+    check_rollout_quantization(rollout, "actor_rollout_ref.rollout")
 
     sequences = data.train_batch_size * rollout.n
     if sequences % world:
@@ -539,6 +539,7 @@ def _check_served_reward_model(cfg: DictConfig) -> None:
                           f"OpenAI-compatible server; set {key}.rollout.name=vllm.")
     if not rm.model_path:
         raise ConfigError(f"{key}.enable=true needs {key}.model_path: the folder of the model to serve.")
+    check_rollout_quantization(rm.rollout, f"{key}.rollout")
     tp, dp = rm.rollout.tensor_model_parallel_size, rm.rollout.data_parallel_size
     _positive(tp, f"{key}.rollout.tensor_model_parallel_size")
     _positive(dp, f"{key}.rollout.data_parallel_size")
@@ -1647,11 +1648,11 @@ def check_checkpoint_contents(cfg: DictConfig) -> None:
                               "trainer.resume_mode=disable.")
 
 
-def check_rollout_quantization(rollout: DictConfig) -> None:
-    """verl's `rollout.quantization=torchao` with its `quantization_config_file`: a JSON of
-    torchao's `config_to_dict` (e.g. of Int8WeightOnlyConfig), read here so that a bad file stops
-    the run at start. Its weights are pushed through vLLM's reload, which quantizes them again."""
-    key = "actor_rollout_ref.rollout"
+def check_rollout_quantization(rollout: DictConfig, key: str) -> None:
+    """verl's `rollout.quantization=torchao` with its `quantization_config_file` (`rollout` at
+    `key`: the policy's engine or the served reward model's): a JSON of torchao's
+    `config_to_dict` (e.g. of Int8WeightOnlyConfig), read here so that a bad file stops the run at
+    start. The policy's weights are pushed through vLLM's reload, which quantizes them again."""
     file = rollout.quantization_config_file
     if rollout.quantization is None:
         if file is not None:
@@ -1663,11 +1664,11 @@ def check_rollout_quantization(rollout: DictConfig) -> None:
     _choice(rollout.quantization, ("torchao",), f"{key}.quantization", {"fp8": fp8})
     if rollout.name != "vllm":
         raise ConfigError(f"{key}.quantization=torchao quantizes the vLLM engine's weights: set {key}.name=vllm.")
-    given = sorted({"quantization", "hf_overrides"} & set(rollout.engine_kwargs.vllm or {}))
+    given = sorted({"quantization", "hf_overrides"} & set(rollout.engine_kwargs.get("vllm") or {}))
     if given:
         raise ConfigError(f"{key}.quantization=torchao sets vLLM's {' and '.join(given)}, which {key}.engine_kwargs.vllm "
                           "sets too: keep one of them.")
-    if rollout.cpu_in_place_sync is True:
+    if rollout.get("cpu_in_place_sync") is True:
         raise ConfigError(f"{key}.quantization=torchao: the quantized weights are loaded through vLLM's reload, which "
                           f"quantizes them again; set {key}.cpu_in_place_sync=auto (or false).")
     _needs_optional_package("torchao", f"{key}.quantization=torchao")

@@ -145,9 +145,12 @@ def _served_model_rules(prefix: str, present: frozenset[str] | None = None) -> l
         *_rules(NO_EFFECT, "the served reward model samples as each request of your reward function asks",
                 *keys("temperature", "top_k", "top_p", "do_sample", "n", "ignore_eos", "prompt_length",
                       "response_length")),
-        *_rules(NOT_YET, "the served reward model runs tensor and data parallel only, unquantized",
-                *keys("pipeline_model_parallel_size", "expert_parallel_size", "quantization", "quantization_config_file",
-                      "mtp", "disaggregation.enabled", "skip_tokenizer_init")),
+        *_rules(WORKS, "torchao: vLLM quantizes the served model's weights as it loads them, with the torchao "
+                "config of quantization_config_file (as the policy's engine; fp8 is refused)",
+                *keys("quantization", "quantization_config_file")),
+        *_rules(NOT_YET, "the served reward model runs tensor and data parallel only",
+                *keys("pipeline_model_parallel_size", "expert_parallel_size", "mtp", "disaggregation.enabled",
+                      "skip_tokenizer_init")),
         *_rules(NO_EFFECT, "settings of verl's rollout servers that the served reward model here does not read (it "
                 "keeps its devices, so it never sleeps)", f"{prefix}.*"),
     ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from omegaconf import OmegaConf
 
 from hybrid_rl.config_keys import compose_config
 from tests.conftest import run_overrides
@@ -63,6 +64,69 @@ def test_server_command_carries_verls_keys():
                  "--tensor-parallel-size 1", "--max-model-len 512", "--seed 7", "--no-enforce-eager", "--swap-space 2"]:
         assert part in text, (part, text)
     assert "--gpu-memory-utilization" not in text  # on CPU the KV cache is kv_cache_gib
+
+
+def int8_config_file(folder) -> str:
+    """torchao's int8 weight-only config, as verl's users write one."""
+    from torchao.core.config import config_to_dict
+    from torchao.quantization import Int8WeightOnlyConfig
+
+    path = folder / "torchao.json"
+    path.write_text(json.dumps(config_to_dict(Int8WeightOnlyConfig())))
+    return str(path)
+
+
+QUANTIZED = ["reward.reward_model.rollout.quantization=torchao"]
+
+
+def test_a_quantized_server_gets_vllms_torchao_flags_and_bad_settings_stop_at_start(tmp_path):
+    from hybrid_rl.config import ConfigError, validate_config
+    from hybrid_rl.workers.reward_server import server_command
+
+    served = ["reward.reward_model.enable=true", "reward.reward_model.model_path=/models/judge", *QUANTIZED]
+    config_file = int8_config_file(tmp_path)
+    cfg = validate_config(compose_config(served + [f"reward.reward_model.rollout.quantization_config_file={config_file}"]))
+    command = server_command(cfg.reward.reward_model, "/abs/models/judge", 8123, "cpu", 7)
+    flags = {command[i]: command[i + 1] for i in range(len(command) - 1) if command[i].startswith("--")}
+    assert flags["--quantization"] == "torchao"
+    assert json.loads(flags["--hf-overrides"]) == {"quantization_config_file": config_file}
+    for extra, message in [([], "quantization_config_file, which is not set"),
+                           (["reward.reward_model.rollout.quantization=fp8"], "quantization=fp8 is not supported yet"),
+                           ([f"reward.reward_model.rollout.quantization_config_file={config_file}",
+                             "+reward.reward_model.rollout.engine_kwargs.vllm.quantization=fp8"],
+                            "reward.reward_model.rollout.engine_kwargs.vllm sets too")]:
+        with pytest.raises(ConfigError, match=message):
+            validate_config(compose_config(served + extra))
+
+
+@pytest.mark.slow
+def test_a_quantized_server_loads_the_judge_through_torchao_and_answers(tmp_path, tiny_model_dir):
+    """rollout.quantization=torchao for the served reward model: vLLM's server quantizes the
+    judge's linear layers with the config file's int8 weight-only scheme as it loads them, and
+    answers chat completions."""
+    import urllib.request
+
+    from hybrid_rl.config import validate_config
+    from hybrid_rl.workers.reward_server import ServerProcess, server_env
+
+    cfg = validate_config(compose_config(served_overrides(tmp_path / "judge.py", tmp_path / "log.jsonl", tiny_model_dir)
+                                         + QUANTIZED + [f"reward.reward_model.rollout.quantization_config_file="
+                                                        f"{int8_config_file(tmp_path)}"]))
+    rm = OmegaConf.to_container(cfg.reward.reward_model)
+    log = tmp_path / "server.log"
+    server = ServerProcess(tiny_model_dir, rm, "cpu", 0, str(log), server_env(cfg))
+    try:
+        server.wait_ready(timeout_s=600)
+        request = {"model": tiny_model_dir, "messages": [{"role": "user", "content": "Is 2 + 2 = 4?"}],
+                   "temperature": 0, "max_tokens": 4, "ignore_eos": True}
+        with urllib.request.urlopen(urllib.request.Request(
+                f"http://127.0.0.1:{server.port}/v1/chat/completions", data=json.dumps(request).encode(),
+                headers={"Content-Type": "application/json"}), timeout=120) as reply:
+            body = json.load(reply)
+    finally:
+        server.stop()
+    assert body["usage"]["completion_tokens"] == 4
+    assert "quantization=torchao" in log.read_text()
 
 
 def test_full_determinism_asks_the_server_for_batch_invariant_kernels_and_is_refused_on_cpu():

@@ -13,6 +13,7 @@ scorings; on CPU it runs beside the workers. Its log goes to ``<trainer.default_
 from __future__ import annotations
 
 import functools
+import json
 import os
 import signal
 import subprocess
@@ -38,6 +39,8 @@ def served_reward_model(cfg: DictConfig) -> DictConfig | None:
 
 def server_command(rm: DictConfig, model_path: str, port: int, device: str, seed: int) -> list[str]:
     """The vLLM server's command line from ``reward.reward_model.rollout`` (verl's keys)."""
+    from hybrid_rl.workers.rollout import quantized
+
     rollout = rm.rollout
     tp, dp = int(rollout.tensor_model_parallel_size), int(rollout.data_parallel_size)
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
@@ -57,9 +60,10 @@ def server_command(rm: DictConfig, model_path: str, port: int, device: str, seed
     if device == "cuda":
         args += ["--gpu-memory-utilization", str(rollout.gpu_memory_utilization)]
     vllm_kwargs = rollout.engine_kwargs.get("vllm")
-    for key, value in (OmegaConf.to_container(vllm_kwargs) if vllm_kwargs else {}).items():
+    for key, value in {**(OmegaConf.to_container(vllm_kwargs) if vllm_kwargs else {}),
+                       **quantized(rollout, {})}.items():
         flag = "--" + str(key).replace("_", "-")
-        args += [flag] if value is True else [flag, str(value)]
+        args += [flag] if value is True else [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     return args
 
 
