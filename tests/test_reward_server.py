@@ -104,8 +104,6 @@ def test_a_quantized_server_loads_the_judge_through_torchao_and_answers(tmp_path
     """rollout.quantization=torchao for the served reward model: vLLM's server quantizes the
     judge's linear layers with the config file's int8 weight-only scheme as it loads them, and
     answers chat completions."""
-    import urllib.request
-
     from hybrid_rl.config import validate_config
     from hybrid_rl.workers.reward_server import ServerProcess, server_env
 
@@ -117,16 +115,61 @@ def test_a_quantized_server_loads_the_judge_through_torchao_and_answers(tmp_path
     server = ServerProcess(tiny_model_dir, rm, "cpu", 0, str(log), server_env(cfg))
     try:
         server.wait_ready(timeout_s=600)
-        request = {"model": tiny_model_dir, "messages": [{"role": "user", "content": "Is 2 + 2 = 4?"}],
-                   "temperature": 0, "max_tokens": 4, "ignore_eos": True}
-        with urllib.request.urlopen(urllib.request.Request(
-                f"http://127.0.0.1:{server.port}/v1/chat/completions", data=json.dumps(request).encode(),
-                headers={"Content-Type": "application/json"}), timeout=120) as reply:
-            body = json.load(reply)
+        body = chat(server.port, tiny_model_dir, [{"role": "user", "content": "Is 2 + 2 = 4?"}])
     finally:
         server.stop()
     assert body["usage"]["completion_tokens"] == 4
     assert "quantization=torchao" in log.read_text()
+
+
+@pytest.mark.parametrize("workers, cpus, expected", [
+    (2, [0, 1], "0|1"), (2, [4, 5, 6, 7], "4,5|6,7"), (3, list(range(7)), "0,1|2,3|4,5"), (4, [0, 1], "nobind")])
+def test_a_cpu_servers_workers_share_the_cores(workers, cpus, expected):
+    from hybrid_rl.workers.reward_server import cpu_thread_binding
+
+    assert cpu_thread_binding(workers, cpus) == expected
+
+
+def chat(port: int, model: str, messages: list) -> dict:
+    """The server's answer to a greedy chat completion of 4 tokens."""
+    import urllib.request
+
+    request = {"model": model, "messages": messages, "temperature": 0, "max_tokens": 4, "ignore_eos": True}
+    with urllib.request.urlopen(urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(request).encode(),
+            headers={"Content-Type": "application/json"}), timeout=120) as reply:
+        return json.load(reply)
+
+
+@pytest.mark.slow
+def test_a_server_of_two_cpu_workers_answers_as_transformers(tmp_path, tiny_model_dir):
+    """Tensor parallel size 2 on a one-NUMA-node CPU (where vLLM's own thread binding refuses a
+    second worker): each worker gets its share of the cores, and the judge's greedy reply is
+    transformers' greedy decoding of the same chat. (Data parallel workers are bound the same
+    way.)"""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hybrid_rl.config import validate_config
+    from hybrid_rl.workers.reward_server import ServerProcess, server_env
+
+    cfg = validate_config(compose_config(served_overrides(tmp_path / "judge.py", tmp_path / "log.jsonl", tiny_model_dir)
+                                         + ["reward.reward_model.rollout.tensor_model_parallel_size=2"]))
+    messages = [{"role": "user", "content": "Is 2 + 2 = 4?"}]
+    log = tmp_path / "server.log"
+    server = ServerProcess(tiny_model_dir, OmegaConf.to_container(cfg.reward.reward_model), "cpu", 0, str(log),
+                           server_env(cfg))
+    try:
+        server.wait_ready(timeout_s=600)
+        reply = chat(server.port, tiny_model_dir, messages)["choices"][0]["message"]["content"]
+    finally:
+        server.stop()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                        return_dict=True)["input_ids"]
+    out = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert reply == tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
 def test_full_determinism_asks_the_server_for_batch_invariant_kernels_and_is_refused_on_cpu():
@@ -253,7 +296,8 @@ def test_a_server_that_loses_its_port_to_another_process_starts_again_on_another
     monkeypatch.setattr(reward_server, "server_command",
                         lambda rm, model, port, device, seed: [sys.executable, str(script), str(port)])
     log = tmp_path / "server.log"
-    server = reward_server.ServerProcess("model", {}, "cpu", 0, str(log), {})
+    one_process = {"rollout": {"tensor_model_parallel_size": 1, "data_parallel_size": 1}}
+    server = reward_server.ServerProcess("model", one_process, "cpu", 0, str(log), {})
     try:
         address = server.wait_ready(timeout_s=60)
     finally:

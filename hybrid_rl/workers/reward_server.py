@@ -78,6 +78,17 @@ def server_env(cfg: DictConfig) -> dict[str, str]:
     return env
 
 
+def cpu_thread_binding(workers: int, cpus: list[int]) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for a CPU server of `workers` worker processes (data x tensor
+    parallel, in vLLM's rank order) on `cpus`: an equal share of them each, or no binding where
+    there are fewer cores than workers. vLLM's own `auto` gives each worker a NUMA node of its own
+    and refuses to start more workers than the machine has nodes (one, on most machines)."""
+    if len(cpus) < workers:
+        return "nobind"
+    share = len(cpus) // workers
+    return "|".join(",".join(map(str, cpus[rank * share:(rank + 1) * share])) for rank in range(workers))
+
+
 # Another process can take the picked port before the server binds it; the server is then
 # started again on a new port, this many times in all.
 PORT_ATTEMPTS = 3
@@ -92,6 +103,9 @@ class ServerProcess:
         self._command = functools.partial(server_command, OmegaConf.create(rm_cfg), model_path, device=device,
                                           seed=seed)
         self._env = {**os.environ, **env}
+        workers = int(rm_cfg["rollout"]["tensor_model_parallel_size"]) * int(rm_cfg["rollout"]["data_parallel_size"])
+        if device != "cuda" and workers > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in self._env:
+            self._env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(workers, sorted(os.sched_getaffinity(0)))
         self._launch()
 
     def _launch(self) -> None:
