@@ -112,7 +112,8 @@ def test_a_quantized_server_loads_the_judge_through_torchao_and_answers(tmp_path
                                                         f"{int8_config_file(tmp_path)}"]))
     rm = OmegaConf.to_container(cfg.reward.reward_model)
     log = tmp_path / "server.log"
-    server = ServerProcess(tiny_model_dir, rm, "cpu", 0, str(log), server_env(cfg))
+    # The engine's start-up line is INFO (a trainer run earlier in this process may have set ERROR).
+    server = ServerProcess(tiny_model_dir, rm, "cpu", 0, str(log), {**server_env(cfg), "VLLM_LOGGING_LEVEL": "INFO"})
     try:
         server.wait_ready(timeout_s=600)
         body = chat(server.port, tiny_model_dir, [{"role": "user", "content": "Is 2 + 2 = 4?"}])
