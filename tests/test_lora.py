@@ -209,7 +209,8 @@ def test_target_modules_that_match_nothing_name_the_key_and_the_layers(model_dir
     # Half-precision adapters beside a float32 model; a dtype of no name.
     (["algorithm.adv_estimator=gae", "critic.model.lora.rank=8", "critic.strategy=megatron",
       "critic.megatron.dtype=fp32", "critic.model.lora.dtype=bf16"],
-     r"critic.model.lora.dtype=bfloat16 is below the model's float32 \(megatron.dtype\)"),
+     r"critic.model.lora.dtype=bfloat16: the adapters are kept in the model's float32 \(megatron.dtype; set null\) "
+     r"or in float32"),
     (["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.actor.strategy=megatron",
       "actor_rollout_ref.model.lora.dtype=int4"], r"actor_rollout_ref.model.lora.dtype='int4' is not valid"),
 ])

@@ -73,9 +73,10 @@ def check_dtype(key: str, dtype: torch.dtype | None, model_dtype: torch.dtype) -
     """`lora.dtype` (at `key`) is null, the model's, or float32: half-precision adapters beside
     a float32 model would be stepped in half precision, with no float32 copy to keep small updates."""
     if dtype not in (None, model_dtype, torch.float32):
-        raise ValueError(f"{key}={str(dtype).removeprefix('torch.')} is below the model's "
-                         f"{str(model_dtype).removeprefix('torch.')} (megatron.dtype): the adapters would be trained "
-                         "in it without float32 copies. Leave it null (the model's dtype) or set float32.")
+        name = str(dtype).removeprefix("torch.")
+        raise ValueError(f"{key}={name}: the adapters are kept in the model's {str(model_dtype).removeprefix('torch.')} "
+                         f"(megatron.dtype; set null) or in float32; in {name} they would be trained without float32 "
+                         "copies.")
 
 
 @dataclass(frozen=True)
