@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 
 from hybrid_rl.config_keys import compose_config
 from tests.conftest import run_overrides
+from tests.test_rollout_quantization import write_int8_config
 
 # A verl-style generative-reward-model function: async, takes reward_router_address and
 # reward_model_tokenizer, posts a chat completion and scores the judge's reply. It logs what it
@@ -66,16 +67,6 @@ def test_server_command_carries_verls_keys():
     assert "--gpu-memory-utilization" not in text  # on CPU the KV cache is kv_cache_gib
 
 
-def int8_config_file(folder) -> str:
-    """torchao's int8 weight-only config, as verl's users write one."""
-    from torchao.core.config import config_to_dict
-    from torchao.quantization import Int8WeightOnlyConfig
-
-    path = folder / "torchao.json"
-    path.write_text(json.dumps(config_to_dict(Int8WeightOnlyConfig())))
-    return str(path)
-
-
 QUANTIZED = ["reward.reward_model.rollout.quantization=torchao"]
 
 
@@ -84,7 +75,7 @@ def test_a_quantized_server_gets_vllms_torchao_flags_and_bad_settings_stop_at_st
     from hybrid_rl.workers.reward_server import server_command
 
     served = ["reward.reward_model.enable=true", "reward.reward_model.model_path=/models/judge", *QUANTIZED]
-    config_file = int8_config_file(tmp_path)
+    config_file = str(write_int8_config(tmp_path))
     cfg = validate_config(compose_config(served + [f"reward.reward_model.rollout.quantization_config_file={config_file}"]))
     command = server_command(cfg.reward.reward_model, "/abs/models/judge", 8123, "cpu", 7)
     flags = {command[i]: command[i + 1] for i in range(len(command) - 1) if command[i].startswith("--")}
@@ -109,7 +100,7 @@ def test_a_quantized_server_loads_the_judge_through_torchao_and_answers(tmp_path
 
     cfg = validate_config(compose_config(served_overrides(tmp_path / "judge.py", tmp_path / "log.jsonl", tiny_model_dir)
                                          + QUANTIZED + [f"reward.reward_model.rollout.quantization_config_file="
-                                                        f"{int8_config_file(tmp_path)}"]))
+                                                        f"{write_int8_config(tmp_path)}"]))
     rm = OmegaConf.to_container(cfg.reward.reward_model)
     log = tmp_path / "server.log"
     # The engine's start-up line is INFO (a trainer run earlier in this process may have set ERROR).
@@ -131,6 +122,22 @@ def test_a_cpu_servers_workers_share_the_cores(workers, cpus, expected):
     assert cpu_thread_binding(workers, cpus) == expected
 
 
+def greedy_replies(model_dir: str, chats: list[list]) -> list[str]:
+    """transformers' greedy decoding of 4 tokens after each chat (messages), float32."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    replies = []
+    for messages in chats:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)["input_ids"]
+        out = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        replies.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    return replies
+
+
 def chat(port: int, model: str, messages: list) -> dict:
     """The server's answer to a greedy chat completion of 4 tokens."""
     import urllib.request
@@ -148,9 +155,6 @@ def test_a_server_of_two_cpu_workers_answers_as_transformers(tmp_path, tiny_mode
     second worker): each worker gets its share of the cores, and the judge's greedy reply is
     transformers' greedy decoding of the same chat. (Data parallel workers are bound the same
     way.)"""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from hybrid_rl.config import validate_config
     from hybrid_rl.workers.reward_server import ServerProcess, server_env
 
@@ -165,12 +169,7 @@ def test_a_server_of_two_cpu_workers_answers_as_transformers(tmp_path, tiny_mode
         reply = chat(server.port, tiny_model_dir, messages)["choices"][0]["message"]["content"]
     finally:
         server.stop()
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                        return_dict=True)["input_ids"]
-    out = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
-    assert reply == tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert [reply] == greedy_replies(tiny_model_dir, [messages])
 
 
 def test_full_determinism_asks_the_server_for_batch_invariant_kernels_and_is_refused_on_cpu():
@@ -224,8 +223,7 @@ def test_a_generative_judge_scores_every_sample_through_the_server(ray_session, 
     """One step of the tiny policy judged by the tiny model served in vLLM: every sample is scored
     through the server, all of a batch's requests are in flight together, and the judge's replies
     are what transformers' greedy decoding of the same chat gives."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from hybrid_rl.main import build_trainer
 
@@ -248,12 +246,8 @@ def test_a_generative_judge_scores_every_sample_through_the_server(ray_session, 
     assert step["reward/failed_samples"] == 0
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     assert all(call["vocab"] == len(tokenizer) for call in calls)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    for call in calls[:3]:
-        ids = tokenizer.apply_chat_template(call["messages"], add_generation_prompt=True, return_tensors="pt",
-                                            return_dict=True)["input_ids"]
-        out = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
-        assert tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True) == call["reply"]
+    assert greedy_replies(tiny_model_dir, [call["messages"] for call in calls[:3]]) == [
+        call["reply"] for call in calls[:3]]
     # The server is gone with the trainer.
     import urllib.error
     import urllib.request

@@ -18,15 +18,19 @@ from hybrid_rl.config_keys import compose_config
 ROLLOUT = "actor_rollout_ref.rollout"
 
 
-@pytest.fixture
-def int8_config(tmp_path):
+def write_int8_config(folder):
     """torchao's int8 weight-only config (one scale per output row), as verl's users write it."""
     from torchao.core.config import config_to_dict
     from torchao.quantization import Int8WeightOnlyConfig
 
-    path = tmp_path / "torchao.json"
+    path = folder / "torchao.json"
     path.write_text(json.dumps(config_to_dict(Int8WeightOnlyConfig())))
     return path
+
+
+@pytest.fixture
+def int8_config(tmp_path):
+    return write_int8_config(tmp_path)
 
 
 def test_the_config_file_becomes_an_absolute_path(int8_config, monkeypatch):
