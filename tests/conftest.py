@@ -8,6 +8,13 @@ import os
 import shutil
 from pathlib import Path
 
+# Test processes share the cores (one per core, each running jobs whose torch threads fill all of
+# them), and OpenMP threads that spin while they wait hold a core the other process needs: a
+# multi-turn driver test took 303 s beside a copy of itself, against 100-108 s with waiting threads
+# asleep (62 s alone; docs/benchmarks.md). Set before torch loads libgomp, here and in every
+# process the tests start (Ray workers, spawned ranks, the command line).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 from filelock import FileLock
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
