@@ -118,6 +118,35 @@ def test_every_key_our_own_groups_lack_is_ruled(tmp_path):
     assert unused == []
 
 
+@pytest.mark.parametrize("config_name", ["ppo_trainer", "ppo_megatron_trainer"])
+def test_composing_with_files_parsed_once_gives_hydras_config(config_name):
+    """compose_config reads each YAML file once per process; every compose, the first and a
+    repeated one, equals Hydra's own compose of the tree with the same overrides."""
+    from hydra import compose, initialize_config_dir
+
+    from hybrid_rl.config import resolve_config
+    from hybrid_rl.config_keys import additions_of_verl_keys_as_overrides
+
+    overrides = ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.optim.lr=3e-6", "+trainer.val_before_train=False",
+                 "trainer.logger=[console,jsonl]"]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        hydras = OmegaConf.to_yaml(resolve_config(compose(
+            config_name=config_name, overrides=additions_of_verl_keys_as_overrides(overrides))))
+    assert [OmegaConf.to_yaml(compose_config(overrides, config_name)) for _ in range(2)] == [hydras, hydras]
+
+
+def test_a_config_file_changed_since_it_was_parsed_is_read_again(tmp_path, monkeypatch):
+    import hybrid_rl.config_keys as config_keys
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF_DIR, conf)
+    monkeypatch.setattr(config_keys, "CONF_DIR", conf)
+    assert "saved_by_the_test" not in compose_config().data
+    data = conf / "data" / "default.yaml"
+    data.write_text(data.read_text() + "\nsaved_by_the_test: 1\n")
+    assert compose_config().data.saved_by_the_test == 1
+
+
 def with_values(cfg, values: dict):
     cfg = OmegaConf.create(OmegaConf.to_container(cfg))
     for key, value in values.items():
