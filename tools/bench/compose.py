@@ -36,11 +36,10 @@ def time_config(config_name: str, repeats: int) -> dict:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             return resolve_config(compose(config_name=config_name, overrides=OVERRIDES))
 
+    cfg = compose_config(OVERRIDES, config_name)
     cases = {"hydra_plain_compose": hydra_plain,
              "compose_config": lambda: compose_config(OVERRIDES, config_name),
-             "validate_config": None}
-    cfg = compose_config(OVERRIDES, config_name)
-    cases["validate_config"] = lambda: validate_config(cfg.copy())
+             "validate_config": lambda: validate_config(cfg.copy())}
     out = {}
     for name, fn in cases.items():
         fn()  # warm: imports, and the parsed files
